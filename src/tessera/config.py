@@ -1,0 +1,357 @@
+"""Typed configuration: six sections, loaded from TOML, overridden with ``--set section.key=value``.
+
+Every field has a default and a docstring (the string under it). Values are checked twice:
+each section checks its own fields when it is built, and :func:`validate` checks what needs the
+world size (tp * pp dividing it, batch divisibility, ...). Every failure is a :class:`ConfigError`
+that names the key and says how to fix it, so the CLI can print one line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot start with. ``key`` is the dotted name at fault."""
+
+    def __init__(self, key: str, problem: str, fix: str = ""):
+        self.key, self.problem, self.fix = key, problem, fix
+        super().__init__(f"config error: {key}: {problem}" + (f" -> {fix}" if fix else ""))
+
+
+def _check(ok: bool, key: str, problem: str, fix: str = "") -> None:
+    if not ok:
+        raise ConfigError(key, problem, fix)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    family: Literal["gpt2", "llama"] = "gpt2"
+    """gpt2: LayerNorm, GELU, learned positions, biases. llama: RMSNorm, SwiGLU, RoPE, GQA, no biases."""
+    vocab_size: int = 256
+    """Number of real token ids. The embedding is padded to a multiple of vocab_pad_multiple * tp;
+    padded rows are never predicted."""
+    vocab_pad_multiple: int = 64
+    """The padded vocabulary is a multiple of this times tp (GPU GEMMs like multiples of 64)."""
+    hidden: int = 128
+    """Width of the residual stream."""
+    layers: int = 4
+    """Number of transformer layers."""
+    heads: int = 4
+    """Attention (query) heads."""
+    kv_heads: int = 0
+    """Key/value heads for grouped-query attention; 0 means equal to heads (plain multi-head)."""
+    ffn_hidden: int = 0
+    """Width of the MLP; 0 means 4*hidden for gpt2 and 8/3*hidden rounded up to 64 for llama."""
+    seq_len: int = 128
+    """Tokens per sample."""
+    tie_embeddings: bool = True
+    """Share the input embedding matrix with the output projection."""
+    dropout: float = 0.0
+    """Dropout probability on attention weights and on each residual branch."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (llama only)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation; output projections of each residual
+    branch are scaled by 1/sqrt(2*layers) as in GPT-2."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "vocab_pad_multiple", "hidden", "layers", "heads", "seq_len"):
+            _check(getattr(self, name) > 0, f"model.{name}", "must be positive")
+        _check(self.kv_heads >= 0, "model.kv_heads", "must be >= 0", "use 0 for kv_heads = heads")
+        _check(self.ffn_hidden >= 0, "model.ffn_hidden", "must be >= 0", "use 0 for the default width")
+        _check(self.hidden % self.heads == 0, "model.hidden",
+               f"{self.hidden} is not divisible by model.heads={self.heads}",
+               "choose hidden as a multiple of heads")
+        _check(self.heads % self.num_kv_heads == 0, "model.kv_heads",
+               f"model.heads={self.heads} is not a multiple of kv_heads={self.num_kv_heads}",
+               "choose kv_heads dividing heads")
+        _check(0.0 <= self.dropout < 1.0, "model.dropout", f"{self.dropout} is not in [0, 1)")
+        _check(self.family == "llama" or self.num_kv_heads == self.heads, "model.kv_heads",
+               "grouped-query attention is a llama feature", "set model.family='llama' or kv_heads=0")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.family == "gpt2":
+            return 4 * self.hidden
+        return -(-(8 * self.hidden // 3) // 64) * 64
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size: each layer's matrices are split over this many ranks."""
+    pp: int = 1
+    """Pipeline-parallel size: the layers are cut into this many stages."""
+    vpp: int = 1
+    """Virtual pipeline stages (model chunks) per rank, for the interleaved schedule."""
+    dp: int = 0
+    """Data-parallel size; 0 derives it as world_size / (tp * pp)."""
+    sequence_parallel: bool = False
+    """Split activations along the sequence inside TP regions (norms, dropout) and replace
+    all-reduces by all-gather / reduce-scatter pairs."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "vpp"):
+            _check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1")
+        _check(self.dp >= 0, "parallel.dp", "must be >= 0", "use 0 to derive it from the world size")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    micro_batch: int = 4
+    """Samples per micro-batch on one data-parallel rank."""
+    global_batch: int = 16
+    """Samples per optimizer step over all data-parallel ranks (accumulated over micro-batches)."""
+    steps: int = 100
+    """Optimizer steps to run."""
+    seed: int = 1234
+    """Seed for weights, data order and dropout; the same seed gives the same model on any layout."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision. Parameters and optimizer state stay fp32; bf16/fp16 run matmuls in
+    autocast, fp16 with dynamic loss scaling."""
+    out_dir: str = "runs/default"
+    """Directory for metrics.jsonl and other run outputs."""
+    log_every: int = 10
+    """Print one console line every this many steps."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: cuda when available (NCCL), else cpu (gloo)."""
+    sample_tokens: int = 0
+    """After training, generate this many tokens from sample_prompt and print them (0: none)."""
+    sample_prompt: str = "The "
+    """Prompt for the sample printed after training."""
+    timeout_s: float = 300.0
+    """Collective timeout: a dead or stuck peer ends the job with an error after this long."""
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "global_batch", "steps", "log_every"):
+            _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        _check(self.sample_tokens >= 0, "train.sample_tokens", "must be >= 0")
+        _check(self.timeout_s > 0, "train.timeout_s", "must be positive")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 3e-4
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine decay."""
+    warmup: int = 10
+    """Linear warmup steps from 0 to lr."""
+    decay_steps: int = 0
+    """Steps of warmup + cosine decay; 0 means train.steps. The rate stays at min_lr after."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not to norms, biases)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", "must be positive")
+        _check(0 <= self.min_lr <= self.lr, "optim.min_lr", f"{self.min_lr} is not in [0, optim.lr]")
+        _check(self.warmup >= 0, "optim.warmup", "must be >= 0")
+        _check(self.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _check(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0", "use 0 to disable clipping")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    source: Literal["builtin", "synthetic", "indexed"] = "builtin"
+    """builtin: the demo corpus shipped with Python (pydoc topics), byte tokens. synthetic: seeded
+    random tokens. indexed: Megatron .bin/.idx files (the data-pipeline issue)."""
+
+    def __post_init__(self) -> None:
+        _check(self.source != "indexed", "data.source",
+               "indexed datasets are not implemented yet", "use 'builtin' or 'synthetic'")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    dir: str = ""
+    """Where checkpoints go; empty means no checkpoints."""
+    save_every: int = 0
+    """Save every this many steps (0: never)."""
+
+    def __post_init__(self) -> None:
+        _check(not self.dir and self.save_every == 0, "checkpoint.dir",
+               "distributed checkpointing is not implemented yet",
+               "leave the checkpoint section empty")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _all_keys(), n=1)
+    fix = f"did you mean '{close[0]}'?" if close else "see docs/configuration.md for the keys"
+    return ConfigError(key, "unknown key", fix)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check (and for strings from the command line, parse) ``value`` against the field's type."""
+    choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
+    base = str if choices else hint
+    if isinstance(value, str) and base is not str:
+        text = value.strip()
+        try:
+            if base is bool:
+                lowered = text.lower()
+                if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(text)
+                value = lowered in ("true", "1", "yes")
+            elif base is int:
+                value = int(text)
+            elif base is float:
+                value = float(text)
+        except ValueError:
+            raise ConfigError(key, f"'{value}' is not a {base.__name__}",
+                              f"give a {base.__name__} value") from None
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
+        raise ConfigError(key, f"{value!r} has type {type(value).__name__}, expected {base.__name__}",
+                          f"give a {base.__name__} value")
+    if choices and value not in choices:
+        raise ConfigError(key, f"'{value}' is not one of {', '.join(choices)}",
+                          f"choose one of {', '.join(choices)}")
+    return value
+
+
+def build_config(values: dict[str, dict[str, Any]]) -> Config:
+    """Build a checked :class:`Config` from ``{section: {key: value}}`` (strings are parsed)."""
+    sections = {}
+    for name, table in values.items():
+        if name not in SECTIONS:
+            raise _unknown(name)
+        if not isinstance(table, dict):
+            raise ConfigError(name, "is not a table", f"write it as [{name}] with keys under it")
+    for name, cls in SECTIONS.items():
+        table = values.get(name, {})
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, value in table.items():
+            dotted = f"{name}.{key}"
+            if key not in hints:
+                raise _unknown(dotted)
+            kwargs[key] = _coerce(dotted, value, hints[key])
+        sections[name] = cls(**kwargs)
+    return Config(**sections)
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
+    """``["model.hidden=256", ...]`` -> ``{"model": {"hidden": "256"}}`` (values parsed later)."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError(item, "an override must look like section.key=value",
+                              "for example --set parallel.tp=2")
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read a TOML file (optional), apply ``section.key=value`` overrides, and check the result."""
+    values: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                values = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError("--config", f"file '{path}' does not exist", "give the path of a TOML file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("--config", f"'{path}' is not valid TOML ({e})", "fix the file's syntax") from None
+    for section, table in parse_overrides(list(overrides)).items():
+        values.setdefault(section, {})
+        if not isinstance(values[section], dict):
+            raise ConfigError(section, "is not a table", f"write it as [{section}] with keys under it")
+        values[section].update(table)
+    return build_config(values)
+
+
+def validate(cfg: Config, world_size: int) -> Config:
+    """Checks that need the world size. Returns ``cfg`` with ``parallel.dp`` resolved."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    mp = p.tp * p.pp
+    _check(world_size % mp == 0, "parallel.tp",
+           f"tp*pp = {p.tp}*{p.pp} = {mp} does not divide the world size {world_size}",
+           f"choose tp and pp whose product divides {world_size}, or launch a multiple of {mp} processes")
+    dp = p.dp or world_size // mp
+    _check(dp * mp == world_size, "parallel.dp",
+           f"tp*pp*dp = {mp}*{p.dp} = {mp * p.dp} is not the world size {world_size}",
+           "set parallel.dp=0 to derive it")
+    _check(m.heads % p.tp == 0, "model.heads", f"{m.heads} heads are not divisible by tp={p.tp}",
+           "choose heads as a multiple of parallel.tp")
+    _check(m.num_kv_heads % p.tp == 0, "model.kv_heads",
+           f"{m.num_kv_heads} kv heads are not divisible by tp={p.tp}",
+           "choose kv_heads as a multiple of parallel.tp")
+    _check(m.ffn_size % p.tp == 0, "model.ffn_hidden", f"{m.ffn_size} is not divisible by tp={p.tp}",
+           "choose ffn_hidden as a multiple of parallel.tp")
+    _check(t.global_batch % (t.micro_batch * dp) == 0, "train.global_batch",
+           f"{t.global_batch} is not divisible by micro_batch*dp = {t.micro_batch}*{dp}",
+           f"choose a multiple of {t.micro_batch * dp}")
+    _check(not p.sequence_parallel or m.seq_len % p.tp == 0, "model.seq_len",
+           f"{m.seq_len} is not divisible by tp={p.tp}, which sequence parallelism needs",
+           f"choose seq_len as a multiple of {p.tp} or turn parallel.sequence_parallel off")
+    _check(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel",
+           "sequence parallelism needs tp > 1", "set parallel.tp >= 2 or turn it off")
+    _check(p.pp <= m.layers, "parallel.pp", f"pp={p.pp} exceeds model.layers={m.layers}",
+           "use at most one stage per layer")
+    p.dp = dp
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}

@@ -1,0 +1,133 @@
+"""The decoder: GPT-2 and Llama from one class, whole or as one pipeline stage.
+
+A stage holds layers ``layer_range`` (global indices, so parameter names and their seeded
+initialisation are the same whatever the pipeline layout), the embedding only when it is the
+first stage (``pre_process``) and the final norm, output layer and loss only when it is the
+last (``post_process``). With tied embeddings on a single stage the output layer reuses the
+embedding matrix; a last stage without the embedding holds its own copy, initialised from the
+same seed (the pipeline keeps the two equal by reducing their gradients together).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.config import ModelConfig
+from tessera.models.transformer import TPContext, TransformerLayer, build_norm
+from tessera.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from tessera.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    init_vocab_rows,
+    padded_vocab_size,
+)
+from tessera.tensor_parallel.mappings import gather_from_tp_region, scatter_to_sequence_region
+from tessera.tensor_parallel.random import stable_seed
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext | None = None, *, layer_range: range | None = None,
+                 pre_process: bool = True, post_process: bool = True,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.cfg, self.tp = cfg, tp or TPContext()
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_range = range(cfg.layers) if layer_range is None else layer_range
+        if self.tp.sequence_parallel and cfg.seq_len % self.tp.size:
+            raise ValueError(f"seq_len {cfg.seq_len} is not divisible by tp={self.tp.size} (sequence parallel)")
+        tp_group, std = self.tp.group, cfg.init_std
+        if pre_process:
+            self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, tp_group=tp_group,
+                                                    pad_multiple=cfg.vocab_pad_multiple, init_std=std,
+                                                    device=device)
+            if cfg.family == "gpt2":
+                self.pos_embedding = nn.Embedding(cfg.seq_len, cfg.hidden, device=device)
+        # Keys are global layer indices: "layers.7" is the same layer on any pipeline layout.
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, self.tp, device) for i in self.layer_range})
+        if post_process:
+            self.final_norm = build_norm(cfg, self.tp, device)
+            # Tied on a single stage: the output layer is the embedding matrix (see logits()).
+            self.output = None
+            if not (cfg.tie_embeddings and pre_process):
+                self.output = ColumnParallelLinear(
+                    cfg.hidden, padded_vocab_size(cfg.vocab_size, self.tp.size, cfg.vocab_pad_multiple),
+                    tp_group=tp_group, bias=False, sequence_parallel=self.tp.sequence_parallel,
+                    init_std=std, device=device)
+                if cfg.tie_embeddings:  # this stage's copy of the first stage's embedding
+                    self.output.weight.tied_across_stages = True
+                    self.output.weight.shared_embedding = True  # norms count it on the first stage
+        if pre_process and cfg.tie_embeddings and not post_process:
+            self.embedding.weight.tied_across_stages = True
+
+    # -- initialisation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter from ``seed`` and its layout-independent name."""
+        def gen(name: str) -> torch.Generator:
+            device = next(self.parameters()).device
+            return torch.Generator(device).manual_seed(stable_seed(seed, name))
+
+        std = self.cfg.init_std
+        if self.pre_process:
+            self.embedding.reset_parameters(gen("embedding"))
+            if hasattr(self, "pos_embedding"):
+                self.pos_embedding.weight.normal_(0.0, std, generator=gen("pos_embedding"))
+        for name, module in self.layers.named_modules(prefix="layers"):
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.reset_parameters(gen(name))
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+        if self.post_process:
+            self.final_norm.reset_parameters()
+            if self.output is not None:
+                # A pipeline's last stage with tied embeddings holds a copy of the embedding.
+                name = "embedding" if self.cfg.tie_embeddings else "output"
+                init_vocab_rows(self.output.weight, self.cfg.vocab_size, std, self.tp.group, gen(name))
+
+    # -- forward --------------------------------------------------------------------------------
+    def embed(self, tokens: Tensor) -> Tensor:
+        """tokens [b, s] -> residual stream [s, b, h] (or [s/tp, b, h] under sequence parallel)."""
+        x = self.embedding(tokens.t())  # [s, b, h]
+        if hasattr(self, "pos_embedding"):
+            x = x + self.pos_embedding.weight[: tokens.shape[1]].unsqueeze(1)
+        if self.tp.sequence_parallel:
+            x = scatter_to_sequence_region(x, self.tp.group)
+        if self.training and self.cfg.dropout:
+            with self.tp.residual_region():
+                x = F.dropout(x, self.cfg.dropout, training=True)
+        return x
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Residual stream -> this rank's logit slice [s, b, padded_vocab / tp]."""
+        x = self.final_norm(x)
+        if self.output is not None:
+            return self.output(x)
+        return column_parallel_linear(x, self.embedding.weight, None, self.tp.group, self.tp.sequence_parallel)
+
+    def forward(self, tokens: Tensor | None = None, labels: Tensor | None = None,
+                hidden: Tensor | None = None) -> Tensor:
+        """First stage: ``tokens`` [b, s]; later stages: ``hidden`` from the previous stage.
+
+        Last stage with ``labels`` [b, s]: per-token loss [b, s] (fp32). Last stage without
+        labels: local logits [s, b, padded_vocab / tp]. Other stages: the hidden stream.
+        """
+        x = self.embed(tokens) if self.pre_process else hidden
+        for layer in self.layers.values():
+            x = layer(x)
+        if not self.post_process:
+            return x
+        logits = self.logits(x)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, self.cfg.vocab_size).t()
+
+    @torch.no_grad()
+    def full_logits(self, tokens: Tensor) -> Tensor:
+        """[b, s] -> [b, s, vocab_size] gathered over TP (for generation and tests)."""
+        logits = gather_from_tp_region(self.forward(tokens), self.tp.group)
+        return logits[..., : self.cfg.vocab_size].transpose(0, 1)
+

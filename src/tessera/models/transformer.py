@@ -1,0 +1,162 @@
+"""One transformer layer built from tensor-parallel pieces: attention, MLP, norms, RoPE.
+
+Activations are ``[s, b, h]`` (sequence first). Under sequence parallelism the residual stream
+is ``[s/tp, b, h]``: norms and dropout run on this rank's slice, the column-parallel QKV / fc1
+all-gather it and the row-parallel out-projection / fc2 reduce-scatter back to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tessera.config import ModelConfig
+from tessera.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    mark_sequence_parallel,
+    scaled_init_std,
+)
+from tessera.tensor_parallel.mappings import Group, group_size
+from tessera.tensor_parallel.random import RNGTracker
+
+
+@dataclass
+class TPContext:
+    """What a layer needs to know about tensor parallelism, handed down explicitly."""
+
+    group: Group = None
+    sequence_parallel: bool = False
+    rng: RNGTracker | None = None
+
+    @property
+    def size(self) -> int:
+        return group_size(self.group)
+
+    def split_region(self):
+        """RNG context for randomness on TP-split activations (a per-TP-rank stream)."""
+        if self.rng is None or self.size == 1:
+            return contextlib.nullcontext()
+        return self.rng.fork("tp")
+
+    def residual_region(self):
+        """RNG context for the residual stream: split under sequence parallelism, else shared."""
+        return self.split_region() if self.sequence_parallel else contextlib.nullcontext()
+
+
+def build_norm(cfg: ModelConfig, tp: TPContext, device=None) -> nn.Module:
+    if cfg.family == "gpt2":
+        norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, device=device)
+    else:
+        norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps, device=device)
+    if tp.sequence_parallel:
+        for p in norm.parameters():
+            mark_sequence_parallel(p)
+    return norm
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables (cos, sin) of shape [seq, head_dim], rotate-half convention (as Llama / HF)."""
+
+    def __init__(self, head_dim: int, max_seq: int, theta: float, device=None):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+        angles = torch.outer(torch.arange(max_seq, dtype=torch.float32, device=device), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [b, heads, s, head_dim]."""
+        s = x.shape[-2]
+        cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention; heads are split over TP (each rank owns heads/tp and kv_heads/tp)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext, device=None):
+        super().__init__()
+        self.tp, self.dropout = tp, cfg.dropout
+        self.head_dim = cfg.head_dim
+        self.heads, self.kv_heads = cfg.heads // tp.size, cfg.num_kv_heads // tp.size
+        bias = cfg.family == "gpt2"
+        q, kv = cfg.heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv = ColumnParallelLinear(cfg.hidden, [q, kv, kv], tp_group=tp.group, bias=bias,
+                                        sequence_parallel=tp.sequence_parallel, init_std=cfg.init_std,
+                                        device=device)
+        self.proj = RowParallelLinear(q, cfg.hidden, tp_group=tp.group, bias=bias,
+                                      sequence_parallel=tp.sequence_parallel,
+                                      init_std=scaled_init_std(cfg.init_std, cfg.layers), device=device)
+        self.rope = (RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device)
+                     if cfg.family == "llama" else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        qkv = self.qkv(x)  # [s, b, (heads + 2 kv_heads) * head_dim / tp]
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                             self.kv_heads * self.head_dim], dim=-1)
+        # [s, b, heads * head_dim] -> [b, heads, s, head_dim]
+        q, k, v = (t.view(s, b, -1, self.head_dim).permute(1, 2, 0, 3) for t in (q, k, v))
+        if self.rope is not None:
+            q, k = self.rope(q), self.rope(k)
+        dropout = self.dropout if self.training else 0.0
+        with self.tp.split_region() if dropout else contextlib.nullcontext():
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                               enable_gqa=self.heads != self.kv_heads)
+        o = o.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, h/tp]
+        return self.proj(o)
+
+
+class MLP(nn.Module):
+    """gpt2: fc2(gelu(fc1 x)); llama: down(silu(gate x) * up x). fc1 / gate_up column-parallel,
+    fc2 / down row-parallel: one reduction per MLP."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext, device=None):
+        super().__init__()
+        self.family = cfg.family
+        ffn, out_std = cfg.ffn_size, scaled_init_std(cfg.init_std, cfg.layers)
+        common = dict(tp_group=tp.group, sequence_parallel=tp.sequence_parallel, device=device)
+        if cfg.family == "gpt2":
+            self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, bias=True, init_std=cfg.init_std, **common)
+            self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=True, init_std=out_std, **common)
+        else:
+            self.fc1 = ColumnParallelLinear(cfg.hidden, [ffn, ffn], bias=False, init_std=cfg.init_std, **common)
+            self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=False, init_std=out_std, **common)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.fc1(x)
+        if self.family == "gpt2":
+            y = F.gelu(y, approximate="tanh")
+        else:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        return self.fc2(y)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext, device=None):
+        super().__init__()
+        self.tp, self.dropout = tp, cfg.dropout
+        self.attn_norm = build_norm(cfg, tp, device)
+        self.attn = Attention(cfg, tp, device)
+        self.mlp_norm = build_norm(cfg, tp, device)
+        self.mlp = MLP(cfg, tp, device)
+
+    def _drop(self, x: Tensor) -> Tensor:
+        if not (self.training and self.dropout):
+            return x
+        with self.tp.residual_region():
+            return F.dropout(x, self.dropout, training=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self._drop(self.attn(self.attn_norm(x)))
+        return x + self._drop(self.mlp(self.mlp_norm(x)))

@@ -1,0 +1,207 @@
+"""Autograd-aware collectives over a tensor-parallel group: the f and g of the Megatron paper.
+
+Each is a small ``torch.autograd.Function`` whose backward is the dual collective:
+
+=============================  =====================  =====================
+function                       forward                backward
+=============================  =====================  =====================
+copy_to_tp_region      (f)     identity               all-reduce
+reduce_from_tp_region  (g)     all-reduce             identity
+scatter_to_tp_region           split last dim         all-gather last dim
+gather_from_tp_region          all-gather last dim    split last dim
+scatter_to_sequence_region     split dim 0            all-gather dim 0
+gather_from_sequence_region    all-gather dim 0       reduce-scatter dim 0
+reduce_scatter_to_sequence     reduce-scatter dim 0   all-gather dim 0
+=============================  =====================  =====================
+
+Activations are laid out ``[seq, batch, hidden]``, so the sequence dimension is dim 0 and its
+gathers and scatters are contiguous. Every function takes its group; a ``None`` group (or one
+of size 1) makes it the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Group = dist.ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# -- plain (non-autograd) collectives -----------------------------------------------------------
+def _all_reduce(x: Tensor, group: Group) -> Tensor:
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_last(x: Tensor, group: Group) -> Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    return x.chunk(n, dim=-1)[group_rank(group)].contiguous()
+
+
+def _gather_last(x: Tensor, group: Group) -> Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    # all_gather_into_tensor concatenates along dim 0; gather there and move the chunks.
+    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return torch.cat(out.unbind(0), dim=-1)
+
+
+def _split_first(x: Tensor, group: Group) -> Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.shape[0] % n:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the TP size {n}")
+    return x.chunk(n, dim=0)[group_rank(group)].contiguous()
+
+
+def _gather_first(x: Tensor, group: Group) -> Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_first(x: Tensor, group: Group) -> Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.shape[0] % n:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the TP size {n}")
+    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+# -- autograd functions -------------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone() if group_size(group) > 1 else x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, reduce_grad):
+        ctx.group, ctx.reduce_grad = group, reduce_grad
+        return _gather_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_grad:
+            return _reduce_scatter_first(grad, ctx.group), None, None
+        return _split_first(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.group), None
+
+
+def copy_to_tp_region(x: Tensor, group: Group) -> Tensor:
+    """f: enter a TP region with a replicated input; gradients from all ranks are summed."""
+    return _CopyToTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def reduce_from_tp_region(x: Tensor, group: Group) -> Tensor:
+    """g: leave a TP region by summing the partial results of every rank."""
+    return _ReduceFromTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def scatter_to_tp_region(x: Tensor, group: Group) -> Tensor:
+    """Keep this rank's slice of the last dimension."""
+    return _ScatterToTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def gather_from_tp_region(x: Tensor, group: Group) -> Tensor:
+    """Concatenate every rank's slice of the last dimension."""
+    return _GatherFromTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def scatter_to_sequence_region(x: Tensor, group: Group) -> Tensor:
+    """Keep this rank's slice of the sequence (dim 0); backward all-gathers."""
+    return _ScatterToSequence.apply(x, group) if group_size(group) > 1 else x
+
+
+def gather_from_sequence_region(x: Tensor, group: Group, reduce_grad: bool = True) -> Tensor:
+    """All-gather the sequence (dim 0). ``reduce_grad``: the consumer is TP-split (a column-parallel
+    linear), so each rank holds a partial gradient and backward reduce-scatters; otherwise the
+    gradient is already complete and backward just keeps this rank's slice."""
+    return _GatherFromSequence.apply(x, group, reduce_grad) if group_size(group) > 1 else x
+
+
+def reduce_scatter_to_sequence_region(x: Tensor, group: Group) -> Tensor:
+    """Sum partial results and keep this rank's slice of the sequence (dim 0)."""
+    return _ReduceScatterToSequence.apply(x, group) if group_size(group) > 1 else x

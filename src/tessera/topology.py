@@ -1,0 +1,158 @@
+"""Who is who: the rank grid and its process groups (Megatron's parallel_state, as an object).
+
+Ranks are laid out with tp fastest, then cp, then dp, then pp, so a TP group is a run of
+consecutive ranks (one node) and the pipeline is the slowest axis::
+
+    global_rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+A :class:`Topology` is built once, checked once, and handed to everything that communicates.
+Nothing is stored in module globals, so two topologies can live in one process (tests do this).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+AXES = ("pp", "dp", "cp", "tp")  # slowest to fastest
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+
+
+def rank_of(coords: Coordinates, tp: int, cp: int, dp: int) -> int:
+    return coords.tp + tp * (coords.cp + cp * (coords.dp + dp * coords.pp))
+
+
+def coordinates_of(rank: int, tp: int, cp: int, dp: int) -> Coordinates:
+    return Coordinates(tp=rank % tp, cp=rank // tp % cp, dp=rank // (tp * cp) % dp, pp=rank // (tp * cp * dp))
+
+
+@dataclass(eq=False)
+class Topology:
+    """Sizes, this rank's coordinates and the process groups of one parallel layout.
+
+    ``groups[axis]`` is this rank's group along ``axis`` (``tp``, ``cp``, ``dp``, ``pp``), plus
+    ``mp`` (tp x pp: the ranks holding one copy of the model) and ``embedding`` (the first and
+    last pipeline stage, which both hold a tied embedding). A group is ``None`` when it would
+    contain only this rank, and collectives over ``None`` are no-ops.
+    """
+
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    rank: int
+    device: torch.device
+    mesh: DeviceMesh | None = None
+    groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, tp: int = 1, pp: int = 1, dp: int = 0, cp: int = 1,
+              device: torch.device | str = "cpu") -> "Topology":
+        """Make the groups for this layout over the default process group (every rank calls it).
+
+        Without an initialised process group this gives the single-rank topology.
+        """
+        device = torch.device(device)
+        if not dist.is_initialized():
+            if tp * pp * cp * max(dp, 1) != 1:
+                raise RuntimeError("a multi-rank topology needs torch.distributed to be initialised")
+            return cls(tp=1, cp=1, dp=1, pp=1, rank=0, device=device)
+        world = dist.get_world_size()
+        dp = dp or world // (tp * pp * cp)
+        if tp * cp * dp * pp != world:
+            raise ValueError(f"tp*cp*dp*pp = {tp}*{cp}*{dp}*{pp} != world size {world}")
+        mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=AXES)
+        topo = cls(tp=tp, cp=cp, dp=dp, pp=pp, rank=dist.get_rank(), device=device, mesh=mesh)
+        for axis in AXES:
+            topo.groups[axis] = mesh.get_group(axis) if getattr(topo, axis) > 1 else None
+        # tp x pp (one model replica) and the embedding group are not mesh axes: enumerate them.
+        # new_group must be called by every rank for every group, in the same order.
+        for name, members in (("mp", topo._mp_ranks), ("embedding", topo._embedding_ranks)):
+            topo.groups[name] = None
+            for ranks in members():
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if topo.rank in ranks:
+                    topo.groups[name] = group
+        return topo
+
+    # -- coordinates ------------------------------------------------------------------------
+    @cached_property
+    def coords(self) -> Coordinates:
+        return coordinates_of(self.rank, self.tp, self.cp, self.dp)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        return self.groups.get(name)
+
+    def ranks_of(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group along ``axis`` (a mesh axis, ``mp`` or ``embedding``)."""
+        if axis == "mp":
+            return next(r for r in self._mp_ranks() if self.rank in r)
+        if axis == "embedding":
+            return next((r for r in self._embedding_ranks() if self.rank in r), [self.rank])
+        size = getattr(self, axis)
+        here = self.coords
+        return [rank_of(Coordinates(**{**here.__dict__, axis: i}), self.tp, self.cp, self.dp)
+                for i in range(size)]
+
+    @property
+    def tp_src_rank(self) -> int:
+        """Global rank of TP rank 0 in this rank's TP group (the one that reads data)."""
+        return self.ranks_of("tp")[0]
+
+    # -- group enumeration (all groups, in a fixed order, for new_group) ----------------------
+    def _mp_ranks(self) -> list[list[int]]:
+        out = []
+        for dp_rank in range(self.dp):
+            for cp_rank in range(self.cp):
+                out.append([rank_of(Coordinates(tp=t, cp=cp_rank, dp=dp_rank, pp=p), self.tp, self.cp, self.dp)
+                            for p in range(self.pp) for t in range(self.tp)])
+        return out
+
+    def _embedding_ranks(self) -> list[list[int]]:
+        stages = sorted({0, self.pp - 1})
+        return [[rank_of(Coordinates(tp=t, cp=c, dp=d, pp=p), self.tp, self.cp, self.dp) for p in stages]
+                for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
+
+    def __repr__(self) -> str:
+        c = self.coords
+        return (f"Topology(tp={self.tp}, cp={self.cp}, dp={self.dp}, pp={self.pp}; rank {self.rank} at "
+                f"tp={c.tp} cp={c.cp} dp={c.dp} pp={c.pp})")

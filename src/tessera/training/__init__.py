@@ -1,0 +1,1 @@
+"""Training: launch, the step, the loop, metrics."""

@@ -1,0 +1,44 @@
+"""Joining the job: read torchrun's environment, pick the device and backend, init c10d.
+
+Without torchrun's variables this is a single process and no process group is created.
+gloo on CPU, NCCL on CUDA; the collective timeout comes from ``train.timeout_s`` so a dead peer
+ends the job with an error instead of a silent hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) as torchrun sets them; (0, 0, 1) when not launched."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device='cuda' but no CUDA device is available")
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, timeout_s: float) -> None:
+    _, _, world = world_from_env()
+    if world == 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
