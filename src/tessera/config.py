@@ -25,12 +25,12 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 class ConfigError(ValueError):
     """A configuration the run cannot start with. ``key`` is the dotted name at fault."""
 
-    def __init__(self, key: str, problem: str, fix: str = ""):
+    def __init__(self, key: str, problem: str, fix: str):
         self.key, self.problem, self.fix = key, problem, fix
-        super().__init__(f"config error: {key}: {problem}" + (f" -> {fix}" if fix else ""))
+        super().__init__(f"config error: {key}: {problem} -> {fix}")
 
 
-def _check(ok: bool, key: str, problem: str, fix: str = "") -> None:
+def _check(ok: bool, key: str, problem: str, fix: str) -> None:
     if not ok:
         raise ConfigError(key, problem, fix)
 
@@ -70,7 +70,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "vocab_pad_multiple", "hidden", "layers", "heads", "seq_len"):
-            _check(getattr(self, name) > 0, f"model.{name}", "must be positive")
+            _check(getattr(self, name) > 0, f"model.{name}", "must be positive", "give a value >= 1")
         _check(self.kv_heads >= 0, "model.kv_heads", "must be >= 0", "use 0 for kv_heads = heads")
         _check(self.ffn_hidden >= 0, "model.ffn_hidden", "must be >= 0", "use 0 for the default width")
         _check(self.hidden % self.heads == 0, "model.hidden",
@@ -79,7 +79,8 @@ class ModelConfig:
         _check(self.heads % self.num_kv_heads == 0, "model.kv_heads",
                f"model.heads={self.heads} is not a multiple of kv_heads={self.num_kv_heads}",
                "choose kv_heads dividing heads")
-        _check(0.0 <= self.dropout < 1.0, "model.dropout", f"{self.dropout} is not in [0, 1)")
+        _check(0.0 <= self.dropout < 1.0, "model.dropout", f"{self.dropout} is not in [0, 1)",
+               "give a probability such as 0.1 (0 disables dropout)")
         _check(self.family == "llama" or self.num_kv_heads == self.heads, "model.kv_heads",
                "grouped-query attention is a llama feature", "set model.family='llama' or kv_heads=0")
 
@@ -116,7 +117,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp"):
-            _check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1")
+            _check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1", "use 1 for no parallelism on this axis")
         _check(self.dp >= 0, "parallel.dp", "must be >= 0", "use 0 to derive it from the world size")
 
 
@@ -148,9 +149,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "global_batch", "steps", "log_every"):
-            _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
-        _check(self.sample_tokens >= 0, "train.sample_tokens", "must be >= 0")
-        _check(self.timeout_s > 0, "train.timeout_s", "must be positive")
+            _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1", "give a value >= 1")
+        _check(self.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", "use 0 for no sample")
+        _check(self.timeout_s > 0, "train.timeout_s", "must be positive", "give seconds, e.g. 300")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -175,13 +176,15 @@ class OptimConfig:
     """AdamW epsilon."""
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "optim.lr", "must be positive")
-        _check(0 <= self.min_lr <= self.lr, "optim.min_lr", f"{self.min_lr} is not in [0, optim.lr]")
-        _check(self.warmup >= 0, "optim.warmup", "must be >= 0")
-        _check(self.decay_steps >= 0, "optim.decay_steps", "must be >= 0")
-        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _check(self.lr > 0, "optim.lr", "must be positive", "give a rate such as 3e-4")
+        _check(0 <= self.min_lr <= self.lr, "optim.min_lr", f"{self.min_lr} is not in [0, optim.lr]",
+               f"choose min_lr <= lr = {self.lr}")
+        _check(self.warmup >= 0, "optim.warmup", "must be >= 0", "use 0 for no warmup")
+        _check(self.decay_steps >= 0, "optim.decay_steps", "must be >= 0", "use 0 to decay over train.steps")
+        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0", "use 0 for no weight decay")
         _check(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0", "use 0 to disable clipping")
-        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
+        _check(0 <= self.beta1 < 1, "optim.beta1", "must be in [0, 1)", "the usual value is 0.9")
+        _check(0 <= self.beta2 < 1, "optim.beta2", "must be in [0, 1)", "the usual value is 0.95")
 
 
 @dataclass(kw_only=True, slots=True)

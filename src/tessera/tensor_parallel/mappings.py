@@ -27,6 +27,10 @@ from torch import Tensor
 
 Group = dist.ProcessGroup | None
 
+# torch 2.13 renamed the tensor collectives (the old names warn); older releases only have those.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -56,9 +60,8 @@ def _gather_last(x: Tensor, group: Group) -> Tensor:
     n = group_size(group)
     if n == 1:
         return x
-    # all_gather_into_tensor concatenates along dim 0; gather there and move the chunks.
-    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    # The gather concatenates along dim 0; gather there and move the chunks to the last dim.
+    out = _gather_first(x, group).view(n, *x.shape)
     return torch.cat(out.unbind(0), dim=-1)
 
 
@@ -76,7 +79,7 @@ def _gather_first(x: Tensor, group: Group) -> Tensor:
     if n == 1:
         return x
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -87,7 +90,7 @@ def _reduce_scatter_first(x: Tensor, group: Group) -> Tensor:
     if x.shape[0] % n:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by the TP size {n}")
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 

@@ -1,0 +1,120 @@
+"""Configuration: TOML + --set overrides, types checked, and every bad configuration refused
+with one clear message that names the key (before any process group or model exists)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tessera.cli import main
+from tessera.config import Config, ConfigError, load_config, validate
+
+
+def test_defaults_and_contract_names():
+    cfg = Config()
+    for key in ["parallel.tp", "parallel.pp", "parallel.vpp", "parallel.dp", "parallel.sequence_parallel",
+                "train.micro_batch", "train.global_batch", "train.steps", "train.seed", "train.dtype",
+                "train.out_dir", "train.log_every", "model.family", "model.vocab_size", "model.hidden",
+                "model.layers", "model.heads", "model.kv_heads", "model.ffn_hidden", "model.seq_len",
+                "model.tie_embeddings", "model.dropout", "optim.lr", "optim.min_lr", "optim.warmup",
+                "optim.weight_decay", "optim.clip_grad", "data.source"]:
+        section, name = key.split(".")
+        assert hasattr(getattr(cfg, section), name), key
+    assert hasattr(cfg, "checkpoint")
+
+
+def test_toml_and_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\nfamily = "llama"\nhidden = 64\nheads = 4\nkv_heads = 2\n'
+                    '[train]\ndtype = "bf16"\nsteps = 7\n[optim]\nlr = 1\n')
+    cfg = load_config(path, ["model.layers=3", "parallel.sequence_parallel=true", "optim.min_lr=0.5",
+                             "train.out_dir=x/y"])
+    assert cfg.model.family == "llama" and cfg.model.hidden == 64 and cfg.model.kv_heads == 2
+    assert cfg.model.layers == 3 and cfg.parallel.sequence_parallel is True
+    assert cfg.train.dtype == "bf16" and cfg.train.steps == 7 and cfg.train.out_dir == "x/y"
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float) and cfg.optim.min_lr == 0.5
+
+
+def test_dp_derived_from_world():
+    cfg = validate(load_config(None, ["parallel.tp=2"]), world_size=8)
+    assert cfg.parallel.dp == 4
+
+
+BAD = [
+    # (overrides, world size, key named in the error, words in the message)
+    (["model.hiden=3"], 1, "model.hiden", "did you mean 'model.hidden'"),
+    (["modle.hidden=3"], 1, "modle", "unknown"),
+    (["model.hidden=big"], 1, "model.hidden", "not a int"),
+    (["parallel.sequence_parallel=maybe"], 1, "parallel.sequence_parallel", "not a bool"),
+    (["train.dtype=fp8"], 1, "train.dtype", "fp32, bf16, fp16"),
+    (["model.family=bert"], 1, "model.family", "gpt2, llama"),
+    (["parallel.tp=3"], 4, "parallel.tp", "does not divide the world size 4"),
+    (["parallel.tp=2", "parallel.pp=3"], 4, "parallel.tp", "does not divide"),
+    (["parallel.tp=2", "model.heads=3", "model.hidden=96"], 2, "model.heads", "not divisible by tp=2"),
+    (["parallel.tp=4", "model.family=llama", "model.heads=8", "model.hidden=128", "model.kv_heads=2"], 4,
+     "model.kv_heads", "not divisible by tp=4"),
+    (["train.global_batch=10", "train.micro_batch=4"], 1, "train.global_batch", "micro_batch*dp"),
+    (["train.global_batch=8", "train.micro_batch=4"], 4, "train.global_batch", "micro_batch*dp = 4*4"),
+    (["parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_len=18"], 4, "model.seq_len",
+     "not divisible by tp=4"),
+    (["parallel.dp=3"], 4, "parallel.dp", "not the world size"),
+    (["model.dropout=1.5"], 1, "model.dropout", "not in [0, 1)"),
+    (["optim.min_lr=1", "optim.lr=0.1"], 1, "optim.min_lr", "not in [0, optim.lr]"),
+    (["model.hidden=100", "model.heads=3"], 1, "model.hidden", "not divisible by model.heads"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,key,words", BAD, ids=[b[2] + ":" + b[3][:20] for b in BAD])
+def test_bad_config_is_refused_with_key_and_fix(overrides, world, key, words):
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(None, overrides), world)
+    assert info.value.key == key
+    assert words in str(info.value)
+    assert info.value.fix, "every error says how to fix it"
+
+
+def test_bad_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nhidden=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(None, ["hidden=3"])
+
+
+def test_cli_prints_one_line_not_a_traceback(monkeypatch, capsys):
+    # The check runs before any process group: a 4-rank launch fails the same way on every rank.
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", "--set", "parallel.tp=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("tessera: config error: parallel.tp: tp*pp = 3*1 = 3 does not divide the world "
+                           "size 4 -> choose tp and pp whose product divides 4, or launch a multiple of 3 processes")
+    monkeypatch.setenv("RANK", "1")  # other ranks stay quiet but stop too
+    assert main(["train", "--set", "parallel.tp=3"]) == 2
+    assert capsys.readouterr().err == ""
+
+
+BAD_HEADS = ["--set", "model.heads=3", "--set", "model.hidden=96", "--set", "parallel.tp=2"]
+HEADS_MESSAGE = ("tessera: config error: model.heads: 3 heads are not divisible by tp=2 -> "
+                 "choose heads as a multiple of parallel.tp")
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_bad_config_stops_every_rank():
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "-m", "tessera", "train", *BAD_HEADS], capture_output=True, text=True, timeout=110)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("tessera:")]
+    assert ours == [HEADS_MESSAGE]  # once, from rank 0; no rank printed a traceback
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_launcher_refuses_before_starting_processes():
+    proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2", *BAD_HEADS],
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == HEADS_MESSAGE

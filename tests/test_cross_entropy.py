@@ -1,0 +1,115 @@
+"""vocab_parallel_cross_entropy against F.cross_entropy(reduction='none') on the full logits.
+
+Each rank passes its slice of the (padded) vocabulary. Logit columns beyond ``vocab_size`` are
+padding: they are given huge values on purpose, and must still get zero probability, zero
+gradient and leave the loss unchanged. Ranks record (label, actual, expected) and the test
+process compares (see test_mappings.py for why).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from tessera.tensor_parallel import padded_vocab_size, vocab_parallel_cross_entropy
+from tessera.testing import run_ranks
+
+TIMEOUT = 90
+TOL = dict(rtol=1e-5, atol=1e-6)
+PAD_VALUE = 1e4  # far above every real logit: if padding leaked into the softmax it would dominate
+
+
+def verify(results):
+    results = [pickle.loads(r) for r in results]
+    for rank, checks in enumerate(results):
+        for label, actual, expected, tol in checks:
+            assert_close(actual, expected, **tol, msg=lambda m: f"rank {rank} of {len(results)}: {label}: {m}")
+    return [[label for label, *_ in c] for c in results]
+
+
+def _case(rank, tp, group, gen, checks, name, shape, vocab, padded, dtype=torch.float32, tol=TOL):
+    """One loss computation; ``shape`` is the token shape, logits are [*shape, padded]."""
+    def close(label, actual, expected, exact=False):
+        assert actual.shape == expected.shape, f"{name}: {label}: {tuple(actual.shape)} != {tuple(expected.shape)}"
+        assert actual.dtype == expected.dtype, f"{name}: {label}: {actual.dtype} != {expected.dtype}"
+        checks.append((f"{name}: {label}", actual.detach().clone(), expected.detach().clone(),
+                       dict(rtol=0.0, atol=0.0) if exact else tol))
+
+    full = torch.randn(*shape, padded, generator=gen) * 3.0
+    full[..., vocab:] = PAD_VALUE
+    target = torch.randint(vocab, shape, generator=gen).flatten()
+    target[:2] = torch.tensor([0, vocab - 1])  # the first and the last real token
+    target = target.view(shape)
+    weights = torch.rand(*shape, generator=gen)  # the upstream gradient of the per-token loss
+    weights.view(-1)[2] = 0.0
+
+    # reference: the real columns only (the padding is not part of the vocabulary)
+    ref_logits = full.to(dtype, copy=True).requires_grad_()
+    ref_loss = F.cross_entropy(ref_logits[..., :vocab].float().reshape(-1, vocab), target.reshape(-1),
+                               reduction="none").view(shape)
+    (ref_loss * weights).sum().backward()
+
+    local = full.chunk(tp, dim=-1)[rank].to(dtype, copy=True).requires_grad_()
+    before = local.detach().clone()
+    loss = vocab_parallel_cross_entropy(local, target, group, vocab)
+    close("loss", loss, ref_loss)
+    (loss * weights).sum().backward()
+    close("logits grad", local.grad, ref_logits.grad.chunk(tp, dim=-1)[rank])
+    close("logits left unchanged", local.detach(), before, exact=True)
+    # the padding columns of this rank get exactly zero gradient
+    start = rank * local.shape[-1]
+    pad_from = min(max(vocab - start, 0), local.shape[-1])
+    pad_grad = local.grad[..., pad_from:]
+    close("padding grad is zero", pad_grad, torch.zeros_like(pad_grad), exact=True)
+    if dtype != torch.float32:
+        return
+    # the gradient of each token's loss sums to zero over the vocabulary (softmax - onehot)
+    row_sums = local.grad.float().sum(-1)
+    if tp > 1:
+        dist.all_reduce(row_sums, group=group)
+    close("grad sums to zero over the vocabulary", row_sums, torch.zeros(shape))
+
+
+def _cross_entropy_rank(rank: int, tp: int) -> bytes:
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(7)
+    checks: list = []
+    # vocab divisible by every tp: no padding
+    _case(rank, tp, group, gen, checks, "vocab 24", (6, 3), 24, 24)
+    # vocab 50 padded for this tp (and a multiple of 8 per rank): the last rank holds padding
+    _case(rank, tp, group, gen, checks, "vocab 50 pad 1", (6, 3), 50, padded_vocab_size(50, tp, 1))
+    _case(rank, tp, group, gen, checks, "vocab 50 pad 8", (6, 3), 50, padded_vocab_size(50, tp, 8))
+    # vocab 5 over 8 columns: at tp=4 the last rank holds only padding and rank 2 holds one of each
+    _case(rank, tp, group, gen, checks, "vocab 5 in 8", (4, 2), 5, 8)
+    # flat tokens (2-D logits) and a single token
+    _case(rank, tp, group, gen, checks, "flat tokens", (10,), 50, padded_vocab_size(50, tp, 8))
+    # extreme logits: a softmax without the max subtraction overflows
+    _case_large(rank, tp, group, gen, checks)
+    # bf16 logits: the loss is fp32 and the gradient comes back in bf16
+    _case(rank, tp, group, gen, checks, "bf16", (4, 2), 50, padded_vocab_size(50, tp, 8), dtype=torch.bfloat16,
+          tol=dict(rtol=1e-2, atol=1e-3))
+    return pickle.dumps(checks)
+
+
+def _case_large(rank, tp, group, gen, checks):
+    """Logits around 1e3 (exp overflows fp32 without the max subtraction)."""
+    shape, vocab, padded = (3, 2), 24, 32
+    full = torch.randn(*shape, padded, generator=gen) * 50.0 + 1000.0
+    full[..., vocab:] = 1e5
+    target = torch.randint(vocab, shape, generator=gen)
+    ref = F.cross_entropy(full[..., :vocab].reshape(-1, vocab), target.reshape(-1), reduction="none").view(shape)
+    loss = vocab_parallel_cross_entropy(full.chunk(tp, dim=-1)[rank], target, group, vocab)
+    assert torch.isfinite(loss).all(), "loss overflowed on large logits"
+    checks.append(("large logits: loss", loss.detach().clone(), ref, TOL))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vocab_parallel_cross_entropy_matches_full(tp):
+    labels = verify(run_ranks(_cross_entropy_rank, tp, timeout=TIMEOUT))
+    assert all(lab == labels[0] for lab in labels)
+    assert len(labels[0]) == 5 * 5 + 4 + 1, labels[0]

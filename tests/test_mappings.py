@@ -1,0 +1,212 @@
+"""The autograd collectives of tessera.tensor_parallel.mappings, forward and backward.
+
+Every rank draws the same *full* tensors from one seeded generator, works on its own part of
+them, and compares its forward output and its input gradient with what the unsharded maths
+gives. The multi-rank convention (Megatron's) is that the total loss is the sum of each rank's
+local loss, where a replicated output gets the same upstream gradient on every rank (and so is
+counted once) and a TP-split output gets this rank's slice of the upstream gradient.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from tessera.tensor_parallel import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+    scatter_to_tp_region,
+)
+from tessera.tensor_parallel.mappings import group_rank, group_size
+from tessera.testing import run_ranks
+
+TIMEOUT = 90
+TOL = dict(rtol=1e-6, atol=1e-6)
+S, B, H = 8, 2, 12  # sequence divisible by 1, 2, 4 and hidden divisible by 1, 2, 4
+
+ALL_FUNCTIONS = [
+    copy_to_tp_region, reduce_from_tp_region, scatter_to_tp_region, gather_from_tp_region,
+    scatter_to_sequence_region, gather_from_sequence_region, reduce_scatter_to_sequence_region,
+]
+
+
+# The ranks do not call assert_close (its first call imports torch.distributed.tensor, seconds of
+# CPU per process) nor backward() with an explicit gradient tensor (which imports sympy): they
+# record (label, actual, expected, exact) and the test process compares. They return the
+# records as pickle bytes: a returned tensor would travel as shared memory whose file descriptor
+# the exiting rank can no longer hand over (tessera.testing loses many-tensor results that way).
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_()
+
+
+def _run(fn, x_leaf, upstream, **kw):
+    """Forward, then backward with ``upstream`` as the output gradient; return (out, x grad)."""
+    out = fn(x_leaf, **kw)
+    (out * upstream).sum().backward()
+    return out.detach(), x_leaf.grad
+
+
+def _close(checks, label, actual, expected, exact=False):
+    checks.append((label, actual.detach().clone(), expected.detach().clone(), exact))
+
+
+def verify(results):
+    """Compare what every rank recorded; return how many comparisons each rank made."""
+    results = [pickle.loads(r) for r in results]
+    for rank, checks in enumerate(results):
+        for label, actual, expected, exact in checks:
+            tol = dict(rtol=0.0, atol=0.0) if exact else TOL
+            assert_close(actual, expected, **tol, msg=lambda m: f"rank {rank} of {len(results)}: {label}: {m}")
+    return [len(c) for c in results]
+
+
+def _mappings_rank(rank: int, tp: int) -> bytes:
+    tp_group = dist.group.WORLD
+    assert group_size(tp_group) == tp and group_rank(tp_group) == rank
+    g = torch.Generator().manual_seed(1234)
+    randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731 - same draws on every rank
+    checks: list = []
+
+    def check(label, actual, expected, exact=False):
+        _close(checks, label, actual, expected, exact)
+
+    def part(t, dim=0):
+        return t.chunk(tp, dim=dim)[rank]
+
+    # -- copy_to_tp_region (f): identity forward; backward sums every rank's gradient ----------
+    # rank r computes 2 * x and receives the upstream gradient ups[r] (its consumer is TP-split)
+    x, ups = randn(S, B, H), randn(tp, S, B, H)
+    out, dx = _run(lambda t: copy_to_tp_region(t, tp_group) * 2.0, _leaf(x), ups[rank])
+    ref_x = _leaf(x)
+    sum(((ref_x * 2.0) * ups[r]).sum() for r in range(tp)).backward()
+    check("copy_to_tp_region forward", out, x * 2.0, exact=True)
+    check("copy_to_tp_region input grad", dx, ref_x.grad)
+
+    # -- reduce_from_tp_region (g): all-reduce forward; identity backward ----------------------
+    # rank r holds the partial parts[r]; the output is replicated, so every rank gets the same up
+    parts, up = randn(tp, S, B, H), randn(S, B, H)
+    x_leaf = _leaf(parts[rank])
+    out, dx = _run(reduce_from_tp_region, x_leaf, up, group=tp_group)
+    ref_parts = _leaf(parts)
+    (ref_parts.sum(0) * up).sum().backward()
+    check("reduce_from_tp_region forward", out, parts.sum(0))
+    check("reduce_from_tp_region input grad", dx, ref_parts.grad[rank])
+    check("reduce_from_tp_region leaves its input alone", x_leaf.detach(), parts[rank], exact=True)
+
+    # -- scatter_to_tp_region: split the last dim; backward all-gathers ------------------------
+    # rank r keeps slice r of a replicated x; its consumer gets slice r of the upstream gradient
+    for shape in [(S, B, H), (5, H), (H,)]:
+        x, up = randn(*shape), randn(*shape)
+        out, dx = _run(scatter_to_tp_region, _leaf(x), part(up, -1), group=tp_group)
+        ref_x = _leaf(x)
+        (ref_x * up).sum().backward()  # sum over r of <x[..., r], up[..., r]> = <x, up>
+        assert out.shape == part(x, -1).shape
+        check(f"scatter_to_tp_region{list(shape)} forward", out, part(x, -1), exact=True)
+        check(f"scatter_to_tp_region{list(shape)} input grad", dx, ref_x.grad, exact=True)
+
+    # -- gather_from_tp_region: all-gather the last dim; backward keeps this rank's slice ------
+    for shape in [(S, B, H), (5, H), (H,)]:
+        x, up = randn(*shape), randn(*shape)
+        x_leaf = part(x, -1).detach().requires_grad_()  # non-contiguous where tp > 1
+        out, dx = _run(gather_from_tp_region, x_leaf, up, group=tp_group)
+        ref_x = _leaf(x)
+        (ref_x * up).sum().backward()
+        assert out.shape == x.shape
+        check(f"gather_from_tp_region{list(shape)} forward", out, x, exact=True)
+        check(f"gather_from_tp_region{list(shape)} input grad", dx, part(ref_x.grad, -1), exact=True)
+
+    # -- scatter_to_sequence_region: split dim 0; backward all-gathers -------------------------
+    x, up = randn(S, B, H), randn(S, B, H)
+    out, dx = _run(scatter_to_sequence_region, _leaf(x), part(up), group=tp_group)
+    ref_x = _leaf(x)
+    (ref_x * up).sum().backward()
+    assert out.shape == (S // tp, B, H)
+    check("scatter_to_sequence_region forward", out, part(x), exact=True)
+    check("scatter_to_sequence_region input grad", dx, ref_x.grad, exact=True)
+
+    # -- gather_from_sequence_region, reduce_grad=True: the consumer is TP-split, so every rank
+    #    holds a different partial upstream gradient; backward reduce-scatters them ------------
+    x, ups = randn(S, B, H), randn(tp, S, B, H)
+    for kw in ({"reduce_grad": True}, {}):  # True is the default
+        out, dx = _run(gather_from_sequence_region, _leaf(part(x)), ups[rank], group=tp_group, **kw)
+        ref_x = _leaf(x)
+        sum((ref_x * ups[r]).sum() for r in range(tp)).backward()
+        check(f"gather_from_sequence_region({kw}) forward", out, x, exact=True)
+        check(f"gather_from_sequence_region({kw}) input grad", dx, part(ref_x.grad))
+
+    # -- gather_from_sequence_region, reduce_grad=False: the upstream gradient is complete (the
+    #    same on every rank); backward only keeps this rank's slice ----------------------------
+    x, up = randn(S, B, H), randn(S, B, H)
+    out, dx = _run(gather_from_sequence_region, _leaf(part(x)), up, group=tp_group, reduce_grad=False)
+    ref_x = _leaf(x)
+    (ref_x * up).sum().backward()
+    check("gather_from_sequence_region(reduce_grad=False) forward", out, x, exact=True)
+    check("gather_from_sequence_region(reduce_grad=False) input grad", dx, part(ref_x.grad), exact=True)
+
+    # -- reduce_scatter_to_sequence_region: sum the partials and keep this rank's sequence slice;
+    #    backward all-gathers ------------------------------------------------------------------
+    parts, up = randn(tp, S, B, H), randn(S, B, H)
+    out, dx = _run(reduce_scatter_to_sequence_region, _leaf(parts[rank]), part(up), group=tp_group)
+    ref_parts = _leaf(parts)
+    (ref_parts.sum(0) * up).sum().backward()
+    assert out.shape == (S // tp, B, H)
+    check("reduce_scatter_to_sequence_region forward", out, part(parts.sum(0)))
+    check("reduce_scatter_to_sequence_region input grad", dx, ref_parts.grad[rank])
+
+    # -- round trips are the identity, gradient included ---------------------------------------
+    x, up = randn(S, B, H), randn(S, B, H)
+    out, dx = _run(lambda t: gather_from_sequence_region(scatter_to_sequence_region(t, tp_group), tp_group,
+                                                         reduce_grad=False), _leaf(x), up)
+    check("sequence scatter+gather forward", out, x, exact=True)
+    check("sequence scatter+gather input grad", dx, up, exact=True)
+    out, dx = _run(lambda t: gather_from_tp_region(scatter_to_tp_region(t, tp_group), tp_group), _leaf(x), up)
+    check("tp scatter+gather forward", out, x, exact=True)
+    check("tp scatter+gather input grad", dx, up, exact=True)
+
+    if tp == 1:
+        # a group of size 1 makes every function the identity: the very same tensor
+        x = _leaf(randn(S, B, H))
+        for fn in ALL_FUNCTIONS:
+            assert fn(x, tp_group) is x, fn.__name__
+    else:
+        # the sequence functions refuse a length the group does not divide
+        for fn in (scatter_to_sequence_region, reduce_scatter_to_sequence_region):
+            try:
+                fn(randn(S + 1, B, H), tp_group)
+            except ValueError:
+                pass
+            else:
+                raise AssertionError(f"{fn.__name__} accepted a sequence of {S + 1} at tp={tp}")
+    return pickle.dumps(checks)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_mappings_match_unsharded_maths(tp):
+    counts = verify(run_ranks(_mappings_rank, tp, timeout=TIMEOUT))
+    assert counts == [31] * tp
+
+
+def test_none_group_is_identity():
+    """Without a group (single rank, no torch.distributed) every mapping returns its input."""
+    assert group_size(None) == 1 and group_rank(None) == 0
+    x = torch.randn(4, 2, 6, requires_grad=True)
+    for fn in ALL_FUNCTIONS:
+        assert fn(x, None) is x, fn.__name__
+    assert gather_from_sequence_region(x, None, reduce_grad=False) is x
+    # and gradients flow through unchanged
+    up = torch.randn(4, 2, 6)
+    y = x
+    for fn in ALL_FUNCTIONS:
+        y = fn(y, None)
+    (y * up).sum().backward()
+    assert torch.equal(x.grad, up)
