@@ -118,3 +118,17 @@ def test_launcher_refuses_before_starting_processes():
                           capture_output=True, text=True, timeout=50)
     assert proc.returncode == 2
     assert proc.stderr.strip() == HEADS_MESSAGE
+
+
+def test_every_field_documented_and_reference_in_sync():
+    from pathlib import Path
+
+    from tessera.config import SECTIONS, field_docs, reference_markdown
+
+    docs = field_docs()
+    for section, cls in SECTIONS.items():
+        for f in __import__("dataclasses").fields(cls):
+            assert docs.get(f"{section}.{f.name}"), f"{section}.{f.name} has no docstring"
+    path = Path(__file__).parent.parent / "docs" / "configuration.md"
+    assert path.read_text().strip() == reference_markdown().strip(), \
+        "docs/configuration.md is stale: run `python -m tessera config > docs/configuration.md`"

@@ -25,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="override one config value (repeatable), e.g. --set parallel.tp=2")
     train.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
                        help="check the config for N processes, then launch them with torchrun")
+    sub.add_parser("config", help="print the configuration reference (every key, default and meaning)")
     return parser
 
 
@@ -43,6 +44,11 @@ def _launch(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "config":
+        from tessera.config import reference_markdown
+
+        print(reference_markdown())
+        return 0
     from tessera.training.launch import shutdown, world_from_env
 
     rank = world_from_env()[0]
