@@ -28,6 +28,7 @@ def make_batch(dp_rank: int, step: int) -> dict[str, torch.Tensor]:
         "tokens": tokens[:, :-1],                                       # a non-contiguous view
         "labels": tokens[:, 1:].contiguous(),
         "loss_mask": (torch.rand(2, seq, generator=g) > 0.2).float(),
+        "attention_mask": torch.rand(2, seq, generator=g) > 0.5,        # bool
         "position_ids": torch.arange(seq).expand(2, seq),               # stride 0 along dim 0
         "weights": torch.randn(seq, 3, generator=g, dtype=torch.float64).t(),  # transposed
         "step": torch.tensor(step, dtype=torch.int32),                  # 0-d

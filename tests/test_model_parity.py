@@ -19,20 +19,14 @@ Mapping a rank's shard to the slice of the full tensor:
 
 Every rank process re-imports this module to find its worker function, so it does not import
 pytest at module level (that costs ~1 s of CPU per rank).
-
-Workers return their tensors as plain pickled bytes (see :func:`run_packed`): a tensor put on a
-multiprocessing queue as is travels as a shared-memory file descriptor that the parent can only
-open while the rank process is still alive, which it often is not.
 """
 
 from __future__ import annotations
 
 import functools
-import pickle
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from tessera.config import ModelConfig
 from tessera.models import GPTModel, TPContext
@@ -75,14 +69,6 @@ def make_batch():
     labels[1, :3] = torch.tensor([VOCAB - 1, 0, 63])
     weights = torch.rand(BATCH, SEQ, generator=g) + 0.5  # d(sum(w * loss)): a non-uniform upstream grad
     return tokens, labels, weights
-
-
-def _packed(rank: int, world_size: int, fn, *args) -> bytes:
-    return pickle.dumps(fn(rank, world_size, *args))  # plain pickle: tensor data by value
-
-
-def run_packed(fn, world_size: int, *args, timeout: float) -> list:
-    return [pickle.loads(b) for b in run_ranks(_packed, world_size, fn, *args, timeout=timeout)]
 
 
 # -- shard <-> full mapping -----------------------------------------------------------------------
@@ -194,7 +180,7 @@ def _parity_worker(rank: int, world_size: int, cases, tokens, labels, weights) -
 def parity_results(tp: int) -> list[list[dict]]:
     """results[case][rank] for every case of CASES, from one run of tp ranks."""
     tokens, labels, weights = make_batch()
-    by_rank = run_packed(_parity_worker, tp, CASES, tokens, labels, weights, timeout=180)
+    by_rank = run_ranks(_parity_worker, tp, CASES, tokens, labels, weights, timeout=180)
     return [[by_rank[r][i] for r in range(tp)] for i in range(len(CASES))]
 
 
@@ -395,7 +381,7 @@ def _tp2_worker(rank: int, world_size: int, tokens, labels) -> dict:
 
 def test_stages_and_dropout_tp2():
     tokens, labels, _ = make_batch()
-    results = run_packed(_tp2_worker, 2, tokens, labels, timeout=120)
+    results = run_ranks(_tp2_worker, 2, tokens, labels, timeout=120)
     for key in results[0]:
         r0, r1 = results[0][key], results[1][key]
         assert torch.equal(r0["loss"], r1["loss"]), key

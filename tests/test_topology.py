@@ -141,6 +141,7 @@ LAYOUTS_4 = [
     dict(tp=1, pp=4),
     dict(dp=4),
     dict(tp=1, cp=2, pp=2),
+    dict(tp=1, cp=2, dp=2),
 ]
 
 LAYOUTS_8 = [
@@ -150,6 +151,7 @@ LAYOUTS_8 = [
     dict(tp=1, pp=2, dp=4),
     dict(tp=8),
     dict(tp=2, cp=2, pp=2),
+    dict(tp=2, cp=2, dp=2),
     dict(tp=2, pp=1, dp=4),
 ]
 

@@ -16,6 +16,7 @@ import datetime
 import functools
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -46,8 +47,9 @@ def _worker(fn, rank, world_size, port, timeout, args, results):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
-        value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        # Plain pickle copies tensor data; the queue's own pickler would send shared-memory
+        # handles that die with this process before the parent opens them.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report every failure to the parent, which raises it
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -84,7 +86,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 continue
             if not ok:
                 raise RankError(f"rank {rank} of {world_size} failed:\n{value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if len(values) == world_size else 0.1)
