@@ -196,6 +196,30 @@ def test_mappings_match_unsharded_maths(tp):
     assert counts == [31] * tp
 
 
+def _shared_gradient_rank(rank: int, tp: int) -> bytes:
+    """Two replicated inputs enter the TP region through f and meet in an add. Autograd hands the
+    add's gradient tensor to both branches, so f's backward must not all-reduce it in place: the
+    branch that runs later would see an already-reduced gradient and be reduced a second time."""
+    tp_group = dist.group.WORLD
+    g = torch.Generator().manual_seed(5)
+    x1, x2, ups = torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g), \
+        torch.randn(tp, S, B, H, generator=g)
+    a_leaf, b_leaf = _leaf(x1), _leaf(x2)
+    a = copy_to_tp_region(a_leaf, tp_group) * 2.0  # created first: its backward runs last
+    z = copy_to_tp_region(b_leaf, tp_group) + a
+    (z * ups[rank]).sum().backward()  # z feeds a TP-split computation: a per-rank upstream gradient
+    ref_a, ref_b = _leaf(x1), _leaf(x2)
+    sum(((ref_b + 2.0 * ref_a) * ups[r]).sum() for r in range(tp)).backward()
+    checks: list = []
+    _close(checks, "first input grad", a_leaf.grad, ref_a.grad)
+    _close(checks, "second input grad", b_leaf.grad, ref_b.grad)
+    return pickle.dumps(checks)
+
+
+def test_copy_to_tp_region_leaves_a_shared_gradient_alone():
+    assert verify(run_ranks(_shared_gradient_rank, 2, timeout=TIMEOUT)) == [2, 2]
+
+
 def test_none_group_is_identity():
     """Without a group (single rank, no torch.distributed) every mapping returns its input."""
     assert group_size(None) == 1 and group_rank(None) == 0

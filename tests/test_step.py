@@ -1,0 +1,77 @@
+"""The training step on one process: token-weighted loss over micro-batches, fp16 overflow
+handling, the learning-rate schedule."""
+
+import math
+
+import pytest
+import torch
+
+from tessera.config import ModelConfig, OptimConfig
+from tessera.models import GPTModel
+from tessera.optim import DynamicLossScaler, build_optimizer, learning_rate
+from tessera.topology import Topology
+from tessera.training.step import train_step
+
+CFG = ModelConfig(hidden=32, layers=1, heads=2, seq_len=8, vocab_size=50)
+
+
+def _model():
+    model = GPTModel(CFG)
+    model.init_weights(3)
+    return model
+
+
+def _batch(rows, seed, mask_keep):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50, (rows, 9), generator=g)
+    mask = torch.zeros(rows, 8)
+    mask[:, :mask_keep] = 1.0
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask}
+
+
+def test_accumulation_is_the_mean_over_all_tokens():
+    # Two micro-batches with different numbers of valid tokens == one batch holding both.
+    a, b = _batch(2, 1, mask_keep=8), _batch(2, 2, mask_keep=3)
+    both = {k: torch.cat([a[k], b[k]]) for k in a}
+    topo = Topology.build()
+    m1, m2 = _model(), _model()
+    o1, o2 = build_optimizer(m1, OptimConfig()), build_optimizer(m2, OptimConfig())
+    r1 = train_step(m1, o1, [a, b], topo, clip_grad=0.0)
+    r2 = train_step(m2, o2, [both], topo, clip_grad=0.0)
+    assert r1.loss == pytest.approx(r2.loss, rel=1e-6) and r1.tokens == r2.tokens == 22
+    assert r1.grad_norm == pytest.approx(r2.grad_norm, rel=1e-5)
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p1, p2)
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
+    model, topo = _model(), Topology.build()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = build_optimizer(model, OptimConfig())
+    scaler = DynamicLossScaler(init_scale=1e39)  # loss * scale overflows to inf
+    result = train_step(model, opt, [_batch(2, 1, 8)], topo, clip_grad=1.0, scaler=scaler)
+    assert result.skipped and scaler.scale == 0.5e39
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q), "a skipped step must not touch the parameters"
+    result = train_step(model, opt, [_batch(2, 1, 8)], topo, clip_grad=1.0, scaler=DynamicLossScaler(2.0**10))
+    assert not result.skipped and math.isfinite(result.grad_norm)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_scaler_grows_after_clean_steps():
+    s = DynamicLossScaler(init_scale=4.0, growth_interval=3)
+    for _ in range(3):
+        s.update(True)
+    assert s.scale == 8.0
+    s.update(False)
+    assert s.scale == 4.0 and s.clean_steps == 0
+
+
+def test_learning_rate_warmup_then_cosine():
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup=4)
+    assert [learning_rate(s, cfg, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    mid = 4 + (20 - 4) // 2
+    assert learning_rate(mid, cfg, 20) == pytest.approx(0.1 + 0.5 * 0.9 * (1 + math.cos(math.pi * 0.5)))
+    assert learning_rate(20, cfg, 20) == 0.1 and learning_rate(100, cfg, 20) == 0.1
+    values = [learning_rate(s, cfg, 20) for s in range(4, 20)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
