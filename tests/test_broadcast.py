@@ -1,12 +1,6 @@
-"""broadcast_batch: only the TP source rank reads the batch; every rank of its TP group gets it.
-
-Ranks return their batches as pickle bytes (a returned tensor would travel as shared memory that
-the exiting rank can no longer hand over; see test_mappings.py).
-"""
+"""broadcast_batch: only the TP source rank reads the batch; every rank of its TP group gets it."""
 
 from __future__ import annotations
-
-import pickle
 
 import pytest
 import torch
@@ -35,7 +29,7 @@ def make_batch(dp_rank: int, step: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _broadcast_rank(rank: int, world_size: int) -> bytes:
+def _broadcast_rank(rank: int, world_size: int) -> dict:
     topo = Topology.build(tp=2)
     group, src = topo.group("tp"), topo.tp_src_rank
     assert topo.tp == 2 and topo.dp == world_size // 2 and group is not None
@@ -58,12 +52,12 @@ def _broadcast_rank(rank: int, world_size: int) -> bytes:
             assert out[k].device == CPU and out[k].dtype == v.dtype and out[k].shape == v.shape, k
             assert torch.equal(out[k], v), f"rank {rank} step {step}: {k} differs from its source's"
         received.append({k: v.clone() for k, v in out.items()})
-    return pickle.dumps(dict(dp_rank=topo.dp_rank, tp_rank=topo.tp_rank, batches=received))
+    return dict(dp_rank=topo.dp_rank, tp_rank=topo.tp_rank, batches=received)
 
 
 @pytest.mark.parametrize("world_size", [2, 4], ids=["tp2", "tp2xdp2"])
 def test_broadcast_batch_within_tp_groups(world_size):
-    out = [pickle.loads(r) for r in run_ranks(_broadcast_rank, world_size, timeout=TIMEOUT)]
+    out = run_ranks(_broadcast_rank, world_size, timeout=TIMEOUT)
     assert [(o["dp_rank"], o["tp_rank"]) for o in out] == [(r // 2, r % 2) for r in range(world_size)]
     for o in out:
         for step, batch in enumerate(o["batches"]):

@@ -9,8 +9,6 @@ counted once) and a TP-split output gets this rank's slice of the upstream gradi
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -40,9 +38,7 @@ ALL_FUNCTIONS = [
 
 # The ranks do not call assert_close (its first call imports torch.distributed.tensor, seconds of
 # CPU per process) nor backward() with an explicit gradient tensor (which imports sympy): they
-# record (label, actual, expected, exact) and the test process compares. They return the
-# records as pickle bytes: a returned tensor would travel as shared memory whose file descriptor
-# the exiting rank can no longer hand over (tessera.testing loses many-tensor results that way).
+# record (label, actual, expected, exact) and the test process compares.
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -62,7 +58,6 @@ def _close(checks, label, actual, expected, exact=False):
 
 def verify(results):
     """Compare what every rank recorded; return how many comparisons each rank made."""
-    results = [pickle.loads(r) for r in results]
     for rank, checks in enumerate(results):
         for label, actual, expected, exact in checks:
             tol = dict(rtol=0.0, atol=0.0) if exact else TOL
@@ -70,7 +65,7 @@ def verify(results):
     return [len(c) for c in results]
 
 
-def _mappings_rank(rank: int, tp: int) -> bytes:
+def _mappings_rank(rank: int, tp: int) -> list:
     tp_group = dist.group.WORLD
     assert group_size(tp_group) == tp and group_rank(tp_group) == rank
     g = torch.Generator().manual_seed(1234)
@@ -187,7 +182,7 @@ def _mappings_rank(rank: int, tp: int) -> bytes:
                 pass
             else:
                 raise AssertionError(f"{fn.__name__} accepted a sequence of {S + 1} at tp={tp}")
-    return pickle.dumps(checks)
+    return checks
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -196,7 +191,7 @@ def test_mappings_match_unsharded_maths(tp):
     assert counts == [31] * tp
 
 
-def _shared_gradient_rank(rank: int, tp: int) -> bytes:
+def _shared_gradient_rank(rank: int, tp: int) -> list:
     """Two replicated inputs enter the TP region through f and meet in an add. Autograd hands the
     add's gradient tensor to both branches, so f's backward must not all-reduce it in place: the
     branch that runs later would see an already-reduced gradient and be reduced a second time."""
@@ -213,7 +208,7 @@ def _shared_gradient_rank(rank: int, tp: int) -> bytes:
     checks: list = []
     _close(checks, "first input grad", a_leaf.grad, ref_a.grad)
     _close(checks, "second input grad", b_leaf.grad, ref_b.grad)
-    return pickle.dumps(checks)
+    return checks
 
 
 def test_copy_to_tp_region_leaves_a_shared_gradient_alone():

@@ -27,7 +27,10 @@ from typing import Any
 @functools.cache
 def _context():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "tessera.tensor_parallel"])
+    # torch.testing and torch.distributed.tensor are imported lazily by assert_close and
+    # DeviceMesh users: paying for them once here saves seconds per rank.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torch.testing",
+                                "tessera.tensor_parallel", "tessera.models"])
     return ctx
 
 

@@ -53,6 +53,8 @@ def _split_last(x: Tensor, group: Group) -> Tensor:
     n = group_size(group)
     if n == 1:
         return x
+    if x.shape[-1] % n:
+        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the TP size {n}")
     return x.chunk(n, dim=-1)[group_rank(group)].contiguous()
 
 
@@ -103,7 +105,8 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        # Clone: autograd may hand the same gradient tensor to another branch as well.
+        return _all_reduce(grad.clone(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
