@@ -1,0 +1,249 @@
+"""Pipeline schedules as data: a pure function gives each rank the ordered list of what it does.
+
+``build_schedule(kind, pp, vpp, microbatches, rank)`` returns a list of :class:`Action`:
+compute (``F`` forward, ``B`` full backward, ``I`` input-gradient backward, ``W`` weight-gradient
+backward) and communication (``RECV_F``/``SEND_F`` activations, ``RECV_B``/``SEND_B`` gradients),
+the vocabulary of ``torch.distributed.pipelining``. One executor runs any such list
+(``executor.py``), and the same lists feed the simulator and the timeline picture
+(``simulator.py``), so what is drawn is what runs.
+
+Virtual stages: with ``vpp`` model chunks per rank, chunk ``c`` of rank ``r`` is virtual stage
+``s = c * pp + r``; activations flow ``s -> s + 1`` (rank ``pp - 1`` hands chunk ``c`` on to rank 0's
+chunk ``c + 1``).
+
+Kinds:
+
+- ``none``: gradient accumulation, F then B per micro-batch (pp = 1 only);
+- ``gpipe``: all forwards, then all backwards (holds all m micro-batches' activations);
+- ``1f1b``: ``pp - rank - 1`` warm-up forwards, then one forward / one backward, then the rest
+  of the backwards: at most ``pp - rank`` micro-batches in flight;
+- ``interleaved``: 1F1B over virtual stages (Megatron's order: rounds of ``pp`` micro-batches
+  through every chunk), any number of micro-batches (a last, partial round is allowed);
+- ``zb-h1``: zero-bubble H1: backward split into I and W; the W's fill what would be bubbles,
+  the number of micro-batches holding activations bounded as in 1F1B (``pp - rank``).
+
+Communication is overlapped: the receive a rank needs for its next compute is posted before its
+current compute (Megatron's overlap_p2p_comm), so it arrives while the rank works.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Op(str, Enum):
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 (the standard name: input-gradient part of backward)
+    W = "W"
+    RECV_F = "RECV_F"
+    SEND_F = "SEND_F"
+    RECV_B = "RECV_B"
+    SEND_B = "SEND_B"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPUTE = (Op.F, Op.B, Op.I, Op.W)
+KINDS = ("none", "gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+@dataclass(frozen=True)
+class Action:
+    op: Op
+    microbatch: int
+    chunk: int = 0
+    peer: int | None = None  # pipeline rank on the other end of a send / receive
+
+    def __str__(self) -> str:
+        chunk = f".{self.chunk}" if self.chunk else ""
+        peer = f"@{self.peer}" if self.peer is not None else ""
+        return f"{self.op}{self.microbatch}{chunk}{peer}"
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run with these sizes, said in words."""
+
+
+# -- checks -------------------------------------------------------------------------------------
+def check_kind(kind: str, pp: int, vpp: int, microbatches: int) -> None:
+    if kind not in KINDS:
+        raise ScheduleError(f"unknown schedule '{kind}': choose one of {', '.join(KINDS)}")
+    if microbatches < 1:
+        raise ScheduleError(f"a step needs at least one micro-batch, got {microbatches}")
+    if kind == "none" and pp > 1:
+        raise ScheduleError("schedule 'none' (no pipelining) needs pp=1: choose 1f1b, interleaved or zb-h1")
+    if kind == "interleaved" and vpp < 2:
+        raise ScheduleError("schedule 'interleaved' needs vpp >= 2 model chunks per rank")
+    if kind != "interleaved" and vpp > 1:
+        raise ScheduleError(f"schedule '{kind}' runs one model chunk per rank: use 'interleaved' for vpp={vpp}")
+    if vpp > 1 and pp < 2:
+        raise ScheduleError("vpp > 1 needs pp >= 2")
+
+
+# -- compute orders ------------------------------------------------------------------------------
+def _one_f_one_b(forwards: list[tuple[int, int]], backwards: list[tuple[int, int]], warmup: int,
+                 backward_op: Op = Op.B) -> list[Action]:
+    warmup = min(warmup, len(forwards))
+    order = [Action(Op.F, mb, c) for mb, c in forwards[:warmup]]
+    for (fmb, fc), (bmb, bc) in zip(forwards[warmup:], backwards):
+        order += [Action(Op.F, fmb, fc), Action(backward_op, bmb, bc)]
+    order += [Action(backward_op, mb, c) for mb, c in backwards[len(forwards) - warmup:]]
+    return order
+
+
+def _interleaved_sequence(pp: int, vpp: int, m: int, reverse_chunks: bool) -> list[tuple[int, int]]:
+    """(micro-batch, chunk) in Megatron's order: rounds of pp micro-batches through every chunk."""
+    out = []
+    for start in range(0, m, pp):
+        round_ = range(start, min(start + pp, m))
+        chunks = range(vpp - 1, -1, -1) if reverse_chunks else range(vpp)
+        out += [(mb, c) for c in chunks for mb in round_]
+    return out
+
+
+def _list_schedule(pp: int, vpp: int, forwards: list[tuple[int, int]], backwards: list[tuple[int, int]],
+                   limits: list[int], split_backward: bool) -> list[list[Action]]:
+    """Per-rank orders by list scheduling on a unit-cost clock (F = 1, B = 2, I = W = 1).
+
+    Every rank walks the same forward and backward sequences of (micro-batch, chunk). A free
+    rank takes, in priority order: the next backward (B, or I when split) whose gradient has
+    arrived; the next forward whose input has arrived, while fewer than ``limits[rank]``
+    micro-batches hold activations (forward done, backward not); then (split only) its oldest
+    pending W. The result is deterministic, and as a completed simulation it cannot deadlock.
+    """
+    last = pp * vpp - 1
+    back_op = Op.I if split_backward else Op.B
+    cost = {Op.F: 1, Op.B: 2, Op.I: 1, Op.W: 1}
+    done: dict[tuple, int] = {}  # (op, mb, stage) -> finish time
+    nf, nb, nw = [0] * pp, [0] * pp, [0] * pp
+    free = [0] * pp
+    orders: list[list[Action]] = [[] for _ in range(pp)]
+    total = len(forwards)
+
+    def ready(key: tuple, t: int) -> bool:
+        return done.get(key, t + 1) <= t
+
+    t = 0
+    while any(n < total for n in (nw if split_backward else nb)):
+        progressed = any(f > t for f in free)
+        for r in range(pp):
+            if free[r] > t:
+                continue
+            choice = None
+            if nb[r] < nf[r]:
+                mb, c = backwards[nb[r]]
+                stage = c * pp + r
+                key = (Op.F, mb, stage) if stage == last else (back_op, mb, stage + 1)
+                if ready(key, t) and (mb, c) in {forwards[i] for i in range(nf[r])}:
+                    choice = (back_op, mb, c)
+            held = nf[r] - (nw[r] if split_backward else nb[r])  # micro-batches holding activations
+            if choice is None and nf[r] < total and held < limits[r]:
+                mb, c = forwards[nf[r]]
+                stage = c * pp + r
+                if stage == 0 or ready((Op.F, mb, stage - 1), t):
+                    choice = (Op.F, mb, c)
+            if choice is None and split_backward and nw[r] < nb[r]:
+                mb, c = backwards[nw[r]]
+                choice = (Op.W, mb, c)
+            if choice is None:
+                continue
+            op, mb, c = choice
+            counter = {Op.F: nf, Op.W: nw}.get(op, nb)
+            counter[r] += 1
+            orders[r].append(Action(op, mb, c))
+            done[(op, mb, c * pp + r)] = t + cost[op]
+            free[r] = t + cost[op]
+            progressed = True
+        if not progressed:
+            raise ScheduleError(f"no valid order for pp={pp}, vpp={vpp} with {total // vpp} micro-batches")
+        t += 1
+    return orders
+
+
+def compute_order(kind: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[Action]:
+    """The compute actions (F, B, I, W) of ``rank`` in the order it runs them."""
+    check_kind(kind, pp, vpp, microbatches)
+    m = microbatches
+    if kind == "none":
+        return [Action(op, mb) for mb in range(m) for op in (Op.F, Op.B)]
+    if kind == "gpipe":
+        return [Action(Op.F, mb) for mb in range(m)] + [Action(Op.B, mb) for mb in range(m)]
+    if kind == "1f1b":
+        seq = [(mb, 0) for mb in range(m)]
+        return _one_f_one_b(seq, seq, pp - rank - 1)
+    if kind == "interleaved":
+        forwards = _interleaved_sequence(pp, vpp, m, reverse_chunks=False)
+        backwards = _interleaved_sequence(pp, vpp, m, reverse_chunks=True)
+        warmup = [(pp - r - 1) * 2 + (vpp - 1) * pp for r in range(pp)]
+        if m % pp == 0:  # Megatron's fixed warm-up is exact for whole rounds
+            return _one_f_one_b(forwards, backwards, warmup[rank])
+        # A partial last round breaks the fixed warm-up (it can deadlock): let the clock decide.
+        return _list_schedule(pp, vpp, forwards, backwards, [w + 1 for w in warmup], False)[rank]
+    seq = [(mb, 0) for mb in range(m)]
+    return _list_schedule(pp, 1, seq, seq, [pp - r for r in range(pp)], True)[rank]
+
+
+# -- communication -------------------------------------------------------------------------------
+def _comms(action: Action, pp: int, vpp: int, rank: int) -> tuple[list[Action], list[Action]]:
+    """(receives needed before, sends produced after) one compute action."""
+    stage, last = action.chunk * pp + rank, pp * vpp - 1
+    prev_rank, next_rank = (rank - 1) % pp, (rank + 1) % pp
+    mb, c = action.microbatch, action.chunk
+    if action.op == Op.F:
+        recv = [Action(Op.RECV_F, mb, c, prev_rank)] if stage > 0 else []
+        send = [Action(Op.SEND_F, mb, c, next_rank)] if stage < last else []
+        return recv, send
+    if action.op in (Op.B, Op.I):
+        recv = [Action(Op.RECV_B, mb, c, next_rank)] if stage < last else []
+        send = [Action(Op.SEND_B, mb, c, prev_rank)] if stage > 0 else []
+        return recv, send
+    return [], []
+
+
+def build_schedule(kind: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[Action]:
+    """Compute and communication actions of ``rank``: each receive is posted one compute early
+    (before the compute that precedes its consumer) and each send right after its producer."""
+    order = compute_order(kind, pp, vpp, microbatches, rank)
+    comms = [_comms(a, pp, vpp, rank) for a in order]
+    actions: list[Action] = []
+    posted: set[Action] = set()
+    for k, action in enumerate(order):
+        for recv in comms[k][0] + (comms[k + 1][0] if k + 1 < len(order) else []):
+            if recv not in posted:
+                posted.add(recv)
+                actions.append(recv)
+        actions.append(action)
+        actions += comms[k][1]
+    return actions
+
+
+def build_all(kind: str, pp: int, vpp: int, microbatches: int) -> list[list[Action]]:
+    return [build_schedule(kind, pp, vpp, microbatches, r) for r in range(pp)]
+
+
+def check_matched(schedules: list[list[Action]]) -> None:
+    """Every send has exactly one receive on its peer, and vice versa."""
+    sends, recvs = set(), set()
+    for rank, actions in enumerate(schedules):
+        for a in actions:
+            if a.op in (Op.SEND_F, Op.SEND_B):
+                sends.add((a.op, a.microbatch, a.chunk, rank, a.peer))
+            elif a.op in (Op.RECV_F, Op.RECV_B):
+                recvs.add((a.op, a.microbatch, a.chunk, a.peer, rank))
+    pp = len(schedules)
+    expected = set()
+    for (op, mb, c, src, dst) in sends:
+        # What the sender calls chunk c arrives at the receiver as the neighbouring chunk.
+        if op == Op.SEND_F:
+            expected.add((Op.RECV_F, mb, c + (1 if src == pp - 1 and pp > 1 else 0), src, dst))
+        else:
+            expected.add((Op.RECV_B, mb, c - (1 if src == 0 and pp > 1 else 0), src, dst))
+    if expected != recvs:
+        missing = sorted(map(str, expected - recvs))[:3]
+        extra = sorted(map(str, recvs - expected))[:3]
+        raise ScheduleError(f"unmatched point-to-point: sends without receives {missing}, "
+                            f"receives without sends {extra}")
