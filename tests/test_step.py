@@ -9,6 +9,8 @@ import torch
 from tessera.config import ModelConfig, OptimConfig
 from tessera.models import GPTModel
 from tessera.optim import DynamicLossScaler, build_optimizer, learning_rate
+from tessera.pipeline_parallel.executor import PipelineExecutor
+from tessera.pipeline_parallel.schedules import build_schedule
 from tessera.topology import Topology
 from tessera.training.step import train_step
 
@@ -19,6 +21,12 @@ def _model():
     model = GPTModel(CFG)
     model.init_weights(3)
     return model
+
+
+def _step(model, opt, micro_batches, **kw):
+    """One step without pipelining: the executor running schedule 'none'."""
+    executor = PipelineExecutor([model], build_schedule("none", 1, 1, len(micro_batches), 0), None, 1, 0)
+    return train_step(model, opt, micro_batches, Topology.build(), executor, **kw)
 
 
 def _batch(rows, seed, mask_keep):
@@ -33,11 +41,10 @@ def test_accumulation_is_the_mean_over_all_tokens():
     # Two micro-batches with different numbers of valid tokens == one batch holding both.
     a, b = _batch(2, 1, mask_keep=8), _batch(2, 2, mask_keep=3)
     both = {k: torch.cat([a[k], b[k]]) for k in a}
-    topo = Topology.build()
     m1, m2 = _model(), _model()
     o1, o2 = build_optimizer(m1, OptimConfig()), build_optimizer(m2, OptimConfig())
-    r1 = train_step(m1, o1, [a, b], topo, clip_grad=0.0)
-    r2 = train_step(m2, o2, [both], topo, clip_grad=0.0)
+    r1 = _step(m1, o1, [a, b], clip_grad=0.0)
+    r2 = _step(m2, o2, [both], clip_grad=0.0)
     assert r1.loss == pytest.approx(r2.loss, rel=1e-6) and r1.tokens == r2.tokens == 22
     assert r1.grad_norm == pytest.approx(r2.grad_norm, rel=1e-5)
     for p1, p2 in zip(m1.parameters(), m2.parameters()):
@@ -45,15 +52,15 @@ def test_accumulation_is_the_mean_over_all_tokens():
 
 
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
-    model, topo = _model(), Topology.build()
+    model = _model()
     before = [p.detach().clone() for p in model.parameters()]
     opt = build_optimizer(model, OptimConfig())
     scaler = DynamicLossScaler(init_scale=1e39)  # loss * scale overflows to inf
-    result = train_step(model, opt, [_batch(2, 1, 8)], topo, clip_grad=1.0, scaler=scaler)
+    result = _step(model, opt, [_batch(2, 1, 8)], clip_grad=1.0, scaler=scaler)
     assert result.skipped and scaler.scale == 0.5e39
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p, q), "a skipped step must not touch the parameters"
-    result = train_step(model, opt, [_batch(2, 1, 8)], topo, clip_grad=1.0, scaler=DynamicLossScaler(2.0**10))
+    result = _step(model, opt, [_batch(2, 1, 8)], clip_grad=1.0, scaler=DynamicLossScaler(2.0**10))
     assert not result.skipped and math.isfinite(result.grad_norm)
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
 

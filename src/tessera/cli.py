@@ -1,4 +1,5 @@
-"""Command line: ``tessera train --config FILE [--set section.key=value ...]``.
+"""Command line: ``tessera train --config FILE [--set section.key=value ...]``, ``tessera config``,
+``tessera schedule --kind interleaved --pp 4 --vpp 2 --microbatches 8 [--out schedule.svg]``.
 
 Run it under ``torchrun --nproc-per-node N`` for several processes, or give ``--nproc-per-node N``
 to ``tessera train`` itself: it checks the configuration for N processes first and then starts
@@ -26,7 +27,58 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
                        help="check the config for N processes, then launch them with torchrun")
     sub.add_parser("config", help="print the configuration reference (every key, default and meaning)")
+    schedule = sub.add_parser("schedule", help="simulate a pipeline schedule: step time, bubble, picture")
+    schedule.add_argument("--kind", default="1f1b", help="none, gpipe, 1f1b, interleaved or zb-h1")
+    schedule.add_argument("--pp", type=_positive(int), default=4, help="pipeline ranks")
+    schedule.add_argument("--vpp", type=_positive(int), default=1, help="model chunks per rank (interleaved)")
+    schedule.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
+    schedule.add_argument("--cost-f", type=_positive(float), default=1.0, help="forward time of one chunk")
+    schedule.add_argument("--cost-b", type=_positive(float), default=2.0, help="full backward time of one chunk")
+    schedule.add_argument("--cost-i", type=_positive(float), help="input-grad backward time (default: half of B)")
+    schedule.add_argument("--cost-w", type=_positive(float), help="weight-grad backward time (default: half of B)")
+    schedule.add_argument("--comm", type=float, default=0.0, help="latency of one send between ranks")
+    schedule.add_argument("--out", help="write the timeline picture here (.svg, or .png with matplotlib)")
+    schedule.add_argument("--print-actions", action="store_true", help="print each rank's action list")
     return parser
+
+
+def _positive(kind: type) -> callable:
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    """Build, check and simulate one schedule; print one summary line; draw it if asked."""
+    from tessera.pipeline_parallel.schedules import ScheduleError, build_all, check_matched
+    from tessera.pipeline_parallel.simulator import Costs, analytic_bubble, simulate
+    from tessera.pipeline_parallel.timeline import draw_timeline, summary
+
+    half = args.cost_b / 2
+    costs = Costs(F=args.cost_f, B=args.cost_b, I=args.cost_i or half, W=args.cost_w or half, comm=args.comm)
+    try:
+        schedules = build_all(args.kind, args.pp, args.vpp, args.microbatches)
+        check_matched(schedules)
+        timeline = simulate(schedules, args.vpp, costs)
+        if args.out:  # a picture it cannot write is refused like a bad schedule: ValueError
+            draw_timeline(timeline, args.out, title=summary(timeline, args.kind))
+    except (ScheduleError, ValueError) as e:
+        print(f"tessera: {e}", file=sys.stderr)
+        return 2
+    if args.print_actions:
+        for rank, actions in enumerate(schedules):
+            print(f"rank {rank}: " + " ".join(map(str, actions)))
+    # The textbook value assumes whole rounds of pp micro-batches.
+    analytic = (f" (analytic {analytic_bubble(args.kind, args.pp, args.vpp, args.microbatches):.3f})"
+                if args.microbatches % args.pp == 0 else "")
+    peaks = [timeline.peak_in_flight(r) for r in range(args.pp)]
+    print(f"{args.kind} pp={args.pp} vpp={args.vpp} microbatches={args.microbatches}: "
+          f"step time {timeline.step_time:g}, bubble {timeline.bubble_fraction:.3f}{analytic}, "
+          f"peak in-flight micro-batches per rank {peaks}" + (f", picture {args.out}" if args.out else ""))
+    return 0
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -49,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(reference_markdown())
         return 0
+    if args.command == "schedule":
+        return _schedule(args)
     from tessera.training.launch import shutdown, world_from_env
 
     rank = world_from_env()[0]

@@ -114,6 +114,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Split activations along the sequence inside TP regions (norms, dropout) and replace
     all-reduces by all-gather / reduce-scatter pairs."""
+    pp_layout: str = ""
+    """Layers of each virtual pipeline stage, comma-separated (pp*vpp entries, e.g. "3,4,4,3");
+    empty splits the layers evenly."""
+    schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1"] = "auto"
+    """Pipeline schedule. auto: the fastest valid one by the schedule simulator (no pipelining at
+    pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp"):

@@ -42,8 +42,9 @@ class Topology:
     """Sizes, this rank's coordinates and the process groups of one parallel layout.
 
     ``groups[axis]`` is this rank's group along ``axis`` (``tp``, ``cp``, ``dp``, ``pp``), plus
-    ``mp`` (tp x pp: the ranks holding one copy of the model) and ``embedding`` (the first and
-    last pipeline stage, which both hold a tied embedding). A group is ``None`` when it would
+    ``mp`` (tp x pp: the ranks holding one copy of the model), ``embedding`` (the first and
+    last pipeline stage, which both hold a tied embedding) and ``pp_grad`` (the pp ranks again,
+    for gradients flowing backward). A group is ``None`` when it would
     contain only this rank, and collectives over ``None`` are no-ops.
     """
 
@@ -78,7 +79,10 @@ class Topology:
             topo.groups[axis] = mesh.get_group(axis) if getattr(topo, axis) > 1 else None
         # tp x pp (one model replica) and the embedding group are not mesh axes: enumerate them.
         # new_group must be called by every rank for every group, in the same order.
-        for name, members in (("mp", topo._mp_ranks), ("embedding", topo._embedding_ranks)):
+        # pp_grad: the pipeline ranks again, a second group so that gradients flowing backward
+        # never queue behind activations flowing forward (see pipeline_parallel/p2p.py).
+        for name, members in (("mp", topo._mp_ranks), ("embedding", topo._embedding_ranks),
+                              ("pp_grad", topo._pp_ranks)):
             topo.groups[name] = None
             for ranks in members():
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
@@ -146,6 +150,10 @@ class Topology:
                 out.append([rank_of(Coordinates(tp=t, cp=cp_rank, dp=dp_rank, pp=p), self.tp, self.cp, self.dp)
                             for p in range(self.pp) for t in range(self.tp)])
         return out
+
+    def _pp_ranks(self) -> list[list[int]]:
+        return [[rank_of(Coordinates(tp=t, cp=c, dp=d, pp=p), self.tp, self.cp, self.dp) for p in range(self.pp)]
+                for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
 
     def _embedding_ranks(self) -> list[list[int]]:
         stages = sorted({0, self.pp - 1})

@@ -1,29 +1,57 @@
-"""Sampling from a (tensor-parallel) model, for the demo's closing sample.
+"""Sampling from a tensor- and pipeline-parallel model, for the demo's closing sample.
 
-Every rank of the TP group runs the same forward pass, gathers the full logits of the last
-position and draws with an identically seeded generator, so all ranks agree on every token
-without extra communication. No KV cache yet: the context is re-run each step (fine for a
-short sample; the inference issue adds the cache).
+Every TP rank of the last stage runs the same forward pass, gathers the full logits of the last
+position and draws with an identically seeded generator, so they agree without communication;
+with pipeline stages the context flows through the stages (forward only) and the last stage
+broadcasts the drawn token to the others. No KV cache yet: the context is re-run each step
+(fine for a short sample; the inference issue adds the cache).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from tessera.models.gpt import GPTModel
+from tessera.pipeline_parallel.p2p import P2P
+from tessera.tensor_parallel.mappings import gather_from_tp_region
+from tessera.topology import Topology
+
+
+def _last_stage_logits(chunks: list[GPTModel], tokens: torch.Tensor, topo: Topology,
+                       p2p: P2P | None) -> torch.Tensor | None:
+    """Forward ``tokens`` [1, s] through the pipeline; full logits [1, s, vocab] on the last stage."""
+    pp, rank = topo.pp, topo.pp_rank
+    last = pp * len(chunks) - 1
+    if p2p is not None:
+        p2p.new_step()
+    logits = None
+    for c, chunk in enumerate(chunks):
+        stage = c * pp + rank
+        x = p2p.recv("F", (rank - 1) % pp, (stage - 1) // pp).wait() if stage > 0 else None
+        out = chunk(tokens=tokens if stage == 0 else None, hidden=x)
+        if stage < last:
+            p2p.send("F", (rank + 1) % pp, c, out)
+        else:
+            full = gather_from_tp_region(out, chunk.tp.group)[..., : chunk.cfg.vocab_size]
+            logits = full.transpose(0, 1)
+    if p2p is not None:
+        p2p.wait_sends()
+    return logits
 
 
 @torch.no_grad()
-def generate(model: GPTModel, prompt: list[int], new_tokens: int, *, temperature: float = 0.8,
-             top_k: int = 40, seed: int = 0) -> list[int]:
-    if not (model.pre_process and model.post_process):
-        raise ValueError("generation needs the whole model on this rank (pp=1)")
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
+def generate(chunks: list[GPTModel], prompt: list[int], new_tokens: int, *, topo: Topology,
+             p2p: P2P | None = None, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> list[int]:
+    """Extend ``prompt`` by ``new_tokens`` sampled ids; every rank returns the same list."""
+    was_training = chunks[0].training
+    for chunk in chunks:
+        chunk.eval()
+    device = topo.device
     generator = torch.Generator(device).manual_seed(seed)
     ids = list(prompt)
-    tp, seq_len = model.tp.size, model.cfg.seq_len
+    tp, seq_len = topo.tp, chunks[0].cfg.seq_len
+    last_rank = topo.ranks_of("pp")[-1]
     for _ in range(new_tokens):
         context = ids[-seq_len:]
         # Under sequence parallelism the length must divide by tp: pad on the right, which a
@@ -31,11 +59,18 @@ def generate(model: GPTModel, prompt: list[int], new_tokens: int, *, temperature
         padded = context + [0] * (-len(context) % tp)
         if len(padded) > seq_len:
             context, padded = context[tp:], padded[tp:]
-        logits = model.full_logits(torch.tensor([padded], device=device))[0, len(context) - 1].float()
-        if top_k:
-            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits / max(temperature, 1e-5), dim=-1)
-        ids.append(int(torch.multinomial(probs, 1, generator=generator)))
-    model.train(was_training)
+        logits = _last_stage_logits(chunks, torch.tensor([padded], device=device), topo, p2p)
+        token = torch.zeros(1, dtype=torch.int64, device=device)
+        if logits is not None:
+            logits = logits[0, len(context) - 1].float()
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits / max(temperature, 1e-5), dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator)
+        if topo.pp > 1:
+            dist.broadcast(token, last_rank, group=topo.group("pp"))
+        ids.append(int(token))
+    for chunk in chunks:
+        chunk.train(was_training)
     return ids

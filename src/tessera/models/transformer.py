@@ -23,6 +23,7 @@ from tessera.tensor_parallel.layers import (
 )
 from tessera.tensor_parallel.mappings import Group, group_size
 from tessera.tensor_parallel.random import RNGTracker
+from tessera.tensor_parallel.wgrad import WeightGradStore
 
 
 @dataclass
@@ -32,6 +33,7 @@ class TPContext:
     group: Group = None
     sequence_parallel: bool = False
     rng: RNGTracker | None = None
+    wgrad_store: WeightGradStore | None = None  # set for zero-bubble pipeline schedules
 
     @property
     def size(self) -> int:
@@ -90,10 +92,11 @@ class Attention(nn.Module):
         q, kv = cfg.heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden, [q, kv, kv], tp_group=tp.group, bias=bias,
                                         sequence_parallel=tp.sequence_parallel, init_std=cfg.init_std,
-                                        device=device)
+                                        wgrad_store=tp.wgrad_store, device=device)
         self.proj = RowParallelLinear(q, cfg.hidden, tp_group=tp.group, bias=bias,
                                       sequence_parallel=tp.sequence_parallel,
-                                      init_std=scaled_init_std(cfg.init_std, cfg.layers), device=device)
+                                      init_std=scaled_init_std(cfg.init_std, cfg.layers),
+                                      wgrad_store=tp.wgrad_store, device=device)
         self.rope = (RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device)
                      if cfg.family == "llama" else None)
 
@@ -122,7 +125,8 @@ class MLP(nn.Module):
         super().__init__()
         self.family = cfg.family
         ffn, out_std = cfg.ffn_size, scaled_init_std(cfg.init_std, cfg.layers)
-        common = dict(tp_group=tp.group, sequence_parallel=tp.sequence_parallel, device=device)
+        common = dict(tp_group=tp.group, sequence_parallel=tp.sequence_parallel, wgrad_store=tp.wgrad_store,
+                      device=device)
         if cfg.family == "gpt2":
             self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, bias=True, init_std=cfg.init_std, **common)
             self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=True, init_std=out_std, **common)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tessera.tensor_parallel.wgrad import WeightGradStore, linear
 from tessera.tensor_parallel.mappings import (
     Group,
     copy_to_tp_region,
@@ -56,14 +57,15 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
 
 
 def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tp_group: Group,
-                           sequence_parallel: bool = False, gather_output: bool = False) -> Tensor:
+                           sequence_parallel: bool = False, gather_output: bool = False,
+                           wgrad_store: WeightGradStore | None = None) -> Tensor:
     """The column-parallel product with a given local weight [out/tp, in] (also used by a tied
     output layer, whose weight is the embedding's)."""
     if sequence_parallel:
         x = gather_from_sequence_region(x, tp_group, reduce_grad=True)
     else:
         x = copy_to_tp_region(x, tp_group)
-    y = F.linear(x, weight, bias)
+    y = linear(x, weight, bias, wgrad_store)
     return gather_from_tp_region(y, tp_group) if gather_output else y
 
 
@@ -77,9 +79,10 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, output_sizes: int | list[int], *, tp_group: Group,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
-                 init_std: float = 0.02, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None):
+                 init_std: float = 0.02, wgrad_store: WeightGradStore | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
+        self.wgrad_store = wgrad_store
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.tp_group, self.tp = tp_group, group_size(tp_group)
         if gather_output and len(self.output_sizes) > 1:
@@ -106,7 +109,8 @@ class ColumnParallelLinear(nn.Module):
 
         ``weight`` overrides the layer's own (a tied output layer passes the embedding's)."""
         return column_parallel_linear(x, self.weight if weight is None else weight, self.bias,
-                                      self.tp_group, self.sequence_parallel, self.gather_output)
+                                      self.tp_group, self.sequence_parallel, self.gather_output,
+                                      self.wgrad_store)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes} / tp={self.tp}, bias={self.bias is not None}"
@@ -118,9 +122,10 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 init_std: float = 0.02, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None):
+                 init_std: float = 0.02, wgrad_store: WeightGradStore | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
+        self.wgrad_store = wgrad_store
         self.tp_group, self.tp = tp_group, group_size(tp_group)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
@@ -146,7 +151,7 @@ class RowParallelLinear(nn.Module):
         """x: [s, b, in/tp] -> [s/tp if sequence_parallel else s, b, out]."""
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        z = F.linear(x, self.weight)
+        z = linear(x, self.weight, None, self.wgrad_store)
         if self.sequence_parallel:
             z = reduce_scatter_to_sequence_region(z, self.tp_group)
         else:

@@ -1,20 +1,23 @@
-"""One optimizer step over a global batch, on a single pipeline stage.
+"""One optimizer step over a global batch.
 
 Communication plan of a step:
 
 1. one all-reduce of the number of loss tokens over dp (so every micro-batch's loss is divided
    by the *global* count: the mean over all tokens of the global batch, however they are
    spread over micro-batches and ranks);
-2. forward/backward per micro-batch, gradients accumulating in ``param.grad`` (TP collectives
-   happen inside the layers);
-3. finalize: gradients summed over dp, sequence-parallel partial gradients summed over tp;
+2. the pipeline executor runs this rank's schedule: forward/backward per micro-batch and chunk,
+   activations and gradients between stages, gradients accumulating in ``param.grad`` (TP
+   collectives happen inside the layers);
+3. finalize: gradients summed over dp, sequence-parallel partial gradients summed over tp,
+   tied-embedding copies summed over the embedding group;
 4. the global gradient norm (one all-reduce over tp x pp), clipping, the AdamW step;
-5. the reported loss: one all-reduce over dp.
+5. the reported loss: one all-reduce over dp (meaningful on the last pipeline stage).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +26,7 @@ from torch import nn
 
 from tessera.distributed.finalize import finalize_model_grads
 from tessera.optim import DynamicLossScaler, clip_grad_norm
+from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.topology import Topology
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,20 +53,14 @@ def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict],
-               topo: Topology, *, clip_grad: float, dtype: str = "fp32",
+               topo: Topology, executor: PipelineExecutor, *, clip_grad: float, dtype: str = "fp32",
                scaler: DynamicLossScaler | None = None) -> StepResult:
+    """``model`` holds this rank's chunks (the executor's), ``micro_batches`` this dp rank's share."""
     device = topo.device
     local_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches).to(device, torch.float32)
     global_tokens = _sum_over(local_tokens.clone(), topo.group("dp"))
-    loss_sum = torch.zeros((), device=device)
-    scale = scaler.scale if scaler is not None else 1.0
-    for mb in micro_batches:
-        with autocast(device, dtype):
-            token_loss = model(mb["tokens"], labels=mb["labels"])
-        loss = (token_loss * mb["loss_mask"]).sum() / global_tokens
-        (loss * scale if scale != 1.0 else loss).backward()
-        loss_sum += loss.detach()
-
+    loss_sum = executor.run(micro_batches, global_tokens, functools.partial(autocast, device, dtype),
+                            loss_scale=scaler.scale if scaler is not None else 1.0)
     params = [p for p in model.parameters() if p.requires_grad]
     finalize_model_grads(model, topo)
     finite = True

@@ -1,0 +1,115 @@
+"""One executor for every schedule: walk this rank's action list, do each action.
+
+State per (micro-batch, chunk) lives from its forward to its backward: the stage's input (a leaf
+that collects the input gradient) and its output (or, on the last stage, the loss). Receives are
+posted when the list says (one compute early, so they overlap with the current compute) and
+waited for only by the compute that consumes them. A forward output, once sent, keeps only its
+autograd graph: its storage is released as soon as the send completes (backward needs the graph
+and the incoming gradient, not the output's values), as Megatron's deallocate_output_tensor.
+
+What this executor does that torch.distributed.pipelining's cannot: it drives tessera's
+Megatron-style TP/SP layers and RNG streams directly, splits backward into I and W through the
+layers' own weight-gradient store (no graph surgery), and runs the same action lists that the
+simulator times and draws.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+from torch.autograd import Variable
+
+from tessera.models import GPTModel
+from tessera.pipeline_parallel.p2p import P2P, PendingRecv
+from tessera.pipeline_parallel.schedules import Action, Op
+from tessera.tensor_parallel.wgrad import WeightGradStore
+
+
+def _backward(output: Tensor, grad: Tensor | None) -> None:
+    """Backward from ``output`` whose values may have been released (so no shape check);
+    ``grad=None`` for the scalar loss."""
+    if grad is None:
+        grad = torch.ones_like(output)
+    Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+def _release(t: Tensor) -> None:
+    t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
+
+
+class PipelineExecutor:
+    def __init__(self, chunks: list[GPTModel], actions: list[Action], p2p: P2P | None, pp: int, pp_rank: int,
+                 wgrad_store: WeightGradStore | None = None):
+        self.chunks, self.actions, self.p2p = chunks, actions, p2p
+        self.pp, self.pp_rank, self.wgrad_store = pp, pp_rank, wgrad_store
+        self.vpp = len(chunks)
+        self.peak_in_flight = 0  # most micro-batches holding activations at once (last run)
+
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.pp + self.pp_rank
+
+    def _tag(self, microbatch: int, chunk: int) -> int:
+        return microbatch * self.vpp + chunk
+
+    def run(self, micro_batches: list[dict[str, Tensor]], global_tokens: Tensor,
+            autocast=contextlib.nullcontext, loss_scale: float = 1.0) -> Tensor:
+        """Forward and backward of every micro-batch; returns the summed loss (on the last stage;
+        zero elsewhere). Gradients accumulate in ``param.grad``."""
+        device = global_tokens.device
+        last = self.pp * self.vpp - 1
+        loss_sum = torch.zeros((), device=device)
+        recvs: dict[tuple, PendingRecv] = {}
+        state: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}  # F done, backward not yet
+        input_grads: dict[tuple[int, int], Tensor] = {}  # backward done, SEND_B not yet
+        holding: set[tuple[int, int]] = set()  # activations alive: F done, B (or W) not yet
+        if self.p2p is not None:
+            self.p2p.new_step()
+        self.peak_in_flight = 0
+        for action in self.actions:
+            mb, c, op = action.microbatch, action.chunk, action.op
+            key = (mb, c)
+            if op in (Op.RECV_F, Op.RECV_B):
+                # tagged with the sender's chunk: the neighbouring virtual stage, which may wrap
+                sender = self._stage(c) + (-1 if op == Op.RECV_F else 1)
+                recvs[(op, key)] = self.p2p.recv(op.value[-1], action.peer, self._tag(mb, sender // self.pp))
+            elif op == Op.F:
+                stage, batch = self._stage(c), micro_batches[mb]
+                x = recvs.pop((Op.RECV_F, key)).wait().requires_grad_() if stage > 0 else None
+                with autocast():
+                    out = self.chunks[c](tokens=batch["tokens"] if stage == 0 else None, hidden=x,
+                                         labels=batch["labels"] if stage == last else None)
+                if stage == last:
+                    out = (out * batch["loss_mask"]).sum() / global_tokens
+                    loss_sum += out.detach()
+                    out = out * loss_scale if loss_scale != 1.0 else out
+                state[key] = (x, out)
+                holding.add(key)
+                self.peak_in_flight = max(self.peak_in_flight, len(holding))
+            elif op == Op.SEND_F:
+                out = state[key][1]
+                self.p2p.send("F", action.peer, self._tag(mb, c), out.detach())
+                _release(out)
+            elif op in (Op.B, Op.I):
+                x, out = state.pop(key)
+                grad = None if self._stage(c) == last else recvs.pop((Op.RECV_B, key)).wait()
+                with self.wgrad_store.defer(key) if op == Op.I else contextlib.nullcontext():
+                    _backward(out, grad)
+                if x is not None:
+                    input_grads[key] = x.grad
+                if op == Op.B:
+                    holding.discard(key)
+            elif op == Op.SEND_B:
+                self.p2p.send("B", action.peer, self._tag(mb, c), input_grads.pop(key))
+            elif op == Op.W:
+                self.wgrad_store.run(key)
+                holding.discard(key)
+            if self.p2p is not None:
+                self.p2p.reap()
+        if self.p2p is not None:
+            self.p2p.wait_sends()
+        assert not state and not recvs and not input_grads, "the schedule left work undone"
+        return loss_sum

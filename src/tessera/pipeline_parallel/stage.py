@@ -1,0 +1,60 @@
+"""Cutting the model into pipeline stages: which layers each virtual stage holds.
+
+With ``pp`` ranks and ``vpp`` chunks per rank there are ``pp * vpp`` virtual stages; chunk ``c``
+of pipeline rank ``r`` is virtual stage ``c * pp + r``. Layers are split evenly, or by an
+explicit layout (``parallel.pp_layout = "3,4,4,3"``: layers per virtual stage, e.g. fewer on the
+first and last stages, which also hold the embedding and the head).
+"""
+
+from __future__ import annotations
+
+from tessera.config import ModelConfig
+from tessera.models import GPTModel, TPContext
+
+
+class LayoutError(ValueError):
+    pass
+
+
+def parse_layout(text: str) -> list[int] | None:
+    if not text.strip():
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise LayoutError(f"'{text}' is not a comma-separated list of layer counts") from None
+
+
+def stage_layer_ranges(layers: int, pp: int, vpp: int = 1, layout: list[int] | None = None) -> list[range]:
+    """The (global) layer indices of each virtual stage, in pipeline order."""
+    stages = pp * vpp
+    if layout is None:
+        if pp > layers:
+            raise LayoutError(f"pp={pp} stages for {layers} layers: every stage needs at least one layer")
+        if layers % stages:
+            per_rank = f"{layers // pp} layers per stage" if layers % pp == 0 else f"{layers} layers"
+            raise LayoutError(f"{per_rank} cannot be split into vpp={vpp} equal chunks on pp={pp} stages "
+                              f"({layers} layers are not divisible by pp*vpp = {stages}); "
+                              "give parallel.pp_layout with the layers of each virtual stage")
+        layout = [layers // stages] * stages
+    if len(layout) != stages:
+        raise LayoutError(f"pp_layout has {len(layout)} entries, but pp*vpp = {stages} virtual stages need one each")
+    if sum(layout) != layers or min(layout) < 0:
+        raise LayoutError(f"pp_layout {layout} must be non-negative and sum to model.layers = {layers}")
+    if any(n == 0 for n in layout[1:-1]):
+        raise LayoutError(f"pp_layout {layout}: a middle stage with no layers does nothing")
+    starts = [sum(layout[:i]) for i in range(stages)]
+    return [range(start, start + n) for start, n in zip(starts, layout)]
+
+
+def build_stage_chunks(cfg: ModelConfig, tp: TPContext, pp_rank: int, pp: int, vpp: int = 1,
+                       layout: list[int] | None = None, device=None) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual stage it holds), not yet initialised."""
+    ranges = stage_layer_ranges(cfg.layers, pp, vpp, layout)
+    last = pp * vpp - 1
+    chunks = []
+    for c in range(vpp):
+        stage = c * pp + pp_rank
+        chunks.append(GPTModel(cfg, tp, layer_range=ranges[stage], pre_process=stage == 0,
+                               post_process=stage == last, device=device))
+    return chunks

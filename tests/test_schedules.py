@@ -1,0 +1,263 @@
+"""Pipeline schedules: complete, matched, deadlock-free, as fast as the textbook, and drawn as simulated."""
+
+import functools
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+
+import pytest
+
+from tessera import cli
+from tessera.pipeline_parallel.schedules import (
+    COMPUTE, KINDS, Action, Op, ScheduleError, build_all, build_schedule, check_kind, check_matched)
+from tessera.pipeline_parallel.simulator import Costs, analytic_bubble, simulate
+from tessera.pipeline_parallel.timeline import draw_timeline
+
+PPS, VPPS = (1, 2, 3, 4, 8), (1, 2, 3, 4)
+
+
+def _valid(kind, pp, vpp, m=1):
+    try:
+        check_kind(kind, pp, vpp, m)
+        return True
+    except ScheduleError:
+        return False
+
+
+LAYOUTS = [(kind, pp, vpp) for kind in KINDS for pp in PPS for vpp in VPPS if _valid(kind, pp, vpp)]
+
+
+@functools.cache  # build_all of interleaved pp=8 is the slow part; several tests share it
+def _built(kind, pp, vpp, m):
+    return build_all(kind, pp, vpp, m)
+
+
+def _compute(actions):
+    return [a for a in actions if a.op in COMPUTE]
+
+
+def _needed_recv(action, pp, vpp, rank):
+    """The receive a compute action consumes, worked out here independently of schedules.py."""
+    stage, last = action.chunk * pp + rank, pp * vpp - 1
+    if action.op == Op.F and stage > 0:
+        return Action(Op.RECV_F, action.microbatch, action.chunk, (rank - 1) % pp)
+    if action.op in (Op.B, Op.I) and stage < last:
+        return Action(Op.RECV_B, action.microbatch, action.chunk, (rank + 1) % pp)
+    return None
+
+
+def test_every_kind_has_layouts():
+    # Guards the sweep below: a check_kind that refused everything would make it vacuous.
+    assert Counter(kind for kind, _, _ in LAYOUTS) == {"none": 1, "gpipe": 5, "1f1b": 5, "interleaved": 12,
+                                                       "zb-h1": 5}
+
+
+@pytest.mark.parametrize("kind,pp,vpp", LAYOUTS, ids=[f"{k}-pp{p}-vpp{v}" for k, p, v in LAYOUTS])
+def test_schedule_is_complete_matched_and_runs(kind, pp, vpp):
+    for m in range(1, 3 * pp + 3):
+        schedules = _built(kind, pp, vpp, m)
+        assert len(schedules) == pp
+        check_matched(schedules)
+        timeline = simulate(schedules, vpp)  # raises ScheduleError on a deadlock
+        for rank, actions in enumerate(schedules):
+            compute = _compute(actions)
+            assert [a for a, _, _ in timeline.spans[rank]] == compute, (m, rank)
+            ops = {(mb, c): [] for mb in range(m) for c in range(vpp)}
+            for a in compute:
+                ops[(a.microbatch, a.chunk)].append(a.op)  # a KeyError is a stray micro-batch or chunk
+            # Each forward and its backward exactly once, in this order (I before W when split).
+            expected = [Op.F, Op.I, Op.W] if kind == "zb-h1" else [Op.F, Op.B]
+            assert all(v == expected for v in ops.values()), (m, rank, ops)
+            assert all(s < e for _, s, e in timeline.spans[rank])
+
+
+@pytest.mark.parametrize("kind,pp,vpp", LAYOUTS, ids=[f"{k}-pp{p}-vpp{v}" for k, p, v in LAYOUTS])
+def test_receive_is_posted_before_the_preceding_compute(kind, pp, vpp):
+    for m in range(1, 3 * pp + 3):
+        for rank, actions in enumerate(_built(kind, pp, vpp, m)):
+            where = {a: i for i, a in enumerate(actions)}
+            computes = [i for i, a in enumerate(actions) if a.op in COMPUTE]
+            for k, i in enumerate(computes):
+                recv = _needed_recv(actions[i], pp, vpp, rank)
+                if recv is None:
+                    continue
+                assert recv in where, (m, rank, str(actions[i]))
+                # Overlap: the receive is in flight while the previous compute runs.
+                before = computes[k - 1] if k > 0 else i
+                assert where[recv] < before, (m, rank, str(recv), str(actions[i]))
+
+
+@pytest.mark.parametrize("kind,pp,vpp,m", [
+    ("1f1b", 2, 1, 2), ("1f1b", 4, 1, 8), ("1f1b", 8, 1, 24), ("gpipe", 3, 1, 9), ("gpipe", 4, 1, 4),
+    ("interleaved", 2, 2, 2), ("interleaved", 2, 2, 6), ("interleaved", 4, 2, 8), ("interleaved", 3, 3, 6),
+    ("interleaved", 8, 4, 16), ("zb-h1", 2, 1, 4), ("zb-h1", 4, 1, 8), ("zb-h1", 8, 1, 16),
+])
+def test_bubble_matches_analytic(kind, pp, vpp, m):
+    timeline = simulate(_built(kind, pp, vpp, m), vpp)
+    assert timeline.bubble_fraction == pytest.approx(analytic_bubble(kind, pp, vpp, m))
+
+
+def test_bubble_and_step_time_by_hand():
+    # 1F1B: (m + p - 1)(F + B) = 11 * 3; interleaved p=4 v=2 m=8: (p - 1) / (v m) = 3 / 16.
+    one_f_one_b = simulate(_built("1f1b", 4, 1, 8))
+    assert one_f_one_b.step_time == 33 and one_f_one_b.bubble_fraction == pytest.approx(3 / 8)
+    assert simulate(_built("interleaved", 4, 2, 8), 2).bubble_fraction == pytest.approx(3 / 16)
+    assert simulate(_built("zb-h1", 4, 1, 6)).bubble_fraction == pytest.approx(1 / 3)
+    # Latency adds to every hop of the fill and drain: 1F1B pp=2 m=1 is F, comm, F, B, comm, B.
+    slow = simulate(_built("1f1b", 2, 1, 1), costs=Costs(F=1, B=2, comm=0.5))
+    assert slow.step_time == pytest.approx(1 + 0.5 + 1 + 2 + 0.5 + 2)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_peak_in_flight(pp):
+    for m in range(1, 3 * pp + 3):
+        for kind in ("1f1b", "zb-h1"):
+            timeline = simulate(_built(kind, pp, 1, m))
+            assert timeline.peak_in_flight(0) == min(m, pp) <= pp, (kind, m)
+            assert all(timeline.peak_in_flight(r) <= pp - r for r in range(pp)), (kind, m)
+        assert simulate(_built("gpipe", pp, 1, m)).peak_in_flight(0) == m
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_zero_bubble_beats_one_f_one_b(pp):
+    for m in (1, pp, pp + 1, 2 * pp, 3 * pp + 2):
+        zb = simulate(_built("zb-h1", pp, 1, m)).bubble_fraction
+        assert zb < simulate(_built("1f1b", pp, 1, m)).bubble_fraction, m
+
+
+@pytest.mark.parametrize("args,message", [
+    (("interleaved", 4, 1, 8), "schedule 'interleaved' needs vpp >= 2 model chunks per rank"),
+    (("interleaved", 1, 2, 8), "vpp > 1 needs pp >= 2"),
+    (("none", 2, 1, 8), "schedule 'none' (no pipelining) needs pp=1"),
+    (("1f1b", 4, 2, 8), "schedule '1f1b' runs one model chunk per rank: use 'interleaved' for vpp=2"),
+    (("pipedream", 4, 1, 8), "unknown schedule 'pipedream': choose one of none, gpipe, 1f1b, interleaved, zb-h1"),
+    (("gpipe", 4, 1, 0), "a step needs at least one micro-batch, got 0"),
+])
+def test_check_kind_refuses(args, message):
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        check_kind(*args)
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        build_schedule(*args, rank=0)
+
+
+def test_crossed_orders_hang():
+    f, b = (lambda mb: Action(Op.F, mb)), (lambda mb: Action(Op.B, mb))
+    # Rank 0 waits for rank 1's B0 before its F1; rank 1 waits for that F1 before its B0.
+    crossed = [[f(0), b(0), f(1), b(1)], [f(0), f(1), b(0), b(1)]]
+    with pytest.raises(ScheduleError, match=r"hang.*0: 'B0'.*1: 'F1'"):
+        simulate(crossed)
+    assert simulate([[f(0), f(1), b(0), b(1)], [f(0), b(0), f(1), b(1)]]).step_time == 9  # uncrossed: fine
+
+
+def test_check_matched_refuses_a_dropped_receive_or_send():
+    schedules = _built("interleaved", 2, 2, 4)
+    check_matched(schedules)
+    # The hand-over from the last rank's chunk 0 to rank 0's chunk 1: the chunk renumbering path.
+    wrap = Action(Op.RECV_F, 0, 1, 1)
+    assert wrap in schedules[0]
+    with pytest.raises(ScheduleError, match="unmatched point-to-point"):
+        check_matched([[a for a in schedules[0] if a != wrap], schedules[1]])
+    send = Action(Op.SEND_B, 2, 0, 0)
+    assert send in schedules[1]
+    with pytest.raises(ScheduleError, match="unmatched point-to-point"):
+        check_matched([schedules[0], [a for a in schedules[1] if a != send]])
+
+
+# -- the picture and the command line --------------------------------------------------------------
+def _rects(svg_path):
+    root = ET.parse(svg_path).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    rects = [r for r in root.iter(ns + "rect") if r.get("class") in {op.value for op in COMPUTE}]
+    labels = [t.text for t in root.iter(ns + "text") if t.get("class") == "microbatch"]
+    return rects, labels, [t.text for t in root.iter(ns + "text")]
+
+
+def test_svg_places_every_action_at_its_simulated_time(tmp_path):
+    timeline = simulate(_built("zb-h1", 3, 1, 5), costs=Costs(F=1, B=2, I=1.5, W=0.5, comm=0.25))
+    path = tmp_path / "zb.svg"
+    draw_timeline(timeline, path, title="zero bubble & friends")
+    rects, labels, texts = _rects(path)
+    spans = [span for rank in timeline.spans for span in rank]
+    assert len(rects) == len(spans) == 3 * 5 * 3
+    (_, s0, _), x0 = spans[0], float(rects[0].get("x"))
+    scale = float(rects[0].get("width")) / (spans[0][2] - spans[0][1])
+    for rect, (action, start, end) in zip(rects, spans):
+        assert rect.get("class") == action.op.value
+        assert float(rect.get("x")) == pytest.approx(x0 + (start - s0) * scale, abs=0.1)
+        assert float(rect.get("width")) == pytest.approx((end - start) * scale, abs=0.1)
+    ys = sorted({float(r.get("y")) for r in rects})
+    assert len(ys) == 3  # one row per rank
+    fills = {op: {r.get("fill") for r in rects if r.get("class") == op} for op in "FIW"}
+    assert all(len(f) == 1 for f in fills.values()) and len(set.union(*fills.values())) == 3
+    assert labels == [str(a.microbatch) for a, _, _ in spans]  # one label per box, in its box's order
+    assert "zero bubble &amp; friends" in path.read_text()  # escaped, and the file still parses
+
+
+def test_cli_prints_one_line_with_the_bubble(capsys):
+    assert cli.main(["schedule", "--kind", "1f1b", "--pp", "4", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["1f1b pp=4 vpp=1 microbatches=8: step time 33, bubble 0.375 (analytic 0.375), "
+                   "peak in-flight micro-batches per rank [4, 3, 2, 1]"]
+    # Not a whole number of rounds: no analytic value; costs and latency change the step time.
+    assert cli.main(["schedule", "--kind", "zb-h1", "--pp", "2", "--microbatches", "3",
+                     "--cost-f", "2", "--cost-b", "4", "--comm", "1"]) == 0
+    line = capsys.readouterr().out
+    assert "analytic" not in line and "step time" in line
+    expected = simulate(_built("zb-h1", 2, 1, 3), costs=Costs(F=2, B=4, I=2, W=2, comm=1))
+    assert f"step time {expected.step_time:g}, bubble {expected.bubble_fraction:.3f}" in line
+
+
+def test_cli_writes_the_svg(tmp_path, capsys):
+    out = tmp_path / "schedule.svg"
+    argv = ["schedule", "--kind", "interleaved", "--pp", "4", "--vpp", "2", "--microbatches", "8", "--out", str(out)]
+    assert cli.main(argv) == 0
+    assert "bubble 0.188 (analytic 0.188)" in capsys.readouterr().out
+    rects, labels, texts = _rects(out)
+    assert len(rects) == 4 * 2 * 8 * 2  # ranks x chunks x micro-batches x (F, B)
+    assert Counter(labels) == {str(mb): 4 * 2 * 2 for mb in range(8)}
+    assert "interleaved pp=4 vpp=2 microbatches=8 bubble=0.188" in texts
+    # Two shades per kind of action: one per model chunk.
+    assert len({r.get("fill") for r in rects if r.get("class") == "F"}) == 2
+
+
+def test_cli_prints_actions(capsys):
+    assert cli.main(["schedule", "--kind", "1f1b", "--pp", "2", "--microbatches", "3", "--print-actions"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [f"rank {r}: " + " ".join(map(str, build_schedule("1f1b", 2, 1, 3, r))) for r in (0, 1)]
+    assert lines[0] == "rank 0: F0 SEND_F0@1 RECV_B0@1 F1 SEND_F1@1 B0 RECV_B1@1 F2 SEND_F2@1 RECV_B2@1 B1 B2"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--kind", "pipedream"], ["--kind", "interleaved", "--vpp", "1"], ["--kind", "none", "--pp", "2"],
+    ["--microbatches", "0"], ["--out", "schedule.pdf"],
+])
+def test_cli_refuses_in_one_line(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["schedule", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.splitlines()) == 1 and captured.err.startswith("tessera: ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_png_without_matplotlib_says_what_to_do(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes any matplotlib import fail
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    timeline = simulate(_built("1f1b", 2, 1, 2))
+    with pytest.raises(ValueError, match=r"matplotlib.*\.svg|\.svg.*matplotlib"):
+        draw_timeline(timeline, tmp_path / "t.png")
+    assert cli.main(["schedule", "--pp", "2", "--out", str(tmp_path / "t.png")]) == 2
+    assert capsys.readouterr().err.startswith("tessera: cannot draw")
+
+
+def test_python_dash_m(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tessera", "schedule", "--kind", "gpipe", "--pp", "2",
+                           "--microbatches", "4"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("gpipe pp=2 vpp=1 microbatches=4: step time 15, bubble 0.250 (analytic 0.250)")
+    bad = subprocess.run([sys.executable, "-m", "tessera", "schedule", "--kind", "none", "--pp", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr == "tessera: schedule 'none' (no pipelining) needs pp=1: " \
+                                                 "choose 1f1b, interleaved or zb-h1\n"
