@@ -132,3 +132,35 @@ def test_every_field_documented_and_reference_in_sync():
     path = Path(__file__).parent.parent / "docs" / "configuration.md"
     assert path.read_text().strip() == reference_markdown().strip(), \
         "docs/configuration.md is stale: run `python -m tessera config > docs/configuration.md`"
+
+
+PIPELINE_BAD = [
+    (["parallel.pp=4", "model.layers=2"], 4, "parallel.pp", "exceeds model.layers=2"),
+    (["parallel.pp=2", "parallel.vpp=3", "model.layers=4"], 2, "parallel.vpp", "not divisible by pp*vpp = 6"),
+    (["parallel.pp=2", "parallel.pp_layout=1,2", "model.layers=4"], 2, "parallel.pp_layout", "sum to model.layers = 4"),
+    (["parallel.pp=2", "parallel.pp_layout=2,2,0", "model.layers=4"], 2, "parallel.pp_layout", "3 entries"),
+    (["parallel.pp=2", "parallel.pp_layout=a,b"], 2, "parallel.pp_layout", "not a comma-separated list"),
+    (["parallel.pp=2", "parallel.schedule=none"], 2, "parallel.schedule", "needs pp=1"),
+    (["parallel.pp=2", "parallel.schedule=1f1b", "parallel.vpp=2"], 2, "parallel.schedule", "use 'interleaved'"),
+    (["parallel.pp=2", "parallel.schedule=interleaved"], 2, "parallel.schedule", "needs vpp >= 2"),
+    (["parallel.vpp=2"], 1, "parallel.vpp", "vpp > 1 needs pp >= 2"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,key,words", PIPELINE_BAD, ids=[b[3][:24] for b in PIPELINE_BAD])
+def test_bad_pipeline_layout_is_refused_before_training(overrides, world, key, words):
+    from tessera.training.trainer import check_runnable
+
+    with pytest.raises(ConfigError) as info:
+        check_runnable(load_config(None, overrides), world)
+    assert info.value.key == key
+    assert words in str(info.value)
+
+
+def test_auto_schedule_is_the_fastest_valid_one():
+    from tessera.training.trainer import choose_schedule
+
+    assert choose_schedule("auto", 1, 1, 4) == "none"
+    assert choose_schedule("auto", 2, 2, 4) == "interleaved"
+    assert choose_schedule("auto", 4, 1, 8) == "zb-h1"
+    assert choose_schedule("1f1b", 4, 1, 8) == "1f1b"

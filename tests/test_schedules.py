@@ -118,6 +118,10 @@ def test_peak_in_flight(pp):
             assert timeline.peak_in_flight(0) == min(m, pp) <= pp, (kind, m)
             assert all(timeline.peak_in_flight(r) <= pp - r for r in range(pp)), (kind, m)
         assert simulate(_built("gpipe", pp, 1, m)).peak_in_flight(0) == m
+    for m in (pp, 2 * pp, 3 * pp):  # interleaved holds (micro-batch, chunk) pairs: Megatron's warm-up + 1
+        timeline = simulate(_built("interleaved", pp, 2, m), 2)
+        assert [timeline.peak_in_flight(r) for r in range(pp)] == [min(2 * m, 2 * (pp - r - 1) + pp + 1)
+                                                                  for r in range(pp)], m
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])

@@ -54,3 +54,16 @@ def test_bf16_trains_close_to_fp32(tmp_path):
     bf16, _ = run_train(tmp_path / "bf16", 2, ["data.source=synthetic", "train.dtype=bf16", "parallel.tp=2"])
     for a, b in zip(fp32, bf16):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
+
+
+@pytest.mark.timeout(500)
+def test_pipeline_layouts_give_the_same_losses(tmp_path):
+    base = ["model.layers=4", "data.source=builtin"]
+    reference, _ = run_train(tmp_path / "pp1", 1, base)
+    for name, nproc, layout in [
+        ("tp2pp2", 4, ["parallel.tp=2", "parallel.pp=2"]),
+        ("pp2vpp2", 2, ["parallel.pp=2", "parallel.vpp=2"]),
+        ("pp4", 4, ["parallel.pp=4", "parallel.schedule=1f1b"]),
+    ]:
+        curve, stdout = run_train(tmp_path / name, nproc, base + layout)
+        assert_same_curve(reference, curve)

@@ -356,6 +356,8 @@ def validate(cfg: Config, world_size: int) -> Config:
            f"choose seq_len as a multiple of {p.tp} or turn parallel.sequence_parallel off")
     _check(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel",
            "sequence parallelism needs tp > 1", "set parallel.tp >= 2 or turn it off")
+    _check(p.vpp == 1 or p.pp > 1, "parallel.vpp", "vpp > 1 needs pp >= 2 (model chunks interleave over stages)",
+           "set parallel.vpp=1 or parallel.pp >= 2")
     _check(p.pp <= m.layers, "parallel.pp", f"pp={p.pp} exceeds model.layers={m.layers}",
            "use at most one stage per layer")
     p.dp = dp

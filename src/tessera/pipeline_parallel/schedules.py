@@ -74,14 +74,14 @@ def check_kind(kind: str, pp: int, vpp: int, microbatches: int) -> None:
         raise ScheduleError(f"unknown schedule '{kind}': choose one of {', '.join(KINDS)}")
     if microbatches < 1:
         raise ScheduleError(f"a step needs at least one micro-batch, got {microbatches}")
+    if vpp > 1 and pp < 2:
+        raise ScheduleError("vpp > 1 needs pp >= 2")
     if kind == "none" and pp > 1:
         raise ScheduleError("schedule 'none' (no pipelining) needs pp=1: choose 1f1b, interleaved or zb-h1")
     if kind == "interleaved" and vpp < 2:
         raise ScheduleError("schedule 'interleaved' needs vpp >= 2 model chunks per rank")
     if kind != "interleaved" and vpp > 1:
         raise ScheduleError(f"schedule '{kind}' runs one model chunk per rank: use 'interleaved' for vpp={vpp}")
-    if vpp > 1 and pp < 2:
-        raise ScheduleError("vpp > 1 needs pp >= 2")
 
 
 # -- compute orders ------------------------------------------------------------------------------
