@@ -53,3 +53,13 @@ def test_nccl_tensor_parallel_matches_one_gpu(tmp_path):
     for a, b, c in zip(one, tp2, dp2):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
         assert c["loss"] == pytest.approx(a["loss"], rel=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_pipeline_schedules_match_one_gpu(tmp_path):
+    base = ["model.layers=4"]
+    one = _train(tmp_path, "pp1", 1, base)
+    for kind, vpp in [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("gpipe", 1)]:
+        curve = _train(tmp_path, kind, 2, base + ["parallel.pp=2", f"parallel.vpp={vpp}", f"parallel.schedule={kind}"])
+        for a, b in zip(one, curve):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), kind
