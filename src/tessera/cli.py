@@ -42,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive(kind: type) -> callable:
+def _positive(kind: type):
+    """An argparse type: ``kind(text)``, refused unless > 0 (sizes and costs)."""
+
     def parse(text: str):
         value = kind(text)
         if value <= 0:

@@ -43,8 +43,7 @@ class Topology:
 
     ``groups[axis]`` is this rank's group along ``axis`` (``tp``, ``cp``, ``dp``, ``pp``), plus
     ``mp`` (tp x pp: the ranks holding one copy of the model), ``embedding`` (the first and
-    last pipeline stage, which both hold a tied embedding) and ``pp_grad`` (the pp ranks again,
-    for gradients flowing backward). A group is ``None`` when it would
+    last pipeline stage, which both hold a tied embedding). A group is ``None`` when it would
     contain only this rank, and collectives over ``None`` are no-ops.
     """
 
@@ -79,10 +78,7 @@ class Topology:
             topo.groups[axis] = mesh.get_group(axis) if getattr(topo, axis) > 1 else None
         # tp x pp (one model replica) and the embedding group are not mesh axes: enumerate them.
         # new_group must be called by every rank for every group, in the same order.
-        # pp_grad: the pipeline ranks again, a second group so that gradients flowing backward
-        # never queue behind activations flowing forward (see pipeline_parallel/p2p.py).
-        for name, members in (("mp", topo._mp_ranks), ("embedding", topo._embedding_ranks),
-                              ("pp_grad", topo._pp_ranks)):
+        for name, members in (("mp", topo._mp_ranks), ("embedding", topo._embedding_ranks)):
             topo.groups[name] = None
             for ranks in members():
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
@@ -151,7 +147,8 @@ class Topology:
                             for p in range(self.pp) for t in range(self.tp)])
         return out
 
-    def _pp_ranks(self) -> list[list[int]]:
+    def all_pp_ranks(self) -> list[list[int]]:
+        """Every pipeline group's global ranks, in a fixed order (to make more groups like them)."""
         return [[rank_of(Coordinates(tp=t, cp=c, dp=d, pp=p), self.tp, self.cp, self.dp) for p in range(self.pp)]
                 for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
 

@@ -1,9 +1,13 @@
 """Point-to-point between pipeline stages, with a shape handshake.
 
-Activations travel forward on one process group and their gradients backward on a second group
-over the same ranks, so the two streams of messages never queue behind each other and each keeps
-the same order on both ends (NCCL matches point-to-point messages in order; gloo by tag, and the
-tag here is the message's micro-batch and chunk).
+NCCL matches the messages between two ranks of one communicator in the order they are posted,
+and a large send holds its stream until the receiver takes it. So messages that are posted in
+different orders on the two ends must not share a communicator: activations (stream ``F``) and
+gradients (stream ``B``) each get their own groups, and within a stream the sender's pipeline
+rank parity picks one of two groups, so that with pp=2 (where ranks 0 and 1 send activations to
+each other, as the interleaved schedule wraps around) each communicator carries one direction of
+one stream, in an order both ends agree on (the schedule's sequence order). gloo matches by tag;
+the tag here is the message's micro-batch and chunk.
 
 Shapes are negotiated, not assumed: at the first message of a step to a peer on a stream, the
 sender first sends a small header (number of dims, sizes, dtype) and the receiver allocates from
@@ -66,21 +70,49 @@ class P2P:
 
     def __init__(self, topo: Topology):
         self.device = topo.device
-        self.groups = {"F": topo.group("pp"), "B": topo.group("pp_grad")}
         self.global_ranks = topo.ranks_of("pp")
+        # (stream, sender's pipeline rank parity) -> group; every rank makes every group.
+        self.groups: dict[tuple[str, int], dist.ProcessGroup] = {}
+        for key in [(stream, parity) for stream in STREAMS for parity in (0, 1)]:
+            for ranks in topo.all_pp_ranks():
+                group = dist.new_group(ranks)
+                if topo.rank in ranks:
+                    self.groups[key] = group
+        self.rank = topo.pp_rank
         self._sends: list[tuple[object, torch.Tensor | None]] = []
         self.new_step()
+        self._connect(topo.pp_rank, topo.pp)
+
+    def _connect(self, rank: int, pp: int) -> None:
+        """Exchange one value with both neighbours on each stream, every pipeline rank at once.
+
+        NCCL creates a pair's communicator at its first message, blocking the CPU until the peer
+        arrives; created lazily mid-schedule, that wait can deadlock against a GPU that is busy
+        in another receive. So every pair connects here, up front, in one batched call."""
+        if pp == 1:
+            return
+        for group in self.groups.values():
+            out = torch.zeros(2, device=self.device)
+            ops = [dist.P2POp(dist.isend, out[:1], self.global_ranks[(rank + 1) % pp], group),
+                   dist.P2POp(dist.irecv, out[1:], self.global_ranks[(rank - 1) % pp], group)]
+            if pp > 2:
+                back = torch.zeros(2, device=self.device)
+                ops += [dist.P2POp(dist.isend, back[:1], self.global_ranks[(rank - 1) % pp], group),
+                        dist.P2POp(dist.irecv, back[1:], self.global_ranks[(rank + 1) % pp], group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
 
     def new_step(self) -> None:
         """Forget the negotiated shapes: the next message on each stream carries a header."""
         self._sent_shape: dict[tuple[str, int], tuple] = {}
-        self._recv_shape: dict[tuple[str, int], tuple | tuple[object, torch.Tensor]] = {}
+        self._recv_shape: dict[tuple[str, int], tuple] = {}  # header in flight, or (shape, dtype)
+        self._deferred: dict[tuple[str, int], list[PendingRecv]] = {}  # waiting for that header
 
     # -- send -----------------------------------------------------------------------------------
     def send(self, stream: str, peer: int, tag: int, tensor: torch.Tensor) -> None:
         """Post an asynchronous send of ``tensor`` to pipeline rank ``peer``."""
         key, signature = (stream, peer), (tuple(tensor.shape), tensor.dtype)
-        dst, group = self.global_ranks[peer], self.groups[stream]
+        dst, group = self.global_ranks[peer], self.groups[(stream, self.rank % 2)]
         if key not in self._sent_shape:
             header = _header(tensor, self.device)
             self._sends.append((dist.isend(header, dst, group=group, tag=HEADER_TAG), header))
@@ -108,20 +140,27 @@ class P2P:
         key = (stream, peer)
         if key not in self._recv_shape:
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-            work = dist.irecv(header, self.global_ranks[peer], group=self.groups[stream], tag=HEADER_TAG)
+            work = dist.irecv(header, self.global_ranks[peer], group=self.groups[(stream, peer % 2)], tag=HEADER_TAG)
             self._recv_shape[key] = (work, header)
+            self._deferred[key] = []
         pending = PendingRecv(self, stream, peer, tag)
-        if not isinstance(self._recv_shape[key][0], dist.Work):
-            self._post_payload(pending)
+        if key in self._deferred:
+            self._deferred[key].append(pending)
+        else:
+            self._post(pending, *self._recv_shape[key])
         return pending
 
     def _post_payload(self, pending: PendingRecv) -> None:
+        """The header arrives: post every receive deferred on it, in the order they were asked
+        for (NCCL matches messages between two ranks in order)."""
         key = (pending.stream, pending.peer)
-        entry = self._recv_shape[key]
-        if isinstance(entry[0], dist.Work):
-            entry[0].wait()
-            entry = self._recv_shape[key] = _decode(entry[1])
-        shape, dtype = entry
+        work, header = self._recv_shape[key]
+        work.wait()
+        self._recv_shape[key] = shape = _decode(header)
+        for waiting in self._deferred.pop(key):
+            self._post(waiting, *shape)
+
+    def _post(self, pending: PendingRecv, shape: tuple, dtype: torch.dtype) -> None:
         pending.buffer = torch.empty(shape, dtype=dtype, device=self.device)
         pending.work = dist.irecv(pending.buffer, self.global_ranks[pending.peer],
-                                  group=self.groups[pending.stream], tag=pending.tag)
+                                  group=self.groups[(pending.stream, pending.peer % 2)], tag=pending.tag)

@@ -28,7 +28,8 @@ current compute (Megatron's overlap_p2p_comm), so it arrives while the rank work
 
 from __future__ import annotations
 
-import math
+import functools
+from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
 
@@ -72,6 +73,8 @@ class ScheduleError(ValueError):
 def check_kind(kind: str, pp: int, vpp: int, microbatches: int) -> None:
     if kind not in KINDS:
         raise ScheduleError(f"unknown schedule '{kind}': choose one of {', '.join(KINDS)}")
+    if pp < 1 or vpp < 1:
+        raise ScheduleError(f"pp and vpp must be >= 1, got pp={pp}, vpp={vpp}")
     if microbatches < 1:
         raise ScheduleError(f"a step needs at least one micro-batch, got {microbatches}")
     if vpp > 1 and pp < 2:
@@ -95,13 +98,22 @@ def _one_f_one_b(forwards: list[tuple[int, int]], backwards: list[tuple[int, int
     return order
 
 
+def _round_sizes(pp: int, m: int) -> list[int]:
+    """Micro-batches per round: pp each when pp divides m (Megatron); otherwise m spread over
+    m // pp rounds of at least pp (a short last round would run its micro-batches through the
+    chunks one after another, leaving the other ranks idle)."""
+    rounds = max(1, m // pp)
+    base, extra = divmod(m, rounds)
+    return [base + 1] * extra + [base] * (rounds - extra)
+
+
 def _interleaved_sequence(pp: int, vpp: int, m: int, reverse_chunks: bool) -> list[tuple[int, int]]:
-    """(micro-batch, chunk) in Megatron's order: rounds of pp micro-batches through every chunk."""
-    out = []
-    for start in range(0, m, pp):
-        round_ = range(start, min(start + pp, m))
+    """(micro-batch, chunk): each round of micro-batches goes through every chunk in turn."""
+    out, start = [], 0
+    for size in _round_sizes(pp, m):
         chunks = range(vpp - 1, -1, -1) if reverse_chunks else range(vpp)
-        out += [(mb, c) for c in chunks for mb in round_]
+        out += [(mb, c) for c in chunks for mb in range(start, start + size)]
+        start += size
     return out
 
 
@@ -138,7 +150,7 @@ def _list_schedule(pp: int, vpp: int, forwards: list[tuple[int, int]], backwards
                 mb, c = backwards[nb[r]]
                 stage = c * pp + r
                 key = (Op.F, mb, stage) if stage == last else (back_op, mb, stage + 1)
-                if ready(key, t) and (mb, c) in {forwards[i] for i in range(nf[r])}:
+                if ready(key, t) and (Op.F, mb, stage) in done:
                     choice = (back_op, mb, c)
             held = nf[r] - (nw[r] if split_backward else nb[r])  # micro-batches holding activations
             if choice is None and nf[r] < total and held < limits[r]:
@@ -175,16 +187,36 @@ def compute_order(kind: str, pp: int, vpp: int, microbatches: int, rank: int) ->
     if kind == "1f1b":
         seq = [(mb, 0) for mb in range(m)]
         return _one_f_one_b(seq, seq, pp - rank - 1)
+    if kind == "interleaved" and m % pp == 0:  # Megatron's fixed warm-up is exact for whole rounds
+        forwards = _interleaved_sequence(pp, vpp, m, reverse_chunks=False)
+        backwards = _interleaved_sequence(pp, vpp, m, reverse_chunks=True)
+        return _one_f_one_b(forwards, backwards, (pp - rank - 1) * 2 + (vpp - 1) * pp)
+    return list(_clocked_orders(kind, pp, vpp, m)[rank])
+
+
+@functools.lru_cache(maxsize=32)
+def _clocked_orders(kind: str, pp: int, vpp: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's order from one list-scheduling run (cached: build_all asks once per rank).
+
+    interleaved with a partial last round (m % pp != 0), where Megatron's fixed warm-up can
+    deadlock, and zb-h1."""
     if kind == "interleaved":
         forwards = _interleaved_sequence(pp, vpp, m, reverse_chunks=False)
         backwards = _interleaved_sequence(pp, vpp, m, reverse_chunks=True)
-        warmup = [(pp - r - 1) * 2 + (vpp - 1) * pp for r in range(pp)]
-        if m % pp == 0:  # Megatron's fixed warm-up is exact for whole rounds
-            return _one_f_one_b(forwards, backwards, warmup[rank])
-        # A partial last round breaks the fixed warm-up (it can deadlock): let the clock decide.
-        return _list_schedule(pp, vpp, forwards, backwards, [w + 1 for w in warmup], False)[rank]
-    seq = [(mb, 0) for mb in range(m)]
-    return _list_schedule(pp, 1, seq, seq, [pp - r for r in range(pp)], True)[rank]
+        # Megatron's warm-up for rounds of this size, plus one (the 1F1B step's forward)
+        warmup = [(pp - r - 1) * 2 + (vpp - 1) * max(_round_sizes(pp, m)) + 1 for r in range(pp)]
+        for slack in range(pp * vpp + 1):  # widen only if that is too tight to make progress
+            try:
+                orders = _list_schedule(pp, vpp, forwards, backwards, [w + slack for w in warmup], False)
+                break
+            except ScheduleError:
+                continue
+        else:
+            raise ScheduleError(f"no interleaved order found for pp={pp}, vpp={vpp}, {m} micro-batches")
+    else:
+        seq = [(mb, 0) for mb in range(m)]
+        orders = _list_schedule(pp, 1, seq, seq, [pp - r for r in range(pp)], True)
+    return tuple(tuple(order) for order in orders)
 
 
 # -- communication -------------------------------------------------------------------------------
@@ -227,23 +259,22 @@ def build_all(kind: str, pp: int, vpp: int, microbatches: int) -> list[list[Acti
 
 def check_matched(schedules: list[list[Action]]) -> None:
     """Every send has exactly one receive on its peer, and vice versa."""
-    sends, recvs = set(), set()
+    pp = len(schedules)
+    expected: Counter = Counter()  # the receive each send needs, as (op, mb, chunk, src, dst)
+    recvs: Counter = Counter()
     for rank, actions in enumerate(schedules):
         for a in actions:
-            if a.op in (Op.SEND_F, Op.SEND_B):
-                sends.add((a.op, a.microbatch, a.chunk, rank, a.peer))
+            # What the sender calls chunk c arrives at the receiver as the neighbouring chunk.
+            if a.op == Op.SEND_F:
+                expected[(Op.RECV_F, a.microbatch, a.chunk + (rank == pp - 1), rank, a.peer)] += 1
+            elif a.op == Op.SEND_B:
+                expected[(Op.RECV_B, a.microbatch, a.chunk - (rank == 0), rank, a.peer)] += 1
             elif a.op in (Op.RECV_F, Op.RECV_B):
-                recvs.add((a.op, a.microbatch, a.chunk, a.peer, rank))
-    pp = len(schedules)
-    expected = set()
-    for (op, mb, c, src, dst) in sends:
-        # What the sender calls chunk c arrives at the receiver as the neighbouring chunk.
-        if op == Op.SEND_F:
-            expected.add((Op.RECV_F, mb, c + (1 if src == pp - 1 and pp > 1 else 0), src, dst))
-        else:
-            expected.add((Op.RECV_B, mb, c - (1 if src == 0 and pp > 1 else 0), src, dst))
+                recvs[(a.op, a.microbatch, a.chunk, a.peer, rank)] += 1
+
+    def describe(items) -> list[str]:
+        return [f"{op}{mb}.{c} from rank {src} on rank {dst}" for (op, mb, c, src, dst) in sorted(items)[:3]]
+
     if expected != recvs:
-        missing = sorted(map(str, expected - recvs))[:3]
-        extra = sorted(map(str, recvs - expected))[:3]
-        raise ScheduleError(f"unmatched point-to-point: sends without receives {missing}, "
-                            f"receives without sends {extra}")
+        raise ScheduleError(f"unmatched point-to-point: receives missing {describe(expected - recvs)}, "
+                            f"receives with no send {describe(recvs - expected)}")

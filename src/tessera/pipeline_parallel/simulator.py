@@ -79,10 +79,12 @@ def _producer(action: Action, rank: int, pp: int, vpp: int, uses_split: list[boo
     return (Op.I, mb, action.chunk, rank)  # W waits for its own I
 
 
-def simulate(schedules: list[list[Action]], vpp: int = 1, costs: Costs | None = None) -> Timeline:
+def simulate(schedules: list[list[Action]], vpp: int | None = None, costs: Costs | None = None) -> Timeline:
+    """``vpp`` defaults to the number of chunks the actions use."""
     costs = costs or Costs()
     pp = len(schedules)
     orders = [[a for a in actions if a.op in COMPUTE] for actions in schedules]
+    vpp = vpp or 1 + max((a.chunk for order in orders for a in order), default=0)
     uses_split = [any(a.op == Op.I for a in order) for order in orders]
     ends: dict[tuple, float] = {}
     free = [0.0] * pp
