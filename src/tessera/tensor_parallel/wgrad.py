@@ -31,6 +31,7 @@ class WeightGradStore:
         finally:
             self.key = None
 
+    @torch.no_grad()  # outside autograd's backward: the saved input still requires grad
     def run(self, key: object) -> None:
         for compute in self.pending.pop(key, []):
             compute()
