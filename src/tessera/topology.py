@@ -11,12 +11,13 @@ Nothing is stored in module globals, so two topologies can live in one process (
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("pp", "dp", "cp", "tp")  # slowest to fastest
 
@@ -55,12 +56,32 @@ class Topology:
     device: torch.device
     mesh: DeviceMesh | None = None
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+    timeout: datetime.timedelta | None = None
+
+    def new_groups(self, members: list[list[int]]) -> dist.ProcessGroup | None:
+        """Create a group for each rank list (all ranks must call this alike); return ours."""
+        mine = None
+        for ranks in members:
+            group = dist.new_group(ranks, timeout=self.timeout)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    def all_ranks_along(self, axis: str) -> list[list[int]]:
+        """Every group along a mesh axis, as global rank lists, in a fixed order."""
+        groups = {}
+        for rank in range(self.world_size):
+            here = coordinates_of(rank, self.tp, self.cp, self.dp)
+            key = tuple(v for k, v in here.__dict__.items() if k != axis)
+            groups.setdefault(key, []).append(rank)
+        return list(groups.values())
 
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1, dp: int = 0, cp: int = 1,
-              device: torch.device | str = "cpu") -> "Topology":
+    def build(cls, tp: int = 1, pp: int = 1, dp: int = 0, cp: int = 1, device: torch.device | str = "cpu",
+              timeout: datetime.timedelta | None = None) -> "Topology":
         """Make the groups for this layout over the default process group (every rank calls it).
 
+        ``timeout`` bounds every collective on these groups (default: torch's, 30 min on gloo).
         Without an initialised process group this gives the single-rank topology.
         """
         device = torch.device(device)
@@ -72,18 +93,22 @@ class Topology:
         dp = dp or world // (tp * pp * cp)
         if tp * cp * dp * pp != world:
             raise ValueError(f"tp*cp*dp*pp = {tp}*{cp}*{dp}*{pp} != world size {world}")
-        mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=AXES)
-        topo = cls(tp=tp, cp=cp, dp=dp, pp=pp, rank=dist.get_rank(), device=device, mesh=mesh)
-        for axis in AXES:
-            topo.groups[axis] = mesh.get_group(axis) if getattr(topo, axis) > 1 else None
-        # tp x pp (one model replica) and the embedding group are not mesh axes: enumerate them.
+        topo = cls(tp=tp, cp=cp, dp=dp, pp=pp, rank=dist.get_rank(), device=device, timeout=timeout)
+        # Every group is made here with the job's collective timeout (new_group's default is
+        # torch's 30 minutes, not the world's), so a dead peer fails every collective in time.
         # new_group must be called by every rank for every group, in the same order.
-        for name, members in (("mp", topo._mp_ranks), ("embedding", topo._embedding_ranks)):
-            topo.groups[name] = None
-            for ranks in members():
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
-                if topo.rank in ranks:
-                    topo.groups[name] = group
+        axis_groups = []
+        for axis in AXES:
+            mine = topo.new_groups(topo.all_ranks_along(axis))
+            axis_groups.append(mine)
+            topo.groups[axis] = mine if getattr(topo, axis) > 1 else None
+        # The mesh over the same groups, for the libraries that want one (FSDP2, DCP).
+        layout = torch.arange(world).reshape(pp, dp, cp, tp)
+        topo.mesh = DeviceMesh.from_group(axis_groups, device.type, mesh=layout, mesh_dim_names=AXES)
+        # tp x pp (one model replica) and the embedding group are not mesh axes.
+        for name, members in (("mp", topo._mp_ranks()), ("embedding", topo._embedding_ranks())):
+            group = topo.new_groups(members)
+            topo.groups[name] = group if len(topo.ranks_of(name)) > 1 else None
         return topo
 
     # -- coordinates ------------------------------------------------------------------------
@@ -146,11 +171,6 @@ class Topology:
                 out.append([rank_of(Coordinates(tp=t, cp=cp_rank, dp=dp_rank, pp=p), self.tp, self.cp, self.dp)
                             for p in range(self.pp) for t in range(self.tp)])
         return out
-
-    def all_pp_ranks(self) -> list[list[int]]:
-        """Every pipeline group's global ranks, in a fixed order (to make more groups like them)."""
-        return [[rank_of(Coordinates(tp=t, cp=c, dp=d, pp=p), self.tp, self.cp, self.dp) for p in range(self.pp)]
-                for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
 
     def _embedding_ranks(self) -> list[list[int]]:
         stages = sorted({0, self.pp - 1})

@@ -74,10 +74,7 @@ class P2P:
         # (stream, sender's pipeline rank parity) -> group; every rank makes every group.
         self.groups: dict[tuple[str, int], dist.ProcessGroup] = {}
         for key in [(stream, parity) for stream in STREAMS for parity in (0, 1)]:
-            for ranks in topo.all_pp_ranks():
-                group = dist.new_group(ranks)
-                if topo.rank in ranks:
-                    self.groups[key] = group
+            self.groups[key] = topo.new_groups(topo.all_ranks_along("pp"))
         self.rank = topo.pp_rank
         self._sends: list[tuple[object, torch.Tensor | None]] = []
         self.new_step()

@@ -8,6 +8,7 @@ inside the TP group) -> steps -> metrics -> sample.
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass
 
@@ -124,7 +125,8 @@ def train(cfg: Config) -> list[dict]:
     device = pick_device(cfg.train.device, local_rank)
     init_distributed(device, cfg.train.timeout_s)
     p, t = cfg.parallel, cfg.train
-    topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device)
+    topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device,
+                          timeout=datetime.timedelta(seconds=t.timeout_s))
     rng = RNGTracker.for_rank(t.seed, topo.tp_rank, topo.pp_rank, device)
     stage = build_stage(cfg, topo, rng)
     model = stage.model
