@@ -21,7 +21,7 @@ else
         echo "tessera: installing the CPU build of torch into .venv (once)" >&2
         "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
     fi
-    if ! "$PY" -c 'import tessera, numpy, pytest, pytest_timeout' 2>/dev/null \
+    if ! "$PY" -c 'import tessera, numpy, pytest, pytest_timeout, matplotlib' 2>/dev/null \
         || [ "$ROOT/pyproject.toml" -nt "$ROOT/.venv/.tessera-installed" ]; then
         "$PY" -m pip install -q --disable-pip-version-check -e "$ROOT[test]"
         touch "$ROOT/.venv/.tessera-installed"

@@ -159,15 +159,16 @@ def _two_rank_worker(rank: int, world_size: int) -> dict:
         early = p2p.recv("F", 0, 1)  # shape known: payload posted now, before the send
         dist.barrier()
         out["early_second"] = early.wait()
-        start = time.monotonic()
-        out["waited"] = p2p.recv("F", 0, 2).wait()  # rank 0 sends 0.3 s later
-        out["waited_s"] = time.monotonic() - start
+        out["wait_called"] = time.time()  # wall clock: both ranks are on this host
+        out["waited"] = p2p.recv("F", 0, 2).wait()  # rank 0 sends 0.5 s later
+        out["wait_returned"] = time.time()
     else:
         dist.barrier()
         p2p.send("F", 1, 0, payload((3, 2), torch.float32, 0))
         dist.barrier()
         p2p.send("F", 1, 1, payload((3, 2), torch.float32, 1))
-        time.sleep(0.3)
+        time.sleep(0.5)
+        out["sent"] = time.time()
         p2p.send("F", 1, 2, payload((3, 2), torch.float32, 2))
         p2p.wait_sends()
     dist.barrier()
@@ -281,11 +282,12 @@ def test_both_streams_in_flight_deliver_by_tag():
 
 
 def test_receive_posted_before_the_send():
-    _, r1 = results(2)
+    r0, r1 = results(2)
     _assert_equal(r1["early_first"], payload((3, 2), torch.float32, 0), "receive posted before the header")
     _assert_equal(r1["early_second"], payload((3, 2), torch.float32, 1), "payload receive posted before the send")
     _assert_equal(r1["waited"], payload((3, 2), torch.float32, 2), "wait before the send")
-    assert r1["waited_s"] >= 0.2, "wait() returned before the tensor was sent"
+    assert r1["wait_called"] < r0["sent"], "setup: rank 1 did not wait before rank 0 sent"
+    assert r1["wait_returned"] >= r0["sent"], "wait() returned before the tensor was sent"
 
 
 # -- 3 ranks -------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ from tessera.distributed.finalize import finalize_model_grads
 from tessera.models import GPTModel, TPContext
 from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.pipeline_parallel.p2p import P2P, ShapeError
-from tessera.pipeline_parallel.schedules import build_schedule
+from tessera.pipeline_parallel.schedules import build_all, build_schedule
+from tessera.pipeline_parallel.simulator import simulate
 from tessera.pipeline_parallel.stage import build_stage_chunks
 from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tessera.tensor_parallel.wgrad import WeightGradStore
@@ -384,14 +385,16 @@ def test_uneven_layout_places_layers_as_given():
 
 def test_peak_in_flight_is_bounded_by_the_schedule():
     """1f1b and zb-h1 hold at most pp - rank micro-batches' activations (exactly pp on rank 0);
-    gpipe holds all m; as counted by the executor itself."""
+    gpipe holds all m; as counted by the executor itself, and as the simulator predicts."""
     seen = set()
     for world in (2, 4, 8):
         for case, per_rank in results(world)["cases"]:
+            timeline = simulate(build_all(case.kind, case.pp, case.vpp, case.m), case.vpp)
             for r in per_rank:
                 peak, p = r["peak"], r["pp_rank"]
                 what = f"{case} pp rank {p}: peak_in_flight {peak}"
                 assert 1 <= peak <= case.m * case.vpp, what
+                assert peak == timeline.peak_in_flight(p), f"{what}, simulated {timeline.peak_in_flight(p)}"
                 if case.kind in ("1f1b", "zb-h1"):
                     assert peak <= case.pp - p, what
                     if p == 0 and case.m >= case.pp:

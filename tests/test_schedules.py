@@ -265,3 +265,13 @@ def test_python_dash_m(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr == "tessera: schedule 'none' (no pipelining) needs pp=1: " \
                                                  "choose 1f1b, interleaved or zb-h1\n"
+
+
+def test_png_picture_from_the_cli(tmp_path, capsys):
+    # The issue's own example: interleaved pp=4 vpp=2 with 8 micro-batches, drawn as PNG.
+    out = tmp_path / "schedule.png"
+    assert cli.main(["schedule", "--kind", "interleaved", "--pp", "4", "--vpp", "2", "--microbatches", "8",
+                     "--out", str(out)]) == 0
+    assert "bubble 0.188 (analytic 0.188)" in capsys.readouterr().out
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
