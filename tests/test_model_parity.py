@@ -30,10 +30,11 @@ import torch.distributed as dist
 
 from tessera.config import ModelConfig
 from tessera.models import GPTModel, TPContext
-from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tessera.tensor_parallel.random import RNGTracker
 from tessera.testing import run_ranks
 from tessera.topology import Topology
+
+from shards import ATOL, ATOL_REL, assert_close, param_kind, unshard
 
 SEED = 1234
 VOCAB = 100  # not a multiple of tp * vocab_pad_multiple for any tp here
@@ -42,7 +43,6 @@ SEQ, BATCH = 16, 2
 # costs a few ulp of the *largest* terms: the worst observed difference is ~1.2e-6 of a tensor's
 # largest magnitude (logits ~3, summed-loss gradients up to ~9). So the absolute tolerance is
 # relative to that scale: ATOL_REL * max|expected| (but at least ATOL).
-RTOL, ATOL, ATOL_REL = 1e-5, 1e-6, 1e-5
 
 # (family, tie_embeddings, sequence_parallel, vocab_pad_multiple)
 CASES = [(family, tie, sp, 8) for family in ("gpt2", "llama") for tie in (True, False) for sp in (False, True)]
@@ -69,38 +69,6 @@ def make_batch():
     labels[1, :3] = torch.tensor([VOCAB - 1, 0, 63])
     weights = torch.rand(BATCH, SEQ, generator=g) + 0.5  # d(sum(w * loss)): a non-uniform upstream grad
     return tokens, labels, weights
-
-
-# -- shard <-> full mapping -----------------------------------------------------------------------
-def param_kind(model: GPTModel, name: str) -> tuple[str, list[int] | None]:
-    """('col', output_sizes) | ('row', None) | ('vocab', None) | ('rep', None) for a parameter."""
-    prefix, _, leaf = name.rpartition(".")
-    module = model.get_submodule(prefix)
-    if isinstance(module, VocabParallelEmbedding) or name == "output.weight":
-        return "vocab", None
-    if isinstance(module, ColumnParallelLinear):
-        return "col", module.output_sizes
-    if isinstance(module, RowParallelLinear) and leaf == "weight":
-        return "row", None
-    return "rep", None
-
-
-def unshard(kind: str, sizes: list[int] | None, shards: list[torch.Tensor]) -> torch.Tensor:
-    tp = len(shards)
-    if kind == "col":
-        local = [n // tp for n in sizes]
-        parts = [s.split(local, dim=0) for s in shards]
-        return torch.cat([torch.cat([parts[r][j] for r in range(tp)], dim=0) for j in range(len(sizes))], dim=0)
-    if kind == "row":
-        return torch.cat(shards, dim=1)
-    if kind == "vocab":
-        return torch.cat(shards, dim=0)
-    raise ValueError(kind)
-
-
-def assert_close(actual, expected, what):
-    atol = max(ATOL, ATOL_REL * expected.detach().abs().max().item()) if expected.numel() else ATOL
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 def compare_full(ref: GPTModel, ref_values: dict[str, torch.Tensor], per_rank: list[dict[str, torch.Tensor]],

@@ -31,10 +31,11 @@ from tessera.pipeline_parallel.p2p import P2P, ShapeError
 from tessera.pipeline_parallel.schedules import build_all, build_schedule
 from tessera.pipeline_parallel.simulator import simulate
 from tessera.pipeline_parallel.stage import build_stage_chunks
-from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.testing import run_ranks
 from tessera.topology import Topology
+
+from shards import assert_close, param_kind, unshard
 
 SEED = 1234
 VOCAB, HIDDEN, SEQ, BATCH = 50, 32, 8, 2
@@ -42,7 +43,6 @@ PAD = 8  # padded vocabulary: 56 at tp=1, 64 at tp=2 (only the first VOCAB rows 
 # fp32 tolerances as in test_model_parity: the summation order differs between layouts (per
 # micro-batch accumulation, tied-copy all-reduce, TP partial sums), which costs a few ulp of the
 # largest terms, so the absolute tolerance is relative to the tensor's largest magnitude.
-RTOL, ATOL, ATOL_REL = 1e-5, 1e-6, 1e-5
 
 
 @dataclass(frozen=True)
@@ -149,37 +149,6 @@ def reference(case: Case, batch: int = BATCH, seq: int = SEQ) -> dict:
             assert p.grad.abs().max() > 1e-5, f"reference {name}: gradient ~0, the comparison would be vacuous"
         grads[name] = p.grad.detach().clone()
     return dict(model=model, loss=loss_sum, grads=grads)
-
-
-# -- shard -> full mapping (as test_model_parity) ------------------------------------------------------
-def param_kind(model: GPTModel, name: str) -> tuple[str, list[int] | None]:
-    prefix, _, leaf = name.rpartition(".")
-    module = model.get_submodule(prefix)
-    if isinstance(module, VocabParallelEmbedding) or name == "output.weight":
-        return "vocab", None
-    if isinstance(module, ColumnParallelLinear):
-        return "col", module.output_sizes
-    if isinstance(module, RowParallelLinear) and leaf == "weight":
-        return "row", None
-    return "rep", None
-
-
-def unshard(kind: str, sizes: list[int] | None, shards: list[torch.Tensor]) -> torch.Tensor:
-    tp = len(shards)
-    if kind == "col":
-        local = [n // tp for n in sizes]
-        parts = [s.split(local, dim=0) for s in shards]
-        return torch.cat([torch.cat([parts[r][j] for r in range(tp)], dim=0) for j in range(len(sizes))], dim=0)
-    if kind == "row":
-        return torch.cat(shards, dim=1)
-    if kind == "vocab":
-        return torch.cat(shards, dim=0)
-    raise ValueError(kind)
-
-
-def assert_close(actual, expected, what):
-    atol = max(ATOL, ATOL_REL * expected.detach().abs().max().item()) if expected.numel() else ATOL
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 # -- rank worker ---------------------------------------------------------------------------------------
