@@ -152,12 +152,39 @@ class TrainConfig:
     """Prompt for the sample printed after training."""
     timeout_s: float = 300.0
     """Collective timeout: a dead or stuck peer ends the job with an error after this long."""
+    batch_rampup: str = ""
+    """Global-batch ramp-up as "start,increment,ramp_samples": begin at start samples per step and
+    add increment, in equal slices of ramp_samples consumed samples, until global_batch. Empty:
+    a constant global_batch."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "global_batch", "steps", "log_every"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1", "give a value >= 1")
         _check(self.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", "use 0 for no sample")
         _check(self.timeout_s > 0, "train.timeout_s", "must be positive", "give seconds, e.g. 300")
+        rampup = self.rampup
+        if rampup is not None:
+            start, increment, _ = rampup
+            _check(start <= self.global_batch, "train.batch_rampup",
+                   f"start {start} exceeds train.global_batch={self.global_batch}",
+                   "choose a start batch <= global_batch")
+            _check((self.global_batch - start) % increment == 0, "train.batch_rampup",
+                   f"increment {increment} does not divide global_batch - start = {self.global_batch - start}",
+                   "choose an increment that divides the difference")
+
+    @property
+    def rampup(self) -> tuple[int, int, int] | None:
+        """``batch_rampup`` parsed as (start, increment, ramp_samples); None for a constant batch."""
+        if not self.batch_rampup.strip():
+            return None
+        fix = 'write three integers "start,increment,ramp_samples", e.g. "4,4,1000"'
+        try:
+            start, increment, ramp_samples = (int(x) for x in self.batch_rampup.split(","))
+        except ValueError:
+            raise ConfigError("train.batch_rampup", f"'{self.batch_rampup}' is not three integers", fix) from None
+        _check(start >= 1 and increment >= 1 and ramp_samples >= 0, "train.batch_rampup",
+               f"'{self.batch_rampup}' needs start >= 1, increment >= 1 and ramp_samples >= 0", fix)
+        return start, increment, ramp_samples
 
 
 @dataclass(kw_only=True, slots=True)
@@ -165,13 +192,27 @@ class OptimConfig:
     lr: float = 3e-4
     """Peak learning rate, reached at the end of warmup."""
     min_lr: float = 3e-5
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the decay."""
     warmup: int = 10
     """Linear warmup steps from 0 to lr."""
+    decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "wsd"] = "cosine"
+    """Shape of the rate after warmup. constant: lr. linear / cosine: lr to min_lr over the decay.
+    inverse-square-root: lr*sqrt(warmup)/sqrt(step), at least min_lr (ignores decay_steps).
+    wsd: stable at lr, then linear to min_lr over the last wsd_decay_steps."""
     decay_steps: int = 0
-    """Steps of warmup + cosine decay; 0 means train.steps. The rate stays at min_lr after."""
+    """Steps of warmup + decay; 0 means train.steps. The rate stays at min_lr after."""
+    wsd_decay_steps: int = 0
+    """Length of the final linear decay of the wsd style; 0 means 10% of the steps after warmup."""
     weight_decay: float = 0.1
-    """AdamW weight decay, applied to matrices only (not to norms, biases)."""
+    """AdamW weight decay, applied to matrices only (not to norms, biases); the value used
+    throughout when weight_decay_incr_style is constant."""
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
+    """How weight decay moves from start_weight_decay to end_weight_decay over the decay steps;
+    constant keeps optim.weight_decay."""
+    start_weight_decay: float = 0.0
+    """Weight decay at step 0 when weight_decay_incr_style is not constant."""
+    end_weight_decay: float = 0.1
+    """Weight decay at the end of the decay steps when weight_decay_incr_style is not constant."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     beta1: float = 0.9
@@ -187,7 +228,10 @@ class OptimConfig:
                f"choose min_lr <= lr = {self.lr}")
         _check(self.warmup >= 0, "optim.warmup", "must be >= 0", "use 0 for no warmup")
         _check(self.decay_steps >= 0, "optim.decay_steps", "must be >= 0", "use 0 to decay over train.steps")
-        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0", "use 0 for no weight decay")
+        _check(self.wsd_decay_steps >= 0, "optim.wsd_decay_steps", "must be >= 0",
+               "use 0 for 10% of the decay steps")
+        for name in ("weight_decay", "start_weight_decay", "end_weight_decay"):
+            _check(getattr(self, name) >= 0, f"optim.{name}", "must be >= 0", "use 0 for no weight decay")
         _check(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0", "use 0 to disable clipping")
         _check(0 <= self.beta1 < 1, "optim.beta1", "must be in [0, 1)", "the usual value is 0.9")
         _check(0 <= self.beta2 < 1, "optim.beta2", "must be in [0, 1)", "the usual value is 0.95")
@@ -351,6 +395,8 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(t.global_batch % (t.micro_batch * dp) == 0, "train.global_batch",
            f"{t.global_batch} is not divisible by micro_batch*dp = {t.micro_batch}*{dp}",
            f"choose a multiple of {t.micro_batch * dp}")
+    from tessera.optim.microbatches import MicroBatchCalculator  # late: that package imports torch
+    MicroBatchCalculator.from_config(t, dp)  # checks every ramp-up batch divides into micro-batches
     _check(not p.sequence_parallel or m.seq_len % p.tp == 0, "model.seq_len",
            f"{m.seq_len} is not divisible by tp={p.tp}, which sequence parallelism needs",
            f"choose seq_len as a multiple of {p.tp} or turn parallel.sequence_parallel off")
