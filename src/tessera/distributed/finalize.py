@@ -37,5 +37,9 @@ def finalize_model_grads(model: nn.Module, topo: Topology) -> None:
     params = [p for p in model.parameters() if p.grad is not None]
     _all_reduce_coalesced([p.grad for p in params], topo.group("dp"))
     _all_reduce_coalesced([p.grad for p in params if getattr(p, "sequence_parallel", False)], topo.group("tp"))
-    tied = [p.grad for p in params if getattr(p, "tied_across_stages", False)]
-    _all_reduce_coalesced(tied, topo.group("embedding"))
+    # Both ends of the embedding group must join this all-reduce, even with no gradient here.
+    tied = [p for p in model.parameters() if getattr(p, "tied_across_stages", False)]
+    for p in tied:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    _all_reduce_coalesced([p.grad for p in tied], topo.group("embedding"))
