@@ -1,4 +1,4 @@
-"""Optimizer pieces: AdamW with decay groups, global-norm clipping, LR schedule, loss scaling."""
+"""Optimizer pieces: AdamW with decay groups, global-norm clipping, LR and batch schedules, loss scaling."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from torch import nn
 from tessera.config import OptimConfig
 from tessera.optim.clip import clip_grad_norm, global_grad_norm
 from tessera.optim.loss_scale import DynamicLossScaler
-from tessera.optim.scheduler import learning_rate
+from tessera.optim.microbatches import MicroBatchCalculator
+from tessera.optim.scheduler import LRScheduler, learning_rate
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -23,4 +24,5 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
                              fused=on_cuda or None, foreach=None if on_cuda else True)
 
 
-__all__ = ["DynamicLossScaler", "build_optimizer", "clip_grad_norm", "global_grad_norm", "learning_rate"]
+__all__ = ["DynamicLossScaler", "LRScheduler", "MicroBatchCalculator", "build_optimizer", "clip_grad_norm",
+           "global_grad_norm", "learning_rate"]

@@ -19,7 +19,6 @@ start + (end - start) * (1 - cos(pi * r)) / 2.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 

@@ -19,7 +19,7 @@ from tessera.config import Config, ConfigError, to_dict, validate
 from tessera.data import BuiltinCorpus, ByteTokenizer, MicroBatches, SyntheticTokens
 from tessera.inference.generate import generate
 from tessera.models import TPContext
-from tessera.optim import DynamicLossScaler, build_optimizer, learning_rate
+from tessera.optim import DynamicLossScaler, LRScheduler, build_optimizer
 from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.pipeline_parallel.p2p import P2P
 from tessera.pipeline_parallel.schedules import ScheduleError, build_all, build_schedule, check_kind
@@ -131,6 +131,7 @@ def train(cfg: Config) -> list[dict]:
     stage = build_stage(cfg, topo, rng)
     model = stage.model
     optimizer = build_optimizer(model, cfg.optim)
+    scheduler = LRScheduler(cfg.optim, t.steps)
     scaler = DynamicLossScaler() if t.dtype == "fp16" else None
     data = build_data(cfg, topo)
     logs = topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0
@@ -143,14 +144,13 @@ def train(cfg: Config) -> list[dict]:
     model.train()
     for step in range(t.steps):
         start = time.perf_counter()
-        lr = learning_rate(step, cfg.optim, t.steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = scheduler.apply(optimizer, step)
         micro_batches = next_micro_batches(data, topo)
         result = train_step(model, optimizer, micro_batches, topo, stage.executor,
                             clip_grad=cfg.optim.clip_grad, dtype=t.dtype, scaler=scaler)
         elapsed = time.perf_counter() - start
         metrics = {"step": step + 1, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
+                   "weight_decay": scheduler.weight_decay(step),
                    "tokens_per_s": result.tokens / elapsed, "tokens": result.tokens,
                    "step_time_s": elapsed}
         if scaler is not None:
