@@ -1,13 +1,13 @@
 """Point-to-point between pipeline stages, with a shape handshake.
 
-NCCL matches the messages between two ranks of one communicator in the order they are posted,
-and a large send holds its stream until the receiver takes it. So messages that are posted in
-different orders on the two ends must not share a communicator: activations (stream ``F``) and
-gradients (stream ``B``) each get their own groups, and within a stream the sender's pipeline
-rank parity picks one of two groups, so that with pp=2 (where ranks 0 and 1 send activations to
-each other, as the interleaved schedule wraps around) each communicator carries one direction of
-one stream, in an order both ends agree on (the schedule's sequence order). gloo matches by tag;
-the tag here is the message's micro-batch and chunk.
+NCCL matches the messages on one communicator in the order they are posted, and with a bound
+device (``init_process_group(device_id=...)``, as tessera launches) a group's point-to-point
+messages share that group's one communicator and stream. So messages that the two ends would
+post in different orders must not share a group: each (stream, sending pipeline rank) gets its
+own group (``F`` activations forward, ``B`` gradients backward), so every communicator carries one
+direction of one stream from one sender, in an order both ends agree on (the schedule's
+sequence order); this also covers pp=2 and odd pp rings, where neighbours send to each other
+in both directions. gloo matches by tag; the tag here is the message's micro-batch and chunk.
 
 Shapes are negotiated, not assumed: at the first message of a step to a peer on a stream, the
 sender first sends a small header (number of dims, sizes, dtype) and the receiver allocates from
@@ -71,9 +71,13 @@ class P2P:
     def __init__(self, topo: Topology):
         self.device = topo.device
         self.global_ranks = topo.ranks_of("pp")
-        # (stream, sender's pipeline rank parity) -> group; every rank makes every group.
+        if topo.pp > 1 and dist.get_backend() == "nccl" and \
+                dist.distributed_c10d._get_default_group().bound_device_id is None:
+            raise RuntimeError("pipeline point-to-point on NCCL needs init_process_group(..., device_id=...) "
+                               "so that every group's communicator exists before the first message")
+        # (stream, sending pipeline rank) -> group; every rank makes every group.
         self.groups: dict[tuple[str, int], dist.ProcessGroup] = {}
-        for key in [(stream, parity) for stream in STREAMS for parity in (0, 1)]:
+        for key in [(stream, sender) for stream in STREAMS for sender in range(topo.pp)]:
             self.groups[key] = topo.new_groups(topo.all_ranks_along("pp"))
         self.rank = topo.pp_rank
         self._sends: list[tuple[object, torch.Tensor | None]] = []
@@ -81,21 +85,19 @@ class P2P:
         self._connect(topo.pp_rank, topo.pp)
 
     def _connect(self, rank: int, pp: int) -> None:
-        """Exchange one value with both neighbours on each stream, every pipeline rank at once.
+        """Exchange one value with both neighbours in every group, all pipeline ranks at once.
 
-        NCCL creates a pair's communicator at its first message, blocking the CPU until the peer
-        arrives; created lazily mid-schedule, that wait can deadlock against a GPU that is busy
-        in another receive. So every pair connects here, up front, in one batched call."""
+        NCCL connects two ranks at their first message, blocking the CPU until the peer arrives;
+        done lazily mid-schedule, that wait can deadlock against a GPU busy in another receive.
+        So every pair connects here, up front, in one batched call per group."""
         if pp == 1:
             return
         for group in self.groups.values():
-            out = torch.zeros(2, device=self.device)
-            ops = [dist.P2POp(dist.isend, out[:1], self.global_ranks[(rank + 1) % pp], group),
-                   dist.P2POp(dist.irecv, out[1:], self.global_ranks[(rank - 1) % pp], group)]
+            buf = torch.zeros(4, device=self.device)
+            nxt, prev = self.global_ranks[(rank + 1) % pp], self.global_ranks[(rank - 1) % pp]
+            ops = [dist.P2POp(dist.isend, buf[0:1], nxt, group), dist.P2POp(dist.irecv, buf[1:2], prev, group)]
             if pp > 2:
-                back = torch.zeros(2, device=self.device)
-                ops += [dist.P2POp(dist.isend, back[:1], self.global_ranks[(rank - 1) % pp], group),
-                        dist.P2POp(dist.irecv, back[1:], self.global_ranks[(rank + 1) % pp], group)]
+                ops += [dist.P2POp(dist.isend, buf[2:3], prev, group), dist.P2POp(dist.irecv, buf[3:4], nxt, group)]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
@@ -109,7 +111,7 @@ class P2P:
     def send(self, stream: str, peer: int, tag: int, tensor: torch.Tensor) -> None:
         """Post an asynchronous send of ``tensor`` to pipeline rank ``peer``."""
         key, signature = (stream, peer), (tuple(tensor.shape), tensor.dtype)
-        dst, group = self.global_ranks[peer], self.groups[(stream, self.rank % 2)]
+        dst, group = self.global_ranks[peer], self.groups[(stream, self.rank)]
         if key not in self._sent_shape:
             header = _header(tensor, self.device)
             self._sends.append((dist.isend(header, dst, group=group, tag=HEADER_TAG), header))
@@ -137,7 +139,7 @@ class P2P:
         key = (stream, peer)
         if key not in self._recv_shape:
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-            work = dist.irecv(header, self.global_ranks[peer], group=self.groups[(stream, peer % 2)], tag=HEADER_TAG)
+            work = dist.irecv(header, self.global_ranks[peer], group=self.groups[(stream, peer)], tag=HEADER_TAG)
             self._recv_shape[key] = (work, header)
             self._deferred[key] = []
         pending = PendingRecv(self, stream, peer, tag)
@@ -160,4 +162,4 @@ class P2P:
     def _post(self, pending: PendingRecv, shape: tuple, dtype: torch.dtype) -> None:
         pending.buffer = torch.empty(shape, dtype=dtype, device=self.device)
         pending.work = dist.irecv(pending.buffer, self.global_ranks[pending.peer],
-                                  group=self.groups[(pending.stream, pending.peer % 2)], tag=pending.tag)
+                                  group=self.groups[(pending.stream, pending.peer)], tag=pending.tag)
