@@ -101,6 +101,15 @@ PP4_TP2_CASES = [
     Case("zb-h1", 4, 1, 4, True, "llama", tp=2, sp=True, seed=303),
 ]
 
+# An odd ring: with interleaving, rank 2 sends activations on to rank 0 and rank 0 sends
+# gradients back to rank 2, next to the ordinary neighbour traffic.
+PP3_CASES = [
+    Case("interleaved", 3, 2, 3, True, "gpt2", layout=(1, 1, 2, 2, 1, 1), seed=501),
+    Case("interleaved", 3, 2, 7, False, "llama", layout=(1, 1, 2, 2, 1, 1), seed=502),
+    Case("1f1b", 3, 1, 4, True, "llama", layout=(2, 4, 2), seed=503),
+    Case("zb-h1", 3, 1, 7, False, "gpt2", layout=(3, 3, 2), seed=504),
+]
+
 # Renegotiation: one executor (one P2P) runs two steps with different shapes.
 RENEGOTIATE = [Case("1f1b", 2, 1, 3, True, "gpt2", seed=401), Case("interleaved", 2, 2, 3, False, "llama", seed=402)]
 SECOND_STEP = dict(batch=3, seq=6)  # step 2: another batch size and sequence length
@@ -164,7 +173,9 @@ def _run_case(topo: Topology, case: Case, steps: list[dict]) -> list[dict]:
         chunk.init_weights(SEED)
     model = nn.ModuleList(chunks)
     actions = build_schedule(case.kind, case.pp, case.vpp, case.m, topo.pp_rank)
-    executor = PipelineExecutor(chunks, actions, P2P(topo), case.pp, topo.pp_rank, store)
+    # One tag for every message: gloo then matches them in posting order, as NCCL does, so a
+    # schedule whose two ends post in different orders delivers wrong tensors and fails here.
+    executor = PipelineExecutor(chunks, actions, P2P(topo, match_in_order=True), case.pp, topo.pp_rank, store)
     out = []
     for shape in steps:
         micro_batches = make_micro_batches(case.m, case.seed, shape["batch"], shape["seq"])
@@ -229,6 +240,7 @@ def _shape_worker(rank: int, world_size: int) -> str | None:
 
 RUNS = {  # world size -> (tp, pp, cases, renegotiation cases) per topology
     2: [(1, 2, PP2_CASES, RENEGOTIATE)],
+    3: [(1, 3, PP3_CASES, [])],
     4: [(1, 4, PP4_CASES, []), (2, 2, PP2_TP2_CASES, [])],
     8: [(2, 4, PP4_TP2_CASES, [])],
 }
@@ -316,6 +328,10 @@ def check_world(world_size: int) -> None:
 
 def test_pipeline_pp2_matches_reference():
     check_world(2)
+
+
+def test_pipeline_pp3_odd_ring_matches_reference():
+    check_world(3)
 
 
 def test_pipeline_pp4_and_pp2_tp2_match_reference():

@@ -68,8 +68,11 @@ class PendingRecv:
 class P2P:
     """Sends and receives between this rank and its pipeline neighbours (pipeline ranks)."""
 
-    def __init__(self, topo: Topology):
+    def __init__(self, topo: Topology, match_in_order: bool = False):
+        """``match_in_order``: send every message with one tag, so gloo matches them in posting
+        order as NCCL does; tests use it to catch ordering mistakes on CPU."""
         self.device = topo.device
+        self.match_in_order = match_in_order
         self.global_ranks = topo.ranks_of("pp")
         if topo.pp > 1 and dist.get_backend() == "nccl" and \
                 dist.distributed_c10d._get_default_group().bound_device_id is None:
@@ -101,6 +104,9 @@ class P2P:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
+    def _tag(self, tag: int) -> int:
+        return 0 if self.match_in_order else tag
+
     def new_step(self) -> None:
         """Forget the negotiated shapes: the next message on each stream carries a header."""
         self._sent_shape: dict[tuple[str, int], tuple] = {}
@@ -114,14 +120,14 @@ class P2P:
         dst, group = self.global_ranks[peer], self.groups[(stream, self.rank)]
         if key not in self._sent_shape:
             header = _header(tensor, self.device)
-            self._sends.append((dist.isend(header, dst, group=group, tag=HEADER_TAG), header))
+            self._sends.append((dist.isend(header, dst, group=group, tag=self._tag(HEADER_TAG)), header))
             self._sent_shape[key] = signature
         elif self._sent_shape[key] != signature:
             raise ShapeError(f"pipeline {stream} message to stage {peer}: shape {signature[0]} {signature[1]} "
                              f"differs from {self._sent_shape[key][0]} {self._sent_shape[key][1]} negotiated "
                              "for this step; all micro-batches of a step must have one shape")
         tensor = tensor.contiguous()
-        self._sends.append((dist.isend(tensor, dst, group=group, tag=tag), tensor))
+        self._sends.append((dist.isend(tensor, dst, group=group, tag=self._tag(tag)), tensor))
 
     def reap(self) -> None:
         """Drop finished sends, releasing their buffers."""
@@ -139,7 +145,8 @@ class P2P:
         key = (stream, peer)
         if key not in self._recv_shape:
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-            work = dist.irecv(header, self.global_ranks[peer], group=self.groups[(stream, peer)], tag=HEADER_TAG)
+            work = dist.irecv(header, self.global_ranks[peer], group=self.groups[(stream, peer)],
+                              tag=self._tag(HEADER_TAG))
             self._recv_shape[key] = (work, header)
             self._deferred[key] = []
         pending = PendingRecv(self, stream, peer, tag)
@@ -162,4 +169,4 @@ class P2P:
     def _post(self, pending: PendingRecv, shape: tuple, dtype: torch.dtype) -> None:
         pending.buffer = torch.empty(shape, dtype=dtype, device=self.device)
         pending.work = dist.irecv(pending.buffer, self.global_ranks[pending.peer],
-                                  group=self.groups[(pending.stream, pending.peer)], tag=pending.tag)
+                                  group=self.groups[(pending.stream, pending.peer)], tag=self._tag(pending.tag))
