@@ -40,3 +40,20 @@ def unshard(kind: str, sizes: list[int] | None, shards: list[torch.Tensor]) -> t
 def assert_close(actual, expected, what):
     atol = max(ATOL, ATOL_REL * expected.detach().abs().max().item()) if expected.numel() else ATOL
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def compare_to_full(kind: str, sizes: list[int] | None, shards: list[torch.Tensor], expected: torch.Tensor,
+                    where: str, vocab: int, check=assert_close) -> None:
+    """Check TP shards against the full reference tensor: each replica of a replicated tensor,
+    or the gathered shards, whose padded vocabulary rows (from ``vocab`` on) must be zero."""
+    if kind == "rep":
+        for r, s in enumerate(shards):
+            check(s, expected, f"{where} (replicated) on TP rank {r}")
+        return
+    full = unshard(kind, sizes, shards)
+    if kind == "vocab":
+        assert full.shape[0] % len(shards) == 0 and full.shape[0] >= vocab, f"{where}: padded rows {full.shape[0]}"
+        assert torch.count_nonzero(full[vocab:]) == 0, f"{where}: padding rows are not zero"
+        full, expected = full[:vocab], expected[:vocab]
+    assert full.shape == expected.shape, f"{where}: gathered {tuple(full.shape)} vs {tuple(expected.shape)}"
+    check(full, expected, f"{where} ({kind})")

@@ -34,7 +34,7 @@ from tessera.tensor_parallel.random import RNGTracker
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
-from shards import ATOL, ATOL_REL, assert_close, param_kind, unshard
+from shards import assert_close, compare_to_full, param_kind
 
 SEED = 1234
 VOCAB = 100  # not a multiple of tp * vocab_pad_multiple for any tp here
@@ -83,18 +83,9 @@ def compare_full(ref: GPTModel, ref_values: dict[str, torch.Tensor], per_rank: l
         kind, sizes = param_kind(ref, name)
         expected = ref_values[name]
         shards = [values[name] for values in per_rank]
-        if kind == "rep":
-            for r, s in enumerate(shards):
-                check(s, expected, f"{what} {name} (replicated) on TP rank {r}")
-            continue
-        full = unshard(kind, sizes, shards)
         if kind == "vocab":
-            assert full.shape[0] % len(shards) == 0 and full.shape[0] >= VOCAB
-            assert torch.count_nonzero(full[VOCAB:]) == 0, f"{what} {name}: padding rows are not zero"
             assert torch.count_nonzero(expected[VOCAB:]) == 0, f"{what} {name}: tp=1 padding rows are not zero"
-            full, expected = full[:VOCAB], expected[:VOCAB]
-        assert full.shape == expected.shape, f"{what} {name}: gathered {tuple(full.shape)} vs {tuple(expected.shape)}"
-        check(full, expected, f"{what} {name} ({kind})")
+        compare_to_full(kind, sizes, shards, expected, f"{what} {name}", VOCAB, check)
 
 
 # -- the tp=1 reference (parent process, no process group) -------------------------------------------

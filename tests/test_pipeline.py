@@ -35,7 +35,7 @@ from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
-from shards import assert_close, param_kind, unshard
+from shards import assert_close, compare_to_full, param_kind
 
 SEED = 1234
 VOCAB, HIDDEN, SEQ, BATCH = 50, 32, 8, 2
@@ -306,17 +306,7 @@ def check_case(case: Case, per_rank: list[dict], ref: dict, what: str) -> None:
             g = by_coord[(p, t)]["grads"][name]
             assert g is not None, f"{what}: {name} has no gradient on pp rank {p} tp rank {t}"
             shards.append(g)
-        where = f"{what}: grad {name} (pp rank {p})"
-        if kind == "rep":
-            for t, s in enumerate(shards):
-                assert_close(s, expected, f"{where} on tp rank {t}")
-            continue
-        full = unshard(kind, sizes, shards)
-        if kind == "vocab":
-            assert torch.count_nonzero(full[VOCAB:]) == 0, f"{where}: padding rows have a gradient"
-            full, expected = full[:VOCAB], expected[:VOCAB]
-        assert full.shape == expected.shape, f"{where}: {tuple(full.shape)} vs {tuple(expected.shape)}"
-        assert_close(full, expected, where)
+        compare_to_full(kind, sizes, shards, expected, f"{what}: grad {name} (pp rank {p})", VOCAB)
 
 
 def check_world(world_size: int) -> None:
