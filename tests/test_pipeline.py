@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import ModelConfig
-from tessera.distributed.finalize import finalize_model_grads
+from tessera.distributed.finalize import finalize_model_grads, param_grads
 from tessera.models import GPTModel, TPContext
 from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.pipeline_parallel.p2p import P2P, ShapeError
@@ -181,7 +181,7 @@ def _run_case(topo: Topology, case: Case, steps: list[dict]) -> list[dict]:
         micro_batches = make_micro_batches(case.m, case.seed, shape["batch"], shape["seq"])
         model.zero_grad(set_to_none=True)
         loss = executor.run(micro_batches, global_tokens(micro_batches))
-        finalize_model_grads(model, topo)
+        finalize_model_grads(param_grads(model), topo)
         grads = {}
         for chunk in chunks:
             for name, p in chunk.named_parameters():

@@ -8,7 +8,9 @@ import torch
 
 from tessera.config import ModelConfig, OptimConfig
 from tessera.models import GPTModel
-from tessera.optim import DynamicLossScaler, build_optimizer, learning_rate
+from tessera.distributed.data_parallel import DataParallel
+from tessera.optim import DynamicLossScaler, learning_rate
+from tessera.optim.optimizers import MainParamOptimizer
 from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.pipeline_parallel.schedules import build_schedule
 from tessera.topology import Topology
@@ -23,10 +25,16 @@ def _model():
     return model
 
 
+def _optimizer(model):
+    dp = DataParallel([model], Topology.build())
+    return dp, MainParamOptimizer(dp, OptimConfig())
+
+
 def _step(model, opt, micro_batches, **kw):
     """One step without pipelining: the executor running schedule 'none'."""
     executor = PipelineExecutor([model], build_schedule("none", 1, 1, len(micro_batches), 0), None, 1, 0)
-    return train_step(model, opt, micro_batches, Topology.build(), executor, **kw)
+    dp, optimizer = opt
+    return train_step(optimizer, micro_batches, Topology.build(), executor, dp, **kw)
 
 
 def _batch(rows, seed, mask_keep):
@@ -42,7 +50,7 @@ def test_accumulation_is_the_mean_over_all_tokens():
     a, b = _batch(2, 1, mask_keep=8), _batch(2, 2, mask_keep=3)
     both = {k: torch.cat([a[k], b[k]]) for k in a}
     m1, m2 = _model(), _model()
-    o1, o2 = build_optimizer(m1, OptimConfig()), build_optimizer(m2, OptimConfig())
+    o1, o2 = _optimizer(m1), _optimizer(m2)
     r1 = _step(m1, o1, [a, b], clip_grad=0.0)
     r2 = _step(m2, o2, [both], clip_grad=0.0)
     assert r1.loss == pytest.approx(r2.loss, rel=1e-6) and r1.tokens == r2.tokens == 22
@@ -54,7 +62,7 @@ def test_accumulation_is_the_mean_over_all_tokens():
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
-    opt = build_optimizer(model, OptimConfig())
+    opt = _optimizer(model)
     scaler = DynamicLossScaler(init_scale=1e39)  # loss * scale overflows to inf
     result = _step(model, opt, [_batch(2, 1, 8)], clip_grad=1.0, scaler=scaler)
     assert result.skipped and scaler.scale == 0.5e39

@@ -119,9 +119,27 @@ class ParallelConfig:
     empty splits the layers evenly."""
     schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1"] = "auto"
     """Pipeline schedule. auto: the fastest valid one by the schedule simulator (no pipelining at
-    pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1)."""
+    pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1; never ZB-H1 with zero=3)."""
+    zero: Literal[0, 1, 2, 3] = 0
+    """Data-parallel sharding. 0: optimizer replicated, gradients all-reduced. 1: distributed
+    optimizer: fp32 main parameters and Adam states sharded over dp, gradients reduce-scattered,
+    updated parameters all-gathered. 2: gradients sharded too (reduce-scattered after every
+    micro-batch, no full-size gradient buffer kept). 3: FSDP (torch fully_shard) on the dp mesh:
+    parameters sharded as well."""
+    bucket_size: int = 40_000_000
+    """Elements per gradient bucket (zero 0-2): each bucket's reduction starts as soon as its
+    gradients are final."""
+    overlap_grad_reduce: bool = True
+    """Start each bucket's gradient reduction during the last micro-batch's backward, overlapped
+    with the rest of it (zero 0-2). Off: reduce everything after backward."""
+    overlap_param_gather: bool = True
+    """zero 1-2: all-gather the updated parameters asynchronously after the optimizer step, each
+    bucket waited for only by the first forward that uses it."""
 
     def __post_init__(self) -> None:
+        _check(self.zero in (0, 1, 2, 3), "parallel.zero", f"{self.zero!r} is not 0, 1, 2 or 3",
+               "use 0 (replicated), 1 (distributed optimizer), 2 (+ sharded gradients) or 3 (FSDP)")
+        _check(self.bucket_size >= 1, "parallel.bucket_size", "must be >= 1", "give elements per bucket, e.g. 40000000")
         for name in ("tp", "pp", "vpp"):
             _check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1", "use 1 for no parallelism on this axis")
         _check(self.dp >= 0, "parallel.dp", "must be >= 0", "use 0 to derive it from the world size")
@@ -138,8 +156,12 @@ class TrainConfig:
     seed: int = 1234
     """Seed for weights, data order and dropout; the same seed gives the same model on any layout."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute precision. Parameters and optimizer state stay fp32; bf16/fp16 run matmuls in
-    autocast, fp16 with dynamic loss scaling."""
+    """Precision of the model's parameters and compute. bf16/fp16: the model holds 16-bit
+    parameters and the optimizer fp32 main parameters (fp16 with dynamic loss scaling); under
+    zero=3, FSDP keeps fp32 shards and casts to this dtype for compute."""
+    grad_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Precision in which gradients accumulate over micro-batches and are reduced over dp. bf16
+    halves the gradient buffer; its reduce-scatter then accumulates in fp32."""
     out_dir: str = "runs/default"
     """Directory for metrics.jsonl and other run outputs."""
     log_every: int = 10
@@ -294,7 +316,7 @@ def _unknown(key: str) -> ConfigError:
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Check (and for strings from the command line, parse) ``value`` against the field's type."""
     choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
-    base = str if choices else hint
+    base = type(choices[0]) if choices else hint
     if isinstance(value, str) and base is not str:
         text = value.strip()
         try:
@@ -316,8 +338,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         raise ConfigError(key, f"{value!r} has type {type(value).__name__}, expected {base.__name__}",
                           f"give a {base.__name__} value")
     if choices and value not in choices:
-        raise ConfigError(key, f"'{value}' is not one of {', '.join(choices)}",
-                          f"choose one of {', '.join(choices)}")
+        names = ", ".join(map(str, choices))
+        raise ConfigError(key, f"'{value}' is not one of {names}", f"choose one of {names}")
     return value
 
 
@@ -406,6 +428,12 @@ def validate(cfg: Config, world_size: int) -> Config:
            "set parallel.vpp=1 or parallel.pp >= 2")
     _check(p.pp <= m.layers, "parallel.pp", f"pp={p.pp} exceeds model.layers={m.layers}",
            "use at most one stage per layer")
+    _check(not (p.zero == 3 and p.schedule == "zb-h1"), "parallel.schedule",
+           "zb-h1 defers weight gradients past the backward that FSDP (zero=3) reduces them in",
+           "use parallel.schedule=1f1b or interleaved with zero=3, or zero <= 2")
+    _check(t.grad_dtype == "fp32" or p.zero < 3, "train.grad_dtype",
+           "bf16 gradients are a bucket option (zero 0-2); FSDP reduces in fp32",
+           "set train.grad_dtype=fp32 with parallel.zero=3")
     p.dp = dp
     return cfg
 

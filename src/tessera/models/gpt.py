@@ -124,7 +124,8 @@ class GPTModel(nn.Module):
         logits = self.logits(x)
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, self.cfg.vocab_size).t()
+        # [s, b] -> [b, s]; contiguous (tiny), so it is no view (FSDP warns about returned views)
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, self.cfg.vocab_size).t().contiguous()
 
     @torch.no_grad()
     def full_logits(self, tokens: Tensor) -> Tensor:

@@ -8,13 +8,15 @@ Every parameter is counted exactly once in the sum of squares:
 - a tied embedding's copy on the last pipeline stage (``param.shared_embedding``): skipped, the
   first stage counts it.
 
-The partial sums are then all-reduced over the model-parallel group (tp x pp). Gradients are
-already identical across data-parallel replicas, so dp needs no reduction.
+The partial sums are then all-reduced over the model-parallel group (tp x pp), and over dp too
+when each dp rank holds a different shard of the gradients (zero >= 1); replicated gradients
+(zero=0) are identical across dp and need no dp reduction.
+
+The gradients come as ``(grad, param)`` pairs: ``grad`` is what the optimizer will use (a whole
+gradient or this rank's shard of it) and ``param`` says how to count it.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -29,26 +31,28 @@ def counts_once_here(param: nn.Parameter, tp_rank: int) -> bool:
     return getattr(param, "tensor_parallel", False) or tp_rank == 0
 
 
-def global_grad_norm(params: Iterable[nn.Parameter], topo: Topology) -> torch.Tensor:
-    grads = [p.grad for p in params if p.grad is not None and counts_once_here(p, topo.tp_rank)]
+Grads = list[tuple[torch.Tensor, nn.Parameter]]
+
+
+def global_grad_norm(grads: Grads, topo: Topology, sharded: bool = False) -> torch.Tensor:
+    mine = [g for g, p in grads if counts_once_here(p, topo.tp_rank)]
     device = topo.device
-    if grads:
-        norms = torch._foreach_norm(grads, 2.0)
+    if mine:
+        norms = torch._foreach_norm(mine, 2.0)
         sq = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]).square().sum()
     else:
         sq = torch.zeros((), device=device)
-    if topo.group("mp") is not None:
-        dist.all_reduce(sq, group=topo.group("mp"))
+    for axis in ("mp", "dp") if sharded else ("mp",):
+        if topo.group(axis) is not None:
+            dist.all_reduce(sq, group=topo.group(axis))
     return sq.sqrt()
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, topo: Topology) -> torch.Tensor:
+def clip_grad_norm(grads: Grads, max_norm: float, topo: Topology, sharded: bool = False) -> torch.Tensor:
     """Scale every gradient by min(1, max_norm / global_norm); returns the norm before clipping.
     ``max_norm = 0`` measures without clipping."""
-    norm = global_grad_norm(params, topo)
-    if max_norm > 0:
+    norm = global_grad_norm(grads, topo, sharded)
+    if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        torch._foreach_mul_([g for g, _ in grads], coef.to(grads[0][0].device))
     return norm

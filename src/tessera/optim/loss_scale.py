@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 
 class DynamicLossScaler:
@@ -16,10 +15,9 @@ class DynamicLossScaler:
         self.backoff, self.growth, self.min_scale = backoff, growth, min_scale
         self.clean_steps = 0
 
-    def unscale_and_check(self, params: list[nn.Parameter], group: dist.ProcessGroup | None,
+    def unscale_and_check(self, grads: list[torch.Tensor], group: dist.ProcessGroup | None,
                           device: torch.device) -> bool:
         """Divide gradients by the scale; return True when every rank's gradients are finite."""
-        grads = [p.grad for p in params if p.grad is not None]
         found_inf = torch.zeros((), device=device)
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.scale)

@@ -55,10 +55,9 @@ class PipelineExecutor:
     def _tag(self, microbatch: int, chunk: int) -> int:
         return microbatch * self.vpp + chunk
 
-    def run(self, micro_batches: list[dict[str, Tensor]], global_tokens: Tensor,
-            autocast=contextlib.nullcontext, loss_scale: float = 1.0) -> Tensor:
+    def run(self, micro_batches: list[dict[str, Tensor]], global_tokens: Tensor, loss_scale: float = 1.0) -> Tensor:
         """Forward and backward of every micro-batch; returns the summed loss (on the last stage;
-        zero elsewhere). Gradients accumulate in ``param.grad``."""
+        zero elsewhere). Gradients accumulate in ``param.grad`` (or, under DataParallel, in its buffers)."""
         device = global_tokens.device
         last = self.pp * self.vpp - 1
         loss_sum = torch.zeros((), device=device)
@@ -79,9 +78,8 @@ class PipelineExecutor:
             elif op == Op.F:
                 stage, batch = self._stage(c), micro_batches[mb]
                 x = recvs.pop((Op.RECV_F, key)).wait().requires_grad_() if stage > 0 else None
-                with autocast():
-                    out = self.chunks[c](tokens=batch["tokens"] if stage == 0 else None, hidden=x,
-                                         labels=batch["labels"] if stage == last else None)
+                out = self.chunks[c](tokens=batch["tokens"] if stage == 0 else None, hidden=x,
+                                     labels=batch["labels"] if stage == last else None)
                 if stage == last:
                     out = (out * batch["loss_mask"]).sum() / global_tokens
                     loss_sum += out.detach()

@@ -5,7 +5,8 @@ to the stage's input (what the previous stage is waiting for) and ``W`` the grad
 weights (which nobody waits for, so they can fill idle time). A linear layer given a
 :class:`WeightGradStore` runs through :class:`_DeferrableLinear`: inside ``store.defer(key)`` its
 backward returns the input gradient at once and files the weight-gradient GEMM under ``key``;
-``store.run(key)`` performs them later, accumulating into ``weight.grad``. Outside a ``defer``
+``store.run(key)`` performs them later, accumulating into ``weight.grad`` (or wherever
+``store.accumulate`` says). Outside a ``defer``
 block it is an ordinary linear layer.
 """
 
@@ -22,6 +23,9 @@ class WeightGradStore:
     def __init__(self):
         self.key: object | None = None
         self.pending: dict[object, list] = {}
+        # Where a deferred weight gradient goes: into ``weight.grad`` by default; data parallelism
+        # (tessera.distributed.DataParallel) points this at its gradient buffers.
+        self.accumulate = _accumulate
 
     @contextlib.contextmanager
     def defer(self, key: object):
@@ -74,7 +78,7 @@ class _DeferrableLinear(torch.autograd.Function):
 
         if store.key is None:
             return grad_x, weight_grad().to(weight.dtype), grad_b, None
-        store.pending.setdefault(store.key, []).append(lambda: _accumulate(weight, weight_grad()))
+        store.pending.setdefault(store.key, []).append(lambda: store.accumulate(weight, weight_grad()))
         return grad_x, None, grad_b, None
 
 

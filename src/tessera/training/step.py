@@ -6,23 +6,24 @@ Communication plan of a step:
    by the *global* count: the mean over all tokens of the global batch, however they are
    spread over micro-batches and ranks);
 2. the pipeline executor runs this rank's schedule: forward/backward per micro-batch and chunk,
-   activations and gradients between stages, gradients accumulating in ``param.grad`` (TP
-   collectives happen inside the layers);
-3. finalize: gradients summed over dp, sequence-parallel partial gradients summed over tp,
+   activations and gradients between stages (TP collectives happen inside the layers);
+   gradients accumulate in the data-parallel buffers, whose buckets start their dp reductions
+   during the last micro-batch's backward (tessera.distributed.data_parallel; FSDP for zero=3);
+3. wait for those reductions; finalize: sequence-parallel partial gradients summed over tp,
    tied-embedding copies summed over the embedding group;
-4. the global gradient norm (one all-reduce over tp x pp), clipping, the AdamW step;
-5. the reported loss: one all-reduce over dp (meaningful on the last pipeline stage).
+4. fp16: unscale and check for inf/nan on every rank (skip the step if any);
+5. the global gradient norm (one all-reduce over tp x pp, and over dp when gradients are
+   sharded), clipping, the AdamW step on the fp32 main parameters (then, zero >= 1, the
+   parameter all-gather, overlapped with the next step's forward);
+6. the reported loss: one all-reduce over dp (meaningful on the last pipeline stage).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from tessera.distributed.finalize import finalize_model_grads
 from tessera.optim import DynamicLossScaler, clip_grad_norm
@@ -40,37 +41,34 @@ class StepResult:
     skipped: bool = False
 
 
-def autocast(device: torch.device, dtype: str):
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[dtype])
-
-
 def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(x, group=group)
     return x
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict],
-               topo: Topology, executor: PipelineExecutor, *, clip_grad: float, dtype: str = "fp32",
-               scaler: DynamicLossScaler | None = None) -> StepResult:
-    """``model`` holds this rank's chunks (the executor's), ``micro_batches`` this dp rank's share."""
+def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: PipelineExecutor, data_parallel, *,
+               clip_grad: float, scaler: DynamicLossScaler | None = None) -> StepResult:
+    """``micro_batches``: this dp rank's share. ``optimizer``: a MainParamOptimizer or
+    FSDPOptimizer over the chunks the executor runs; ``data_parallel`` their DataParallel or
+    FullyShardedDataParallel."""
     device = topo.device
     local_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches).to(device, torch.float32)
     global_tokens = _sum_over(local_tokens.clone(), topo.group("dp"))
-    loss_sum = executor.run(micro_batches, global_tokens, functools.partial(autocast, device, dtype),
-                            loss_scale=scaler.scale if scaler is not None else 1.0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    finalize_model_grads(model, topo)
+    data_parallel.start_step(len(micro_batches))
+    loss_sum = executor.run(micro_batches, global_tokens, loss_scale=scaler.scale if scaler is not None else 1.0)
+    data_parallel.finish_grad_sync()
+    grads = optimizer.grads()
+    finalize_model_grads(grads, topo)
     finite = True
     if scaler is not None:
-        finite = scaler.unscale_and_check(params, None, device)
+        finite = scaler.unscale_and_check([g for g, _ in grads], None, device)
         scaler.update(finite)
-    grad_norm = clip_grad_norm(params, clip_grad, topo) if finite else torch.tensor(float("nan"))
+    grad_norm = (clip_grad_norm(grads, clip_grad, topo, optimizer.sharded) if finite
+                 else torch.tensor(float("nan")))
     if finite:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     loss = _sum_over(loss_sum, topo.group("dp"))
     return StepResult(loss=loss.item(), grad_norm=float(grad_norm), tokens=int(global_tokens.item()),
                       skipped=not finite)

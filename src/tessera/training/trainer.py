@@ -2,24 +2,28 @@
 
 Order of construction (each piece receives what it needs explicitly):
 topology -> RNG tracker -> stage (this rank's model chunks, TP-sharded, seeded full-matrix init;
-the schedule's action list and its executor) -> optimizer -> data (read on TP rank 0, broadcast
-inside the TP group) -> steps -> metrics -> sample.
+the schedule, an executor per micro-batch count) -> data parallelism (buffers and buckets, or
+FSDP) and the optimizer over its fp32 main parameters -> data (read on TP rank 0, broadcast
+inside the TP group; the global batch may ramp up) -> steps -> metrics -> sample.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tessera.config import Config, ConfigError, to_dict, validate
-from tessera.data import BuiltinCorpus, ByteTokenizer, MicroBatches, SyntheticTokens
+from tessera.data import BuiltinCorpus, ByteTokenizer, MicroBatches, SyntheticTokens, microbatch_counts
 from tessera.inference.generate import generate
 from tessera.models import TPContext
-from tessera.optim import DynamicLossScaler, LRScheduler, build_optimizer
+from tessera.distributed.data_parallel import DataParallel
+from tessera.distributed.fsdp import FullyShardedDataParallel
+from tessera.distributed.memory import memory_report
+from tessera.optim import DynamicLossScaler, LRScheduler, MicroBatchCalculator
+from tessera.optim.optimizers import FSDPOptimizer, MainParamOptimizer
 from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.pipeline_parallel.p2p import P2P
 from tessera.pipeline_parallel.schedules import ScheduleError, build_all, build_schedule, check_kind
@@ -30,11 +34,12 @@ from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.topology import Topology
 from tessera.training.launch import init_distributed, pick_device, world_from_env
 from tessera.training.metrics import JsonlLogger, NullLogger
-from tessera.training.step import train_step
+from tessera.training.step import DTYPES, train_step
 
 
-def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int) -> str:
-    """``auto``: the fastest valid kind by the simulator; otherwise ``kind``, checked."""
+def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int = 0) -> str:
+    """``auto``: the fastest valid kind by the simulator (ZB-H1's deferred weight gradients do not
+    fit FSDP's per-backward reduction, so not with zero=3); otherwise ``kind``, checked."""
     if kind != "auto":
         check_kind(kind, pp, vpp, microbatches)
         return kind
@@ -42,7 +47,13 @@ def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int) -> str:
         return "none"
     if vpp > 1:
         return "interleaved"
-    return min(("1f1b", "zb-h1"), key=lambda k: simulate(build_all(k, pp, 1, microbatches)).step_time)
+    kinds = ("1f1b",) if zero == 3 else ("1f1b", "zb-h1")
+    return min(kinds, key=lambda k: simulate(build_all(k, pp, 1, microbatches)).step_time)
+
+
+def step_microbatch_counts(cfg: Config) -> list[int]:
+    """Every per-rank micro-batch count the run's steps will use (several during a ramp-up)."""
+    return microbatch_counts(MicroBatchCalculator.from_config(cfg.train, cfg.parallel.dp), cfg.train.steps)
 
 
 def check_runnable(cfg: Config, world_size: int) -> Config:
@@ -55,12 +66,16 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
         raise ConfigError("parallel.pp_layout" if p.pp_layout else "parallel.vpp", str(e),
                           "change parallel.pp / parallel.vpp or give parallel.pp_layout") from None
     microbatches = t.global_batch // (t.micro_batch * p.dp)
+    count = microbatches
     try:
-        kind = choose_schedule(p.schedule, p.pp, p.vpp, microbatches)
-        simulate(build_all(kind, p.pp, p.vpp, microbatches), p.vpp)  # proves it cannot hang
+        kind = choose_schedule(p.schedule, p.pp, p.vpp, microbatches, p.zero)
+        for count in step_microbatch_counts(cfg):  # every count a batch ramp-up passes through
+            check_kind(kind, p.pp, p.vpp, count)
+            simulate(build_all(kind, p.pp, p.vpp, count), p.vpp)  # proves it cannot hang
     except ScheduleError as e:
-        raise ConfigError("parallel.schedule", f"{e} (with {microbatches} micro-batches per step)",
-                          "choose another parallel.schedule, or change parallel.pp / vpp / train.global_batch") from None
+        raise ConfigError("parallel.schedule", f"{e} (with {count} micro-batches per step)",
+                          "choose another parallel.schedule, or change parallel.pp / vpp / train.global_batch"
+                          " / train.batch_rampup") from None
     if cfg.data.source == "builtin" and m.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the byte "
                           f"tokenizer's {ByteTokenizer.vocab_size} ids of the builtin corpus",
@@ -77,8 +92,7 @@ def build_data(cfg: Config, topo: Topology) -> MicroBatches | None:
         source = BuiltinCorpus(m.seq_len, t.seed)
     else:
         source = SyntheticTokens(m.seq_len, m.vocab_size, t.seed)
-    return MicroBatches(source, global_batch=t.global_batch, micro_batch=t.micro_batch,
-                        dp=topo.dp, dp_rank=topo.dp_rank)
+    return MicroBatches(source, batches=MicroBatchCalculator.from_config(t, topo.dp), dp_rank=topo.dp_rank)
 
 
 def next_micro_batches(data: MicroBatches | None, topo: Topology) -> list[dict]:
@@ -92,29 +106,48 @@ def next_micro_batches(data: MicroBatches | None, topo: Topology) -> list[dict]:
     return [{k: v[i] for k, v in stacked.items()} for i in range(count)]
 
 
-@dataclass
 class Stage:
-    """This rank's share of the model and how it runs a step."""
+    """This rank's share of the model and how it runs a step of ``m`` micro-batches."""
 
-    model: nn.ModuleList  # the chunks (virtual stages) this rank holds
-    executor: PipelineExecutor
-    p2p: P2P | None
-    schedule: str
+    def __init__(self, cfg: Config, topo: Topology, rng: RNGTracker | None):
+        p = cfg.parallel
+        self.cfg, self.pp, self.pp_rank = cfg, p.pp, topo.pp_rank
+        self.schedule = choose_schedule(p.schedule, p.pp, p.vpp, self.microbatches(cfg.train.global_batch, topo.dp), p.zero)
+        self.wgrad_store = WeightGradStore() if self.schedule == "zb-h1" else None
+        tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
+                       wgrad_store=self.wgrad_store)
+        self.chunks = build_stage_chunks(cfg.model, tp, topo.pp_rank, p.pp, p.vpp, parse_layout(p.pp_layout),
+                                         topo.device)
+        for chunk in self.chunks:
+            chunk.init_weights(cfg.train.seed)
+        self.model = nn.ModuleList(self.chunks)
+        self.p2p = P2P(topo) if p.pp > 1 else None
+        self._executors: dict[int, PipelineExecutor] = {}
+
+    def microbatches(self, global_batch: int, dp: int) -> int:
+        return global_batch // (self.cfg.train.micro_batch * dp)
+
+    def executor(self, m: int) -> PipelineExecutor:
+        """The executor of this rank's action list for ``m`` micro-batches (one per count)."""
+        if m not in self._executors:
+            actions = build_schedule(self.schedule, self.pp, len(self.chunks), m, self.pp_rank)
+            self._executors[m] = PipelineExecutor(self.chunks, actions, self.p2p, self.pp, self.pp_rank,
+                                                  self.wgrad_store)
+        return self._executors[m]
 
 
-def build_stage(cfg: Config, topo: Topology, rng: RNGTracker | None) -> Stage:
-    p = cfg.parallel
-    microbatches = cfg.train.global_batch // (cfg.train.micro_batch * topo.dp)
-    kind = choose_schedule(p.schedule, p.pp, p.vpp, microbatches)
-    store = WeightGradStore() if kind == "zb-h1" else None
-    tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng, wgrad_store=store)
-    chunks = build_stage_chunks(cfg.model, tp, topo.pp_rank, p.pp, p.vpp, parse_layout(p.pp_layout), topo.device)
-    for chunk in chunks:
-        chunk.init_weights(cfg.train.seed)
-    p2p = P2P(topo) if p.pp > 1 else None
-    actions = build_schedule(kind, p.pp, p.vpp, microbatches, topo.pp_rank)
-    executor = PipelineExecutor(chunks, actions, p2p, p.pp, topo.pp_rank, store)
-    return Stage(nn.ModuleList(chunks), executor, p2p, kind)
+def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
+    """Data parallelism and the optimizer for this rank's chunks: bucketed buffers with a
+    mixed-precision / distributed optimizer (zero 0-2), or FSDP (zero 3)."""
+    p, t = cfg.parallel, cfg.train
+    if p.zero == 3:
+        data_parallel = FullyShardedDataParallel(stage.chunks, topo, compute_dtype=DTYPES[t.dtype])
+        return data_parallel, FSDPOptimizer(stage.chunks, cfg.optim)
+    data_parallel = DataParallel(stage.chunks, topo, zero=p.zero, param_dtype=DTYPES[t.dtype],
+                                 grad_dtype=DTYPES[t.grad_dtype], bucket_size=p.bucket_size,
+                                 overlap_grad_reduce=p.overlap_grad_reduce,
+                                 overlap_param_gather=p.overlap_param_gather, wgrad_store=stage.wgrad_store)
+    return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
 
 
 def train(cfg: Config) -> list[dict]:
@@ -128,9 +161,9 @@ def train(cfg: Config) -> list[dict]:
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device,
                           timeout=datetime.timedelta(seconds=t.timeout_s))
     rng = RNGTracker.for_rank(t.seed, topo.tp_rank, topo.pp_rank, device)
-    stage = build_stage(cfg, topo, rng)
+    stage = Stage(cfg, topo, rng)
     model = stage.model
-    optimizer = build_optimizer(model, cfg.optim)
+    data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
     scheduler = LRScheduler(cfg.optim, t.steps)
     scaler = DynamicLossScaler() if t.dtype == "fp16" else None
     data = build_data(cfg, topo)
@@ -138,7 +171,8 @@ def train(cfg: Config) -> list[dict]:
     logger = JsonlLogger(t.out_dir, t.log_every) if logs else NullLogger()
     n_params = sum(p.numel() for p in model.parameters())
     logger.print(f"tessera: {cfg.model.family} with {n_params:,} parameters on this rank, "
-                 f"{topo!r}, schedule {stage.schedule}, device {device}, {t.dtype}")
+                 f"{topo!r}, schedule {stage.schedule}, zero={p.zero}, device {device}, {t.dtype}")
+    logger.print(str(memory_report(data_parallel, optimizer)))
 
     history = []
     model.train()
@@ -146,8 +180,8 @@ def train(cfg: Config) -> list[dict]:
         start = time.perf_counter()
         lr = scheduler.apply(optimizer, step)
         micro_batches = next_micro_batches(data, topo)
-        result = train_step(model, optimizer, micro_batches, topo, stage.executor,
-                            clip_grad=cfg.optim.clip_grad, dtype=t.dtype, scaler=scaler)
+        result = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)), data_parallel,
+                            clip_grad=cfg.optim.clip_grad, scaler=scaler)
         elapsed = time.perf_counter() - start
         metrics = {"step": step + 1, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
                    "weight_decay": scheduler.weight_decay(step),
@@ -159,6 +193,7 @@ def train(cfg: Config) -> list[dict]:
         if logs:
             history.append(metrics)
 
+    data_parallel.wait_param_gather()
     if t.sample_tokens:
         tokenizer = ByteTokenizer()
         ids = generate(list(model), tokenizer.encode(t.sample_prompt), t.sample_tokens, topo=topo,

@@ -1,0 +1,261 @@
+"""Data parallelism over bucketed gradient buffers, with the reductions overlapped with backward.
+
+Communication plan of one step (zero = ``parallel.zero``):
+
+1. backward of every micro-batch: each parameter's gradient is added into its fp32 (or bf16)
+   ``main_grad`` by a post-accumulate hook (``param.grad`` is dropped). Nothing is reduced while
+   earlier micro-batches run.
+2. zero 0/1: when every parameter of a bucket has received its last micro-batch's gradient, the
+   bucket's reduction starts, asynchronously (``overlap_grad_reduce``), while backward goes on
+   with earlier layers: an all-reduce (zero=0) or a reduce-scatter into this rank's shard
+   (zero=1). zero=2 keeps no full gradient buffer: each bucket is reduce-scattered, and its
+   buffer dropped, every time all its parameters have one more micro-batch's gradient; the
+   shards accumulate in fp32.
+3. :meth:`finish_grad_sync` waits for them (and starts any that backward did not).
+4. after the optimizer step (zero 1/2): every bucket's updated shards are all-gathered, in the
+   order the next forward needs them, asynchronously (``overlap_param_gather``); a forward
+   pre-hook on each layer waits for the buckets it reads.
+
+The loss is already divided by the global token count, so every reduction is a sum.
+Zero-bubble schedules compute some weight gradients outside autograd (``WeightGradStore``); they
+are routed through :meth:`accumulate` like the others.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from tessera.distributed import collectives
+from tessera.distributed.buffers import Bucket, ParamAndGradBuffer
+from tessera.distributed.collectives import Pending
+from tessera.tensor_parallel.wgrad import WeightGradStore
+from tessera.topology import Topology
+
+
+@dataclass
+class OptimizerRange:
+    """The part ``[lo, hi)`` of one bucket that this rank's optimizer updates: the whole bucket
+    (zero=0) or this rank's shard (zero 1/2)."""
+
+    buffer: ParamAndGradBuffer
+    bucket: Bucket
+    lo: int
+    hi: int
+    grad: Tensor | None  # the reduced fp32 gradient of [lo, hi); None: read the bucket's (zero=0, bf16)
+    own_grad: bool  # ``grad`` has storage of its own (else it is a view of the gradient buffer)
+    fragments: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)  # (param, a, b) within the range
+
+    @property
+    def param(self) -> Tensor:
+        return self.buffer.param_data[self.lo:self.hi]
+
+    def fp32_grad(self) -> Tensor:
+        if self.grad is not None:
+            return self.grad
+        return self.buffer.grad_data[self.lo:self.hi].float()
+
+
+@dataclass(eq=False)
+class _BucketState:
+    buffer: ParamAndGradBuffer
+    bucket: Bucket
+    range: OptimizerRange
+    arrivals: collections.Counter = field(default_factory=collections.Counter)  # micro-batch round -> params
+    rounds_reduced: int = 0  # zero=2
+    launched: bool = False  # the step's final reduction has started
+
+
+class DataParallel:
+    """Buckets, hooks and reductions for this rank's model chunks (zero 0, 1, 2)."""
+
+    def __init__(self, chunks: list[nn.Module], topo: Topology, *, zero: int = 0,
+                 param_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype = torch.float32,
+                 bucket_size: int = 40_000_000, overlap_grad_reduce: bool = True,
+                 overlap_param_gather: bool = True, wgrad_store: WeightGradStore | None = None):
+        if zero not in (0, 1, 2):
+            raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
+        self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
+        self.zero, self.sharded = zero, zero >= 1
+        self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
+        self.buffers = [ParamAndGradBuffer([p for p in chunk.parameters() if p.requires_grad],
+                                           param_dtype=param_dtype, grad_dtype=grad_dtype,
+                                           bucket_size=bucket_size, dp=self.dp_size, device=topo.device,
+                                           keep_grads=zero < 2)
+                        for chunk in chunks]
+        self._state: dict[nn.Parameter, _BucketState] = {}
+        self._states: list[_BucketState] = []  # one per bucket, in backward order per chunk
+        self.ranges: list[OptimizerRange] = []
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                st = _BucketState(buffer, bucket, self._optimizer_range(buffer, bucket))
+                self._states.append(st)
+                self.ranges.append(st.range)
+                for p in bucket.params:
+                    self._state[p] = st
+                    p.register_post_accumulate_grad_hook(self._on_grad)
+        self._count: dict[nn.Parameter, int] = dict.fromkeys(self._state, 0)
+        self._expected = 0
+        self._in_flight: collections.deque[Pending] = collections.deque()
+        self._gathers: dict[Bucket, Pending] = {}
+        if wgrad_store is not None:
+            wgrad_store.accumulate = self.accumulate
+        if self.sharded and overlap_param_gather and self.group is not None:
+            for chunk, buffer in zip(chunks, self.buffers):
+                self._register_gather_hooks(chunk, buffer)
+
+    # -- layout ---------------------------------------------------------------------------------
+    def _optimizer_range(self, buffer: ParamAndGradBuffer, bucket: Bucket) -> OptimizerRange:
+        if self.sharded:
+            n = bucket.numel // self.dp_size
+            lo = bucket.start + self.dp_rank * n
+            hi = lo + n
+        else:
+            lo, hi = bucket.start, bucket.end
+        if self.zero == 1 and buffer.grad_dtype == torch.float32:
+            grad = buffer.grad_data[lo:hi]  # reduce-scattered in place
+        elif self.zero == 0:
+            grad = buffer.grad_data[lo:hi] if buffer.grad_dtype == torch.float32 else None
+        else:
+            grad = torch.zeros(hi - lo, dtype=torch.float32, device=buffer.device)
+        own = grad is not None and (buffer.grad_data is None or grad.data_ptr() != buffer.grad_data[lo:hi].data_ptr())
+        rng = OptimizerRange(buffer, bucket, lo, hi, grad, own)
+        for p in bucket.params:
+            plo, phi = buffer.param_range(p)
+            a, b = max(plo, lo), min(phi, hi)
+            if a < b:
+                rng.fragments.append((p, a - lo, b - lo))
+        return rng
+
+    # -- gradients --------------------------------------------------------------------------------
+    def start_step(self, num_microbatches: int) -> None:
+        """Zero the gradients; each parameter will receive ``num_microbatches`` gradients."""
+        self._expected = num_microbatches
+        for p in self._count:
+            self._count[p] = 0
+        for buffer in self.buffers:
+            if buffer.grad_data is not None:
+                buffer.grad_data.zero_()
+            else:
+                for bucket in buffer.buckets:
+                    buffer.release_grad(bucket)
+        for rng in self.ranges:
+            if rng.own_grad:
+                rng.grad.zero_()
+        for st in self._states:
+            st.arrivals.clear()
+            st.rounds_reduced, st.launched = 0, False
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        grad, p.grad = p.grad, None
+        if grad is not None:  # None: a deferred weight gradient (zero-bubble I step); it comes later
+            self.accumulate(p, grad)
+
+    def accumulate(self, p: nn.Parameter, grad: Tensor) -> None:
+        """Add one micro-batch's gradient of ``p``; start reductions that became possible."""
+        st = self._state[p]
+        if st.launched:
+            raise RuntimeError(f"a gradient of a {tuple(p.shape)} parameter arrived after its bucket was "
+                               f"reduced ({self._expected} micro-batches expected, it has {self._count[p] + 1}): "
+                               "a parameter used twice per micro-batch outside one autograd graph?")
+        if p.main_grad is None:
+            st.buffer.allocate_grad(st.bucket)
+        p.main_grad.add_(grad.view(p.main_grad.shape))
+        self._count[p] += 1
+        st.arrivals[self._count[p]] += 1
+        complete = len(st.bucket.params)
+        if self.zero == 2:
+            while st.arrivals[st.rounds_reduced + 1] == complete:
+                st.rounds_reduced += 1
+                if st.rounds_reduced == self._expected:
+                    st.launched = True
+                self._reduce_round(st)
+        elif self.overlap_grad_reduce and st.arrivals[self._expected] == complete:
+            self._launch(st)
+
+    def _launch(self, st: _BucketState) -> None:
+        st.launched = True
+        flat, rng = st.bucket.grad, st.range
+        if self.group is None:
+            if rng.grad is not None and rng.grad.data_ptr() != flat.data_ptr():
+                rng.grad.copy_(flat)
+            return
+        if self.zero == 0:
+            pending = collectives.all_reduce(flat, self.group, async_op=self.overlap_grad_reduce)
+        else:
+            pending = collectives.reduce_scatter(flat, rng.grad, self.group, accumulate=False,
+                                                 async_op=self.overlap_grad_reduce)
+        self._in_flight.append(pending)
+
+    def _reduce_round(self, st: _BucketState) -> None:
+        """zero=2: reduce-scatter what the bucket holds into the fp32 shard, drop the buffer."""
+        flat = st.bucket.grad
+        st.buffer.release_grad(st.bucket)
+        if self.group is None:
+            st.range.grad.add_(flat)
+            return
+        pending = collectives.reduce_scatter(flat, st.range.grad, self.group, accumulate=True,
+                                             async_op=self.overlap_grad_reduce)
+        pending.keep = flat  # alive until the collective is done
+        self._in_flight.append(pending)
+        while len(self._in_flight) > 2:  # bound the gradient memory in flight
+            self._in_flight.popleft().wait()
+
+    def finish_grad_sync(self) -> None:
+        """Start what backward did not, then wait for every reduction of this step."""
+        for st in self._states:
+            if self.zero == 2:
+                if st.bucket.grad is not None:  # gradients not yet reduced (a round never completed)
+                    self._reduce_round(st)
+                st.launched = True
+            elif not st.launched:
+                self._launch(st)
+        while self._in_flight:
+            self._in_flight.popleft().wait()
+
+    # -- parameters -------------------------------------------------------------------------------
+    def start_param_gather(self) -> None:
+        """zero 1/2, after the optimizer updated this rank's shards: all-gather every bucket, in the
+        order the next forward reads them."""
+        if not self.sharded or self.group is None:
+            return
+        for buffer in self.buffers:
+            for bucket in reversed(buffer.buckets):
+                pending = collectives.all_gather(bucket.param, self.group, async_op=self.overlap_param_gather)
+                if self.overlap_param_gather:
+                    self._gathers[bucket] = pending
+                else:
+                    pending.wait()
+
+    def wait_param_gather(self, buckets=None) -> None:
+        for bucket in list(self._gathers) if buckets is None else buckets:
+            pending = self._gathers.pop(bucket, None)
+            if pending is not None:
+                pending.wait()
+
+    def _register_gather_hooks(self, chunk: nn.Module, buffer: ParamAndGradBuffer) -> None:
+        """Who waits for which bucket. Each layer waits for the buckets holding its parameters;
+        the chunk itself, before anything runs, for those of the parameters registered before its
+        layers (embeddings, which the model may read directly); every later module with
+        parameters of its own (final norm, head) for those."""
+        layers = list(chunk.layers.values()) if hasattr(chunk, "layers") else []
+        in_layers = {p for layer in layers for p in layer.parameters()}
+        for layer in layers:
+            self._hook(layer, set(layer.parameters()))
+        before = set()
+        for p in chunk.parameters():
+            if p in in_layers:
+                break
+            before.add(p)
+        self._hook(chunk, before)
+        for module in chunk.modules():
+            own = {p for p in module.parameters(recurse=False) if p not in in_layers and p not in before}
+            self._hook(module, own)
+
+    def _hook(self, module: nn.Module, params: set[nn.Parameter]) -> None:
+        buckets = list(dict.fromkeys(self._state[p].bucket for p in params if p in self._state))
+        if buckets:
+            module.register_forward_pre_hook(lambda *_: self.wait_param_gather(buckets))

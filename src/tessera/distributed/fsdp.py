@@ -1,0 +1,58 @@
+"""zero=3: parameters, gradients and optimizer state sharded over dp with torch's FSDP2.
+
+``fully_shard`` is applied to every transformer layer, then to each model chunk (its root:
+embedding, final norm, head), on the ``dp`` axis of the topology's mesh. TP stays tessera's own:
+the parameters FSDP shards are already each TP rank's slices, and the TP collectives run inside
+the layers as before. Each layer's parameters are all-gathered for its forward and backward and
+its gradients reduce-scattered (in fp32, summed: the loss is already divided by the global token
+count, so FSDP's default average over dp is turned off) as soon as its backward ends, per
+micro-batch; FSDP accumulates the sharded gradients. Parameters stay fp32 shards (they are the main parameters);
+``MixedPrecisionPolicy`` casts them to the compute dtype when gathering.
+
+FSDP2 replaces each parameter by a DTensor; the marks tessera's reductions and norms read
+(``tensor_parallel``, ``sequence_parallel``, ``tied_across_stages``, ``shared_embedding``) are
+copied onto the new parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from tessera.topology import Topology
+
+MARKS = ("tensor_parallel", "sequence_parallel", "tied_across_stages", "shared_embedding")
+
+
+class FullyShardedDataParallel:
+    sharded = True
+
+    def __init__(self, chunks: list[nn.Module], topo: Topology, *, compute_dtype: torch.dtype = torch.float32):
+        if topo.mesh is None:
+            raise RuntimeError("zero=3 (FSDP) needs torch.distributed initialised (the dp mesh)")
+        mesh = topo.mesh["dp"]
+        policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+                                      reduce_dtype=torch.float32)
+        for chunk in chunks:
+            marks = {name: {m: getattr(p, m) for m in MARKS if hasattr(p, m)}
+                     for name, p in chunk.named_parameters()}
+            sharded = [fully_shard(layer, mesh=mesh, mp_policy=policy)
+                       for layer in (chunk.layers.values() if hasattr(chunk, "layers") else [])]
+            sharded.append(fully_shard(chunk, mesh=mesh, mp_policy=policy))
+            for module in sharded:  # the loss is already a mean over the global batch: sum, not average
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+            for name, p in chunk.named_parameters():
+                for mark, value in marks[name].items():
+                    setattr(p, mark, value)
+        self.chunks = chunks
+
+    def start_step(self, num_microbatches: int) -> None:
+        """Nothing to prepare: FSDP reduces each micro-batch's gradients in its backward."""
+
+    def finish_grad_sync(self) -> None:
+        """Nothing to wait for: FSDP's post-backward waits for its reduce-scatters."""
+
+    def wait_param_gather(self) -> None:
+        """Nothing pending: FSDP gathers parameters inside each forward."""

@@ -1,0 +1,132 @@
+"""AdamW over fp32 main parameters: Megatron's mixed-precision and distributed optimizers in one
+class (zero 0-2), and the FSDP one (zero 3).
+
+:class:`MainParamOptimizer` updates, for every bucket of the data-parallel buffers, the range
+this rank owns: the whole bucket (zero=0) or this rank's 1/dp shard (zero 1/2, ZeRO-1/2).
+
+- fp32 model: the main parameters are the model's buffer slices themselves (no copy).
+  bf16/fp16 model: an fp32 copy of the range, cast back into the model's buffer after each step
+  (DataParallel then all-gathers the shards for zero >= 1).
+- Each parameter's part of a range is its own optimizer tensor (a view of the range), so
+  matrices get weight decay and vectors (norms, biases) do not, and the gradient norm counts
+  each part by its parameter's rule (tessera.optim.clip).
+
+Both classes present the same face to the training step: ``grads()`` (this rank's fp32
+gradients with the parameter each belongs to, ready for finalize, unscaling and clipping),
+``step()``, ``zero_grad()``, ``param_groups`` (for the LR schedule) and ``sharded`` (whether
+those gradients are dp shards, which the norm must sum over dp).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from tessera.config import OptimConfig
+from tessera.distributed.data_parallel import DataParallel
+
+
+def _adamw(groups: list[dict], cfg: OptimConfig, on_cuda: bool) -> torch.optim.AdamW:
+    """Fused on CUDA, foreach elsewhere."""
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=on_cuda or None, foreach=None if on_cuda else True)
+
+
+def _decay_groups(pieces: list[tuple[Tensor, nn.Parameter]], cfg: OptimConfig) -> list[dict]:
+    decay = [t for t, p in pieces if p.ndim >= 2]
+    no_decay = [t for t, p in pieces if p.ndim < 2]
+    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class MainParamOptimizer:
+    def __init__(self, dp: DataParallel, cfg: OptimConfig):
+        self.dp, self.sharded = dp, dp.sharded
+        self.mains: list[Tensor] = []  # one flat fp32 tensor per range
+        self.pieces: list[tuple[nn.Parameter, int, int, nn.Parameter]] = []  # (tensor, range, a..b, model param)
+        for i, rng in enumerate(dp.ranges):
+            main = rng.param if rng.param.dtype == torch.float32 else rng.param.float()
+            self.mains.append(main)
+            for param, a, b in rng.fragments:
+                self.pieces.append((nn.Parameter(main[a:b]), i, slice(a, b), param))
+        groups = _decay_groups([(t, p) for t, _, _, p in self.pieces], cfg)
+        self.inner = _adamw(groups, cfg, bool(self.mains) and self.mains[0].is_cuda)
+        self.param_groups = self.inner.param_groups
+
+    def grads(self) -> list[tuple[Tensor, nn.Parameter]]:
+        """Point every main parameter's ``.grad`` at its reduced fp32 gradient; return them."""
+        flat = [rng.fp32_grad() for rng in self.dp.ranges]
+        out = []
+        for tensor, i, part, param in self.pieces:
+            tensor.grad = flat[i][part]
+            out.append((tensor.grad, param))
+        return out
+
+    def step(self) -> None:
+        self.inner.step()
+        with torch.no_grad():
+            for main, rng in zip(self.mains, self.dp.ranges):
+                if main.data_ptr() != rng.param.data_ptr():
+                    rng.param.copy_(main)
+        self.dp.start_param_gather()
+
+    def zero_grad(self) -> None:
+        for tensor, *_ in self.pieces:
+            tensor.grad = None
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (Adam's two moments) on this rank; before the first step, what
+        they will take."""
+        allocated = sum(t.numel() * t.element_size() for s in self.inner.state.values()
+                        for t in s.values() if torch.is_tensor(t) and t.ndim > 0)
+        return allocated or 2 * 4 * sum(t.numel() for t, *_ in self.pieces)
+
+    def main_param_bytes(self) -> int:
+        """Bytes of fp32 main parameters that are copies (not the model's own storage)."""
+        return sum(m.numel() * 4 for m, rng in zip(self.mains, self.dp.ranges)
+                   if m.data_ptr() != rng.param.data_ptr())
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+class FSDPOptimizer:
+    """zero=3: AdamW on FSDP's fp32 DTensor shards (they are the main parameters)."""
+
+    sharded = True
+
+    def __init__(self, chunks: list[nn.Module], cfg: OptimConfig):
+        self.params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+        groups = _decay_groups([(p, p) for p in self.params], cfg)
+        self.inner = _adamw(groups, cfg, bool(self.params) and self.params[0].is_cuda)
+        self.param_groups = self.inner.param_groups
+
+    def grads(self) -> list[tuple[Tensor, nn.Parameter]]:
+        """Each parameter's local gradient shard (zeros where a parameter got no gradient, so a
+        tied embedding's two ends both join its all-reduce)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [(p.grad.to_local(), p) for p in self.params]
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> int:
+        allocated = sum(t.to_local().numel() * t.element_size() for s in self.inner.state.values()
+                        for t in s.values() if torch.is_tensor(t) and t.ndim > 0)
+        return allocated or 2 * 4 * sum(p.to_local().numel() for p in self.params)
+
+    def main_param_bytes(self) -> int:
+        return 0  # the fp32 shards are the model's parameters
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
