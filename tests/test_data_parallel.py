@@ -248,3 +248,25 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
         assert math.isnan(run["norms"][2]) and all(math.isfinite(n) for i, n in enumerate(run["norms"]) if i != 2)
     for name in out[0]["params"]:
         assert torch.equal(out[0]["params"][name], out[1]["params"][name]), f"replicas diverged: {name}"
+
+
+def test_parameter_without_gradient_this_step_reduces_zeros():
+    """The buffer is not zeroed between steps (a step's first gradient is copied in), so a
+    parameter that gets no gradient in a step must be cleared before its bucket is reduced."""
+    from torch import nn
+
+    from tessera.distributed.data_parallel import DataParallel
+
+    model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    dp = DataParallel([model], Topology.build(), bucket_size=10**6)
+    x = torch.randn(3, 4)
+    dp.start_step(2)
+    for _ in range(2):
+        (model["a"](x).sum() + model["b"](x).square().sum()).backward()
+    dp.finish_grad_sync()
+    assert model["b"].weight.main_grad.abs().sum() > 0
+    dp.start_step(1)
+    model["a"](x).sum().backward()
+    dp.finish_grad_sync()
+    assert torch.count_nonzero(model["b"].weight.main_grad) == 0 and torch.count_nonzero(model["b"].bias.main_grad) == 0
+    torch.testing.assert_close(model["a"].weight.main_grad, x.sum(0).expand(4, 4))

@@ -63,3 +63,45 @@ def test_nccl_pipeline_schedules_match_one_gpu(tmp_path):
         curve = _train(tmp_path, kind, 2, base + ["parallel.pp=2", f"parallel.vpp={vpp}", f"parallel.schedule={kind}"])
         for a, b in zip(one, curve):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), kind
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_zero_matches_one_gpu(tmp_path):
+    one = _train(tmp_path, "one", 1, [])
+    for zero in (0, 1, 2, 3):
+        curve = _train(tmp_path, f"zero{zero}", 2, [f"parallel.zero={zero}", "parallel.bucket_size=100000"])
+        for a, b in zip(one, curve):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), zero
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), zero
+    bf16 = _train(tmp_path, "bf16", 1, ["train.dtype=bf16"])
+    for zero, grads in ((1, "bf16"), (2, "fp32"), (3, "fp32")):
+        curve = _train(tmp_path, f"bf16-zero{zero}", 2, ["train.dtype=bf16", f"parallel.zero={zero}",
+                                                         f"train.grad_dtype={grads}", "parallel.bucket_size=100000"])
+        for a, b, c in zip(one, bf16, curve):
+            assert b["loss"] == pytest.approx(a["loss"], rel=2e-2) and c["loss"] == pytest.approx(b["loss"], rel=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fused_adamw_applies_the_clip_factor_like_foreach():
+    """On CUDA the clipping factor goes into the fused AdamW kernel (grad_scale); on CPU it
+    multiplies the gradients first. Both must give the same update."""
+    from tessera.config import OptimConfig
+    from tessera.distributed.data_parallel import DataParallel
+    from tessera.optim.optimizers import MainParamOptimizer
+    from tessera.topology import Topology
+
+    results = []
+    for device in ("cuda", "cpu"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64).to(device)
+        dp = DataParallel([model], Topology.build(device=device))
+        opt = MainParamOptimizer(dp, OptimConfig(lr=1e-2))
+        for _ in range(3):
+            dp.start_step(1)
+            model(torch.ones(2, 64, device=device)).square().sum().backward()
+            dp.finish_grad_sync()
+            opt.grads()
+            opt.step(torch.tensor(0.25, device=device))
+            opt.zero_grad()
+        results.append(model.weight.detach().cpu())
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)

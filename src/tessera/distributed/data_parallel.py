@@ -3,8 +3,9 @@
 Communication plan of one step (zero = ``parallel.zero``):
 
 1. backward of every micro-batch: each parameter's gradient is added into its fp32 (or bf16)
-   ``main_grad`` by a post-accumulate hook (``param.grad`` is dropped). Nothing is reduced while
-   earlier micro-batches run.
+   ``main_grad`` by a post-accumulate hook (``param.grad`` is dropped); the step's first one is
+   copied in, so the buffer needs no zeroing pass. Nothing is reduced while earlier
+   micro-batches run.
 2. zero 0/1: when every parameter of a bucket has received its last micro-batch's gradient, the
    bucket's reduction starts, asynchronously (``overlap_grad_reduce``), while backward goes on
    with earlier layers: an all-reduce (zero=0) or a reduce-scatter into this rank's shard
@@ -136,10 +137,8 @@ class DataParallel:
         self._expected = num_microbatches
         for p in self._count:
             self._count[p] = 0
-        for buffer in self.buffers:
-            if buffer.grad_data is not None:
-                buffer.grad_data.zero_()
-            else:
+        for buffer in self.buffers:  # (zero 0/1: no memset; a step's first gradient is copied in)
+            if buffer.grad_data is None:
                 for bucket in buffer.buckets:
                     buffer.release_grad(bucket)
         for rng in self.ranges:
@@ -163,7 +162,10 @@ class DataParallel:
                                "a parameter used twice per micro-batch outside one autograd graph?")
         if p.main_grad is None:
             st.buffer.allocate_grad(st.bucket)
-        p.main_grad.add_(grad.view(p.main_grad.shape))
+        if self._count[p] == 0 and st.buffer.grad_data is not None:
+            p.main_grad.copy_(grad.view(p.main_grad.shape))  # the buffer still holds last step's
+        else:
+            p.main_grad.add_(grad.view(p.main_grad.shape))
         self._count[p] += 1
         st.arrivals[self._count[p]] += 1
         complete = len(st.bucket.params)
@@ -212,6 +214,9 @@ class DataParallel:
                     self._reduce_round(st)
                 st.launched = True
             elif not st.launched:
+                for p in st.bucket.params:
+                    if self._count[p] == 0:  # no gradient this step: clear last step's
+                        p.main_grad.zero_()
                 self._launch(st)
         while self._in_flight:
             self._in_flight.popleft().wait()

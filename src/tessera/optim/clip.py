@@ -1,4 +1,4 @@
-"""The true global gradient norm, and clipping by it.
+"""The true global gradient norm, and the clipping factor it gives.
 
 Every parameter is counted exactly once in the sum of squares:
 
@@ -48,11 +48,10 @@ def global_grad_norm(grads: Grads, topo: Topology, sharded: bool = False) -> tor
     return sq.sqrt()
 
 
-def clip_grad_norm(grads: Grads, max_norm: float, topo: Topology, sharded: bool = False) -> torch.Tensor:
-    """Scale every gradient by min(1, max_norm / global_norm); returns the norm before clipping.
-    ``max_norm = 0`` measures without clipping."""
-    norm = global_grad_norm(grads, topo, sharded)
-    if max_norm > 0 and grads:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_([g for g, _ in grads], coef.to(grads[0][0].device))
-    return norm
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """The factor min(1, max_norm / norm) that clipping multiplies every gradient by (a tensor,
+    so no host sync); None when ``max_norm = 0`` (no clipping). The optimizers apply it, inside
+    the fused AdamW kernel on CUDA (no extra pass over the gradients)."""
+    if max_norm <= 0:
+        return None
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)

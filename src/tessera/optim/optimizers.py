@@ -61,8 +61,17 @@ class MainParamOptimizer:
             out.append((tensor.grad, param))
         return out
 
-    def step(self) -> None:
-        self.inner.step()
+    def step(self, grad_multiplier: Tensor | None = None) -> None:
+        """AdamW on the main parameters with every gradient times ``grad_multiplier`` (the
+        clipping factor; applied by the fused kernel on CUDA), then the model's copy updated."""
+        if grad_multiplier is not None and self.inner.defaults.get("fused"):
+            self.inner.grad_scale = 1.0 / grad_multiplier  # the fused kernel divides by it
+        elif grad_multiplier is not None:
+            torch._foreach_mul_([t.grad for t, *_ in self.pieces], grad_multiplier)
+        try:
+            self.inner.step()
+        finally:
+            self.inner.grad_scale = None
         with torch.no_grad():
             for main, rng in zip(self.mains, self.dp.ranges):
                 if main.data_ptr() != rng.param.data_ptr():
@@ -111,7 +120,9 @@ class FSDPOptimizer:
                 p.grad = torch.zeros_like(p)
         return [(p.grad.to_local(), p) for p in self.params]
 
-    def step(self) -> None:
+    def step(self, grad_multiplier: Tensor | None = None) -> None:
+        if grad_multiplier is not None:
+            torch._foreach_mul_([p.grad.to_local() for p in self.params], grad_multiplier)
         self.inner.step()
 
     def zero_grad(self) -> None:

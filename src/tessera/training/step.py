@@ -13,7 +13,8 @@ Communication plan of a step:
    tied-embedding copies summed over the embedding group;
 4. fp16: unscale and check for inf/nan on every rank (skip the step if any);
 5. the global gradient norm (one all-reduce over tp x pp, and over dp when gradients are
-   sharded), clipping, the AdamW step on the fp32 main parameters (then, zero >= 1, the
+   sharded), the AdamW step on the fp32 main parameters with the clipping factor applied to
+   the gradients (inside the fused kernel on CUDA) (then, zero >= 1, the
    parameter all-gather, overlapped with the next step's forward);
 6. the reported loss: one all-reduce over dp (meaningful on the last pipeline stage).
 """
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.distributed.finalize import finalize_model_grads
-from tessera.optim import DynamicLossScaler, clip_grad_norm
+from tessera.optim import DynamicLossScaler, clip_coefficient, global_grad_norm
 from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.topology import Topology
 
@@ -64,10 +65,9 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
     if scaler is not None:
         finite = scaler.unscale_and_check([g for g, _ in grads], None, device)
         scaler.update(finite)
-    grad_norm = (clip_grad_norm(grads, clip_grad, topo, optimizer.sharded) if finite
-                 else torch.tensor(float("nan")))
+    grad_norm = global_grad_norm(grads, topo, optimizer.sharded) if finite else torch.tensor(float("nan"))
     if finite:
-        optimizer.step()
+        optimizer.step(clip_coefficient(grad_norm, clip_grad))
     optimizer.zero_grad()
     loss = _sum_over(loss_sum, topo.group("dp"))
     return StepResult(loss=loss.item(), grad_norm=float(grad_norm), tokens=int(global_tokens.item()),
