@@ -67,3 +67,14 @@ def test_pipeline_layouts_give_the_same_losses(tmp_path):
     ]:
         curve, stdout = run_train(tmp_path / name, nproc, base + layout)
         assert_same_curve(reference, curve)
+
+
+@pytest.mark.timeout(300)
+def test_batch_rampup_trains_and_pipelines_follow_it(tmp_path):
+    # global batch 4 -> 8 over the first 8 samples (2 then 4 micro-batches of 2 per step)
+    ramp = ["data.source=synthetic", "model.layers=2", "train.batch_rampup=4,4,8", "train.steps=6"]
+    one, _ = run_train(tmp_path / "one", 1, ramp)
+    tokens = [m["tokens"] for m in one]
+    assert tokens[0] == 4 * 32 and tokens[-1] == 8 * 32 and tokens == sorted(tokens), tokens
+    pp2, _ = run_train(tmp_path / "pp2", 2, ramp + ["parallel.pp=2", "parallel.schedule=1f1b"])
+    assert_same_curve(one, pp2)
