@@ -19,7 +19,8 @@ from tessera.optim import clip_coefficient, global_grad_norm
 from tessera.tensor_parallel import RNGTracker
 from tessera.topology import Topology
 from tessera.training.launch import init_distributed, pick_device, world_from_env
-from tessera.training.trainer import Stage, build_data, build_data_parallel, check_runnable, next_micro_batches
+from tessera.training.data_feed import DataFeed
+from tessera.training.trainer import Stage, build_data_parallel, check_runnable
 
 MODEL = ["model.family=gpt2", "model.layers=24", "model.hidden=2048", "model.heads=16", "model.seq_len=2048",
          "model.vocab_size=50304", "model.tie_embeddings=true", "train.micro_batch=2", "train.global_batch=16",
@@ -34,14 +35,14 @@ p = cfg.parallel
 topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device, timeout=datetime.timedelta(seconds=300))
 stage = Stage(cfg, topo, RNGTracker.for_rank(1, topo.tp_rank, topo.pp_rank, device))
 dp, opt = build_data_parallel(stage, topo, cfg)
-data = build_data(cfg, topo)
+data = DataFeed(cfg, topo)
 rows = []
 for step in range(10):
     t0 = time.perf_counter()
-    mbs = next_micro_batches(data, topo)
+    mbs = data.next()
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
     ev[0].record()
-    tokens = sum(mb["loss_mask"].sum() for mb in mbs).to(device)
+    tokens = sum(mb["loss_mask"].sum() for mb in mbs if "loss_mask" in mb).to(device)
     if topo.group("dp") is not None:
         torch.distributed.all_reduce(tokens, group=topo.group("dp"))
     dp.start_step(len(mbs))

@@ -263,11 +263,31 @@ class OptimConfig:
 class DataConfig:
     source: Literal["builtin", "synthetic", "indexed"] = "builtin"
     """builtin: the demo corpus shipped with Python (pydoc topics), byte tokens. synthetic: seeded
-    random tokens. indexed: Megatron .bin/.idx files (the data-pipeline issue)."""
+    random tokens. indexed: Megatron .bin/.idx datasets named by data.paths."""
+    paths: list[str] = field(default_factory=list)
+    """indexed: dataset prefixes (PREFIX.bin / PREFIX.idx), optionally weighted as Megatron's
+    ["0.7", "prefixA", "0.3", "prefixB"]; on the command line, comma-separated."""
+    split: str = "969,30,1"
+    """Train / valid / test weights; each dataset's documents are split in contiguous ranges."""
+    cache_dir: str = ""
+    """Where the sample indices (.npy) are cached; empty: an index-cache folder beside each dataset."""
+    eod_id: int = -1
+    """The end-of-document token id (needed by the three options below); -1: none."""
+    reset_position_ids: bool = False
+    """Packed sequences: positions restart at 0 after every end-of-document token."""
+    reset_attention_mask: bool = False
+    """Packed sequences: tokens attend only within their own document (variable-length attention)."""
+    eod_mask_loss: bool = False
+    """No loss on the prediction made at an end-of-document token (its target is the next
+    document's first token), as Megatron's --eod-mask-loss."""
 
     def __post_init__(self) -> None:
-        _check(self.source != "indexed", "data.source",
-               "indexed datasets are not implemented yet", "use 'builtin' or 'synthetic'")
+        _check(self.source != "indexed" or bool(self.paths), "data.paths", "data.source=indexed needs datasets",
+               'give data.paths, e.g. ["my-corpus_text_document"]')
+        packing = self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
+        _check(not packing or self.eod_id >= 0, "data.eod_id",
+               "reset_position_ids / reset_attention_mask / eod_mask_loss need the end-of-document id",
+               "set data.eod_id (the id your preprocessing appended, see `tessera data inspect`)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -315,6 +335,11 @@ def _unknown(key: str) -> ConfigError:
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Check (and for strings from the command line, parse) ``value`` against the field's type."""
+    if typing.get_origin(hint) is list:  # list[str]: a TOML list, or "a,b,c" from --set
+        items = [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise ConfigError(key, f"{value!r} is not a list of strings", 'give a list, e.g. ["0.5", "a", "0.5", "b"]')
+        return items
     choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
     base = type(choices[0]) if choices else hint
     if isinstance(value, str) and base is not str:

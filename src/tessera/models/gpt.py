@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.config import ModelConfig
+from tessera.models.packed import PackedSequence
 from tessera.models.transformer import TPContext, TransformerLayer, build_norm
 from tessera.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tessera.tensor_parallel.layers import (
@@ -89,11 +90,14 @@ class GPTModel(nn.Module):
                 init_vocab_rows(self.output.weight, self.cfg.vocab_size, std, self.tp.group, gen(name))
 
     # -- forward --------------------------------------------------------------------------------
-    def embed(self, tokens: Tensor) -> Tensor:
+    def embed(self, tokens: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """tokens [b, s] -> residual stream [s, b, h] (or [s/tp, b, h] under sequence parallel)."""
         x = self.embedding(tokens.t())  # [s, b, h]
         if hasattr(self, "pos_embedding"):
-            x = x + self.pos_embedding.weight[: tokens.shape[1]].unsqueeze(1)
+            if position_ids is None:
+                x = x + self.pos_embedding.weight[: tokens.shape[1]].unsqueeze(1)
+            else:  # packed sequences: positions restart per document
+                x = x + self.pos_embedding.weight[position_ids.t()]
         if self.tp.sequence_parallel:
             x = scatter_to_sequence_region(x, self.tp.group)
         if self.training and self.cfg.dropout:
@@ -110,15 +114,18 @@ class GPTModel(nn.Module):
                                       wgrad_store=self.tp.wgrad_store)
 
     def forward(self, tokens: Tensor | None = None, labels: Tensor | None = None,
-                hidden: Tensor | None = None) -> Tensor:
+                hidden: Tensor | None = None, position_ids: Tensor | None = None,
+                document_ids: Tensor | None = None) -> Tensor:
         """First stage: ``tokens`` [b, s]; later stages: ``hidden`` from the previous stage.
+        Packed sequences (every stage): ``position_ids`` and ``document_ids`` [b, s] (models/packed.py).
 
         Last stage with ``labels`` [b, s]: per-token loss [b, s] (fp32). Last stage without
         labels: local logits [s, b, padded_vocab / tp]. Other stages: the hidden stream.
         """
-        x = self.embed(tokens) if self.pre_process else hidden
+        x = self.embed(tokens, position_ids) if self.pre_process else hidden
+        seq = PackedSequence(position_ids, document_ids)
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, seq)
         if not self.post_process:
             return x
         logits = self.logits(x)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.config import ModelConfig
+from tessera.models.packed import PackedSequence
 from tessera.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -72,10 +73,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x: [b, heads, s, head_dim]."""
+    def forward(self, x: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """x: [b, heads, s, head_dim]; position_ids [b, s] (packed sequences) or None for 0..s-1."""
         s = x.shape[-2]
-        cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
+        if position_ids is None:
+            cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
+        else:  # [b, 1, s, head_dim]
+            cos, sin = self.cos[position_ids].unsqueeze(1).to(x.dtype), self.sin[position_ids].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -100,7 +104,7 @@ class Attention(nn.Module):
         self.rope = (RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device)
                      if cfg.family == "llama" else None)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, seq: PackedSequence) -> Tensor:
         qkv = self.qkv(x)  # [s, b, (heads + 2 kv_heads) * head_dim / tp]
         s, b = qkv.shape[:2]
         q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
@@ -108,11 +112,10 @@ class Attention(nn.Module):
         # [s, b, heads * head_dim] -> [b, heads, s, head_dim]
         q, k, v = (t.view(s, b, -1, self.head_dim).permute(1, 2, 0, 3) for t in (q, k, v))
         if self.rope is not None:
-            q, k = self.rope(q), self.rope(k)
+            q, k = self.rope(q, seq.position_ids), self.rope(k, seq.position_ids)
         dropout = self.dropout if self.training else 0.0
         with self.tp.split_region() if dropout else contextlib.nullcontext():
-            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                               enable_gqa=self.heads != self.kv_heads)
+            o = seq.attention(q, k, v, dropout, enable_gqa=self.heads != self.kv_heads)  # causal, within documents
         o = o.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, h/tp]
         return self.proj(o)
 
@@ -161,6 +164,6 @@ class TransformerLayer(nn.Module):
         with self.tp.residual_region():
             return F.dropout(x, self.dropout, training=True)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self._drop(self.attn(self.attn_norm(x)))
+    def forward(self, x: Tensor, seq: PackedSequence | None = None) -> Tensor:
+        x = x + self._drop(self.attn(self.attn_norm(x), seq or PackedSequence()))
         return x + self._drop(self.mlp(self.mlp_norm(x)))

@@ -79,7 +79,8 @@ class PipelineExecutor:
                 stage, batch = self._stage(c), micro_batches[mb]
                 x = recvs.pop((Op.RECV_F, key)).wait().requires_grad_() if stage > 0 else None
                 out = self.chunks[c](tokens=batch["tokens"] if stage == 0 else None, hidden=x,
-                                     labels=batch["labels"] if stage == last else None)
+                                     labels=batch["labels"] if stage == last else None,
+                                     position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids"))
                 if stage == last:
                     out = (out * batch["loss_mask"]).sum() / global_tokens
                     loss_sum += out.detach()

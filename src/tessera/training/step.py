@@ -54,7 +54,9 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
     FSDPOptimizer over the chunks the executor runs; ``data_parallel`` their DataParallel or
     FullyShardedDataParallel."""
     device = topo.device
-    local_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches).to(device, torch.float32)
+    # (pipeline middle stages hold no loss mask: their count is unused, the loss is on the last stage)
+    local_tokens = sum((mb["loss_mask"].sum() for mb in micro_batches if "loss_mask" in mb),
+                       torch.zeros(())).to(device, torch.float32)
     global_tokens = _sum_over(local_tokens.clone(), topo.group("dp"))
     data_parallel.start_step(len(micro_batches))
     loss_sum = executor.run(micro_batches, global_tokens, loss_scale=scaler.scale if scaler is not None else 1.0)

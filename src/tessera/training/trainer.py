@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tessera.config import Config, ConfigError, to_dict, validate
-from tessera.data import BuiltinCorpus, ByteTokenizer, MicroBatches, SyntheticTokens, microbatch_counts
+from tessera.data import ByteTokenizer, microbatch_counts
 from tessera.inference.generate import generate
 from tessera.models import TPContext
 from tessera.distributed.data_parallel import DataParallel
@@ -29,9 +29,10 @@ from tessera.pipeline_parallel.p2p import P2P
 from tessera.pipeline_parallel.schedules import ScheduleError, build_all, build_schedule, check_kind
 from tessera.pipeline_parallel.simulator import simulate
 from tessera.pipeline_parallel.stage import LayoutError, build_stage_chunks, parse_layout, stage_layer_ranges
-from tessera.tensor_parallel import RNGTracker, broadcast_batch
+from tessera.tensor_parallel import RNGTracker
 from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.topology import Topology
+from tessera.training.data_feed import DataFeed
 from tessera.training.launch import init_distributed, pick_device, world_from_env
 from tessera.training.metrics import JsonlLogger, NullLogger
 from tessera.training.step import DTYPES, train_step
@@ -81,29 +82,6 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
                           f"tokenizer's {ByteTokenizer.vocab_size} ids of the builtin corpus",
                           "set model.vocab_size >= 256")
     return cfg
-
-
-def build_data(cfg: Config, topo: Topology) -> MicroBatches | None:
-    """The data iterator on TP rank 0; None on the other TP ranks (they receive broadcasts)."""
-    if topo.tp_rank != 0:
-        return None
-    m, t = cfg.model, cfg.train
-    if cfg.data.source == "builtin":
-        source = BuiltinCorpus(m.seq_len, t.seed)
-    else:
-        source = SyntheticTokens(m.seq_len, m.vocab_size, t.seed)
-    return MicroBatches(source, batches=MicroBatchCalculator.from_config(t, topo.dp), dp_rank=topo.dp_rank)
-
-
-def next_micro_batches(data: MicroBatches | None, topo: Topology) -> list[dict]:
-    """Read (TP rank 0) and broadcast one step's micro-batches, stacked into one message."""
-    stacked = None
-    if data is not None:
-        batches = next(data)
-        stacked = {k: torch.stack([mb[k] for mb in batches]) for k in batches[0]}
-    stacked = broadcast_batch(stacked, topo.group("tp"), topo.tp_src_rank, topo.device)
-    count = next(iter(stacked.values())).shape[0]
-    return [{k: v[i] for k, v in stacked.items()} for i in range(count)]
 
 
 class Stage:
@@ -166,7 +144,7 @@ def train(cfg: Config) -> list[dict]:
     data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
     scheduler = LRScheduler(cfg.optim, t.steps)
     scaler = DynamicLossScaler() if t.dtype == "fp16" else None
-    data = build_data(cfg, topo)
+    data = DataFeed(cfg, topo)
     logs = topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0
     logger = JsonlLogger(t.out_dir, t.log_every) if logs else NullLogger()
     n_params = sum(p.numel() for p in model.parameters())
@@ -179,7 +157,7 @@ def train(cfg: Config) -> list[dict]:
     for step in range(t.steps):
         start = time.perf_counter()
         lr = scheduler.apply(optimizer, step)
-        micro_batches = next_micro_batches(data, topo)
+        micro_batches = data.next()
         result = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)), data_parallel,
                             clip_grad=cfg.optim.clip_grad, scaler=scaler)
         elapsed = time.perf_counter() - start

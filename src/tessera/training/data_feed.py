@@ -1,0 +1,93 @@
+"""Who reads the data, and how one step's micro-batches reach every rank that needs them.
+
+- Only TP rank 0 of a stage reads; its TP group receives one step's micro-batches stacked in one
+  broadcast (tensor_parallel/data.py).
+- The first stage needs the tokens, the last the labels and loss mask; pipeline middle stages
+  need nothing, so they read nothing and only count the step's micro-batches (unless packed
+  sequences are on: every layer's attention needs the document layout, derived from the tokens).
+- Step ``t`` takes the next global batch of samples ``[consumed, consumed + G_t)`` (``G_t`` from
+  the batch ramp-up); dp rank ``r`` its ``r``-th contiguous share. Every rank keeps the same
+  :class:`MicroBatchCalculator` position, which is what a resumed run restores.
+- Packed sequences: positions, document ids and the EOD loss mask are computed from the tokens
+  on each rank after the broadcast (models/packed.py), rather than broadcast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.config import Config
+from tessera.data import BuiltinCorpus, MicroBatches, SyntheticTokens
+from tessera.models.packed import document_fields
+from tessera.optim import MicroBatchCalculator
+from tessera.tensor_parallel import broadcast_batch
+from tessera.topology import Topology
+
+
+def total_samples(cfg: Config) -> int:
+    """Samples the whole run consumes (the ramp-up included)."""
+    calc = MicroBatchCalculator.from_config(cfg.train, cfg.parallel.dp)
+    for _ in range(cfg.train.steps):
+        calc.advance()
+    return calc.consumed_samples
+
+
+def build_source(cfg: Config):
+    """The sample source: ``source[i]`` is sample i, ``seq_len + 1`` token ids."""
+    m, t, d = cfg.model, cfg.train, cfg.data
+    if d.source == "builtin":
+        return BuiltinCorpus(m.seq_len, t.seed)
+    if d.source == "synthetic":
+        return SyntheticTokens(m.seq_len, m.vocab_size, t.seed)
+    from tessera.data.indexed_source import indexed_source  # numpy index building, only when used
+    return indexed_source(d, m.seq_len, total_samples(cfg), t.seed)
+
+
+class DataFeed:
+    def __init__(self, cfg: Config, topo: Topology):
+        self.cfg, self.topo = cfg, topo
+        d = cfg.data
+        self.packing = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
+        self.reads = topo.is_first_stage or topo.is_last_stage or self.packing
+        self.batches = MicroBatchCalculator.from_config(cfg.train, topo.dp)
+        self.loader = None
+        if self.reads and topo.tp_rank == 0:
+            self.loader = MicroBatches(build_source(cfg), batches=self.batches, dp_rank=topo.dp_rank)
+
+    def next(self) -> list[dict]:
+        """This rank's micro-batches of the next step (empty dicts on pipeline middle stages)."""
+        if not self.reads:
+            count = self.batches.num_micro_batches(self.batches.consumed_samples)
+            self.batches.advance()
+            return [{} for _ in range(count)]
+        stacked = None
+        if self.loader is not None:
+            batches = next(self.loader)  # advances self.batches
+            stacked = {k: torch.stack([mb[k] for mb in batches]) for k in batches[0]}
+        else:
+            self.batches.advance()
+        stacked = broadcast_batch(stacked, self.topo.group("tp"), self.topo.tp_src_rank, self.topo.device)
+        if self.packing:
+            stacked = self._add_document_fields(stacked)
+        count = next(iter(stacked.values())).shape[0]
+        return [{k: v[i] for k, v in stacked.items()} for i in range(count)]
+
+    def _add_document_fields(self, stacked: dict) -> dict:
+        d = self.cfg.data
+        m, b, s = stacked["tokens"].shape
+        fields = document_fields(stacked["tokens"].reshape(m * b, s), d.eod_id,
+                                 reset_position_ids=d.reset_position_ids,
+                                 reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss)
+        out = dict(stacked)
+        for key, value in fields.items():
+            if key == "eod_loss_mask":
+                out["loss_mask"] = stacked["loss_mask"] * value.view(m, b, s)
+            else:
+                out[key] = value.view(m, b, s)
+        return out
+
+    def state_dict(self) -> dict:
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches.load_state_dict(state)
