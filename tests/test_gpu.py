@@ -105,3 +105,20 @@ def test_fused_adamw_applies_the_clip_factor_like_foreach():
             opt.zero_grad()
         results.append(model.weight.detach().cpu())
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_varlen_attention_matches_the_mask_path():
+    """Packed sequences on CUDA run variable-length (flash) attention; it must equal SDPA with the
+    block-diagonal causal mask, the CPU path."""
+    from tessera.models import packed
+
+    if packed.varlen_attn is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    doc = torch.tensor([[0] * 10 + [1] * 30 + [2] * 24, [0] * 64], device="cuda")
+    seq = packed.PackedSequence(document_ids=doc)
+    fast = seq.attention(q, k, v, 0.0, enable_gqa=False)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seq.mask())
+    torch.testing.assert_close(fast, reference, rtol=2e-2, atol=2e-2)
