@@ -1,5 +1,6 @@
 """Command line: ``tessera train --config FILE [--set section.key=value ...]``, ``tessera config``,
-``tessera schedule --kind interleaved --pp 4 --vpp 2 --microbatches 8 [--out schedule.svg]``.
+``tessera schedule --kind interleaved --pp 4 --vpp 2 --microbatches 8 [--out schedule.svg]``,
+``tessera preprocess --input FILE.jsonl --tokenizer SPEC --output-prefix P``, ``tessera data inspect P``.
 
 Run it under ``torchrun --nproc-per-node N`` for several processes, or give ``--nproc-per-node N``
 to ``tessera train`` itself: it checks the configuration for N processes first and then starts
@@ -39,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     schedule.add_argument("--comm", type=float, default=0.0, help="latency of one send between ranks")
     schedule.add_argument("--out", help="write the timeline picture here (.svg, or .png with matplotlib)")
     schedule.add_argument("--print-actions", action="store_true", help="print each rank's action list")
+    from tessera.data.commands import add_data_commands
+
+    add_data_commands(sub)  # preprocess, data inspect
     return parser
 
 
@@ -105,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "schedule":
         return _schedule(args)
+    if args.command in ("preprocess", "data"):
+        from tessera.data.commands import run_data_command
+
+        return run_data_command(args)
     from tessera.training.launch import shutdown, world_from_env
 
     rank = world_from_env()[0]

@@ -1,0 +1,298 @@
+"""Tokenize JSON-lines text into a Megatron ``.bin``/``.idx`` pair (Megatron's ``preprocess_data.py``).
+
+One input line = one JSON object = one document; the text under ``key`` is encoded with a Hugging
+Face ``tokenizers`` tokenizer and an end-of-document (EOD) token is appended (Megatron's
+``--append-eod``), so documents packed back to back in a training sample stay separable.
+
+The tokenizer is a ``tokenizer.json`` (or a folder holding one), or ``bpe:V``: a byte-level BPE of
+V ids trained on the input itself, saved as ``PREFIX.tokenizer.json``. Byte-level means every
+string encodes, nothing maps to "unknown", and decoding gives the text back exactly.
+
+Parallelism: ``workers`` processes each parse JSON *and* encode a chunk of lines, in order. Not
+the tokenizers library's own threaded ``encode_batch`` alone: that leaves JSON parsing and the
+Python around it on one core, which is the bottleneck once encoding is parallel. Chunks are
+submitted a bounded number ahead, so memory stays flat on inputs of any size. With one worker
+everything runs in this process and ``encode_batch`` threads on its own.
+
+Megatron names its outputs ``{prefix}_{key}_document.bin``; here the prefix is the name itself:
+``PREFIX.bin`` and ``PREFIX.idx``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+
+from tessera.data.indexed import IndexedDatasetWriter, best_dtype, bin_path, idx_path
+
+EOD_TOKEN = "<|endoftext|>"
+# Looked up in order in a given tokenizer: GPT-2/NeoX, Llama 3, SentencePiece-style, others.
+EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+# A chunk is sent to a worker when it reaches either bound: large enough that process hand-off
+# costs little, small enough that the progress bar moves.
+CHUNK_LINES = 1024
+CHUNK_BYTES = 1 << 20
+
+
+class PreprocessError(ValueError):
+    """Bad input or tokenizer; the message names the file (and line) at fault."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreprocessResult:
+    documents: int
+    tokens: int
+    input_bytes: int
+    seconds: float
+    dtype: np.dtype
+    vocab_size: int
+    eod_id: int
+    bin_path: str
+    idx_path: str
+    tokenizer_path: str | None
+
+
+def input_files(path: str | os.PathLike) -> list[Path]:
+    """The file itself, or every ``*.jsonl`` / ``*.jsonl.gz`` of a directory, sorted by name."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir()
+                       if p.is_file() and (p.name.endswith(".jsonl") or p.name.endswith(".jsonl.gz")))
+        if not files:
+            raise PreprocessError(f"{path}: no *.jsonl or *.jsonl.gz files in this directory")
+        return files
+    if not path.is_file():
+        raise PreprocessError(f"{path}: no such file or directory")
+    return [path]
+
+
+def _lines(path: Path) -> Iterator[tuple[bytes, int]]:
+    """``(line, bytes read from disk so far)`` for a .jsonl or .jsonl.gz file.
+
+    Progress counts bytes as stored (compressed for .gz), the only measure known before reading.
+    """
+    with open(path, "rb") as raw:
+        stream = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
+        try:
+            for line in stream:
+                yield line, raw.tell()
+        except (OSError, EOFError) as e:  # gzip: bad or truncated archive
+            raise PreprocessError(f"{path}: cannot read: {e}") from e
+
+
+def parse_text(line: bytes, key: str, path: str, lineno: int) -> str | None:
+    """The text of one JSONL line, or None for a blank line. Errors name ``file:line``."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PreprocessError(f"{path}:{lineno}: not valid JSON ({e})") from None
+    if not isinstance(record, dict) or key not in record:
+        found = f"keys {sorted(record)[:10]}" if isinstance(record, dict) else type(record).__name__
+        raise PreprocessError(f"{path}:{lineno}: no key {key!r} (found {found}); choose one with --key")
+    text = record[key]
+    if not isinstance(text, str):
+        raise PreprocessError(f"{path}:{lineno}: {key!r} is a {type(text).__name__}, expected a string")
+    return text
+
+
+def iter_texts(files: list[Path], key: str) -> Iterator[str]:
+    for path in files:
+        for lineno, (line, _) in enumerate(_lines(path), 1):
+            text = parse_text(line, key, str(path), lineno)
+            if text is not None:
+                yield text
+
+
+# --- tokenizer -----------------------------------------------------------------------------------
+
+def train_bpe(files: list[Path], key: str, vocab_size: int):
+    """A byte-level BPE of ``vocab_size`` ids (256 bytes + ``<|endoftext|>`` + merges) on the input.
+
+    Reads the input once more than encoding does; meant for small corpora and tests (it needs
+    no download), not as a substitute for a tokenizer trained on a representative sample.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    minimum = len(pre_tokenizers.ByteLevel.alphabet()) + 1
+    if vocab_size < minimum:
+        raise PreprocessError(f"bpe:{vocab_size}: a byte-level BPE needs at least {minimum} ids "
+                              "(256 bytes and the end-of-document token)")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(iter_texts(files, key), trainer=trainer)
+    return tokenizer
+
+
+def load_tokenizer(spec: str):
+    """A ``tokenizer.json`` path or a folder holding one (never a download)."""
+    from tokenizers import Tokenizer
+
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise PreprocessError(f"{path}: no such tokenizer file (--tokenizer takes a tokenizer.json, "
+                              "a folder containing one, or bpe:V to train one)")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises a bare Exception for malformed files
+        raise PreprocessError(f"{path}: not a Hugging Face tokenizers file ({e})") from None
+
+
+def find_eod(tokenizer, name: str | None = None) -> int:
+    """The id of the end-of-document token: ``name`` if given, else the first known EOD name."""
+    for candidate in (name,) if name else EOD_CANDIDATES:
+        token_id = tokenizer.token_to_id(candidate)
+        if token_id is not None:
+            return token_id
+    looked = repr(name) if name else ", ".join(EOD_CANDIDATES)
+    raise PreprocessError(f"the tokenizer has no end-of-document token (looked for {looked}); "
+                          "name one with --eod-token")
+
+
+# --- encoding ------------------------------------------------------------------------------------
+
+_worker_state: dict = {}
+
+
+def _init_worker(tokenizer_json: str, key: str, eod_id: int) -> None:
+    # N workers each running the library's thread pool would oversubscribe the cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import Tokenizer
+
+    _worker_state.update(tokenizer=Tokenizer.from_str(tokenizer_json), key=key, eod_id=eod_id)
+
+
+def encode_chunk(tokenizer, key: str, eod_id: int, path: str, first_lineno: int,
+                 lines: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Parse and encode consecutive lines: ``(tokens, lengths)``, EOD after each document.
+
+    ``add_special_tokens=False``: the ids are the text's and the EOD's only, like Megatron's GPT
+    preprocessing; a tokenizer's post-processor (BOS, [CLS] ...) is not applied.
+    """
+    texts = [t for i, line in enumerate(lines)
+             if (t := parse_text(line, key, path, first_lineno + i)) is not None]
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+    lengths = np.array([len(e.ids) + 1 for e in encodings], dtype=np.int64)
+    tokens = np.empty(int(lengths.sum()), dtype=np.int64)
+    at = 0
+    for encoding in encodings:
+        tokens[at:at + len(encoding.ids)] = encoding.ids
+        at += len(encoding.ids)
+        tokens[at] = eod_id
+        at += 1
+    return tokens, lengths
+
+
+def _encode_in_worker(path: str, first_lineno: int, lines: list[bytes]):
+    s = _worker_state
+    return encode_chunk(s["tokenizer"], s["key"], s["eod_id"], path, first_lineno, lines)
+
+
+def _chunks(files: list[Path]) -> Iterator[tuple[str, int, list[bytes], int]]:
+    """``(file, first line number, lines, disk bytes consumed since the previous chunk)``."""
+    for path in files:
+        lines: list[bytes] = []
+        size = first = done = 0
+        position = 0
+        for lineno, (line, position) in enumerate(_lines(path), 1):
+            if not lines:
+                first = lineno
+            lines.append(line)
+            size += len(line)
+            if len(lines) >= CHUNK_LINES or size >= CHUNK_BYTES:
+                yield str(path), first, lines, position - done
+                done, lines, size = position, [], 0
+        if lines or position > done:
+            yield str(path), first, lines, position - done
+
+
+def preprocess(input: str | os.PathLike, output_prefix: str | os.PathLike, tokenizer: str, key: str = "text",
+               workers: int = 1, vocab_size: int | None = None, eod_token: str | None = None,
+               progress: bool = True) -> PreprocessResult:
+    """Tokenize ``input`` into ``output_prefix.bin/.idx``; see the module docstring.
+
+    ``vocab_size`` picks the token dtype (default: the tokenizer's size); give the model's padded
+    vocabulary to match a Megatron run that used one. For ``tokenizer="bpe"`` it is also the size
+    to train. The output pair appears only once complete (:class:`IndexedDatasetWriter`).
+    """
+    from tqdm import tqdm
+
+    if workers < 1:
+        raise PreprocessError(f"--workers must be >= 1, got {workers}")
+    files = input_files(input)
+    output_prefix = os.fspath(output_prefix)
+    tokenizer_path = None
+    if tokenizer == "bpe" or tokenizer.startswith("bpe:"):
+        size_text = tokenizer[4:] or (str(vocab_size) if vocab_size else "")
+        if not size_text.isdigit():
+            raise PreprocessError(f"--tokenizer {tokenizer}: expected bpe:V with V the vocabulary size, e.g. bpe:32000")
+        tok = train_bpe(files, key, int(size_text))
+        tokenizer_path = output_prefix + ".tokenizer.json"
+        Path(tokenizer_path).parent.mkdir(parents=True, exist_ok=True)
+        tok.save(tokenizer_path)
+    else:
+        tok = load_tokenizer(tokenizer)
+    eod_id = find_eod(tok, eod_token)
+    tokenizer_size = tok.get_vocab_size(with_added_tokens=True)
+    vocab = vocab_size or tokenizer_size
+    if vocab < tokenizer_size:
+        raise PreprocessError(f"--vocab-size {vocab} is smaller than the tokenizer's {tokenizer_size} ids")
+    dtype = np.dtype(best_dtype(vocab))
+
+    disk_bytes = sum(p.stat().st_size for p in files)
+    bar = tqdm(total=disk_bytes, unit="B", unit_scale=True, disable=not progress,
+               desc=f"tokenizing {len(files)} file{'s' * (len(files) != 1)}", dynamic_ncols=True)
+    documents = tokens = 0
+    start = time.perf_counter()
+
+    def consume(result, consumed: int) -> None:
+        nonlocal documents, tokens
+        chunk_tokens, lengths = result
+        writer.add_documents(chunk_tokens, lengths)
+        documents += len(lengths)
+        tokens += len(chunk_tokens)
+        bar.update(consumed)
+        bar.set_postfix_str(f"{documents / max(time.perf_counter() - start, 1e-9):,.0f} docs/s, {documents:,} docs",
+                            refresh=False)
+
+    try:
+        with IndexedDatasetWriter(output_prefix, dtype) as writer:
+            if workers == 1:
+                for path, first, lines, consumed in _chunks(files):
+                    consume(encode_chunk(tok, key, eod_id, path, first, lines), consumed)
+            else:
+                # spawn, not fork: the parent may already run the tokenizers thread pool (training),
+                # and forking a threaded process can deadlock.
+                with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
+                                         initargs=(tok.to_str(), key, eod_id)) as pool:
+                    pending: deque = deque()
+                    for path, first, lines, consumed in _chunks(files):
+                        pending.append((pool.submit(_encode_in_worker, path, first, lines), consumed))
+                        if len(pending) >= 4 * workers:  # bounded look-ahead: memory stays flat
+                            future, n = pending.popleft()
+                            consume(future.result(), n)
+                    while pending:
+                        future, n = pending.popleft()
+                        consume(future.result(), n)
+    finally:
+        bar.close()
+    return PreprocessResult(documents=documents, tokens=tokens, input_bytes=disk_bytes,
+                            seconds=time.perf_counter() - start, dtype=dtype, vocab_size=vocab, eod_id=eod_id,
+                            bin_path=bin_path(output_prefix), idx_path=idx_path(output_prefix),
+                            tokenizer_path=tokenizer_path)

@@ -1,0 +1,198 @@
+"""Preprocessing JSON lines into a .bin/.idx pair: round trip through a BPE trained on the input,
+.gz and directory inputs, workers, errors naming file:line, the CLI, and no pair after a failure."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from tessera.cli import main
+from tessera.data import preprocess as pre
+from tessera.data.indexed import IndexedDataset
+from tessera.data.preprocess import PreprocessError, preprocess
+
+TEXTS = [
+    "Hello world! Hello tessera.",
+    "Ünïcödé, ελληνικά, 中文 and 🙂 survive byte-level BPE.",
+    "",
+    "  leading spaces\n\ttabs and\nnew lines\n",
+    "the quick brown fox jumps over the lazy dog " * 5,
+    'quotes " and backslashes \\ too',
+]
+
+
+def jsonl(path, texts, key="text", opener=open):
+    with opener(path, "wt", encoding="utf-8") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"id": i, key: t}) + "\n")
+    return path
+
+
+def decoded(prefix, tokenizer_path):
+    """Each document decoded with the saved tokenizer; asserts it ends with the one EOD token."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    eod = tok.token_to_id("<|endoftext|>")
+    ds = IndexedDataset(prefix)
+    assert len(ds) == ds.num_documents
+    out = []
+    for i in range(len(ds)):
+        ids = ds[i].tolist()
+        assert ids[-1] == eod and eod not in ids[:-1]
+        out.append(tok.decode(ids[:-1]))
+    return out
+
+
+def test_bpe_round_trip(tmp_path):
+    src = jsonl(tmp_path / "in.jsonl", TEXTS)
+    r = preprocess(src, tmp_path / "out" / "ds", "bpe:300", progress=False)
+    assert (r.documents, r.vocab_size, r.dtype) == (len(TEXTS), 300, np.uint16)
+    assert r.tokenizer_path == str(tmp_path / "out" / "ds.tokenizer.json")
+    assert decoded(tmp_path / "out" / "ds", r.tokenizer_path) == TEXTS
+    ds = IndexedDataset(tmp_path / "out" / "ds")
+    assert ds.num_tokens == r.tokens and ds.dtype == np.uint16
+    assert int(max(ds[i].max() for i in range(len(ds)))) < 300
+    assert ds[2].tolist() == [r.eod_id]  # an empty text is a document of just the EOD
+
+
+def test_gzip_and_directory_inputs(tmp_path):
+    plain = jsonl(tmp_path / "plain.jsonl", TEXTS)
+    jsonl(tmp_path / "zipped.jsonl.gz", TEXTS, opener=gzip.open)
+    r = preprocess(plain, tmp_path / "p", "bpe:300", progress=False)
+    preprocess(tmp_path / "zipped.jsonl.gz", tmp_path / "z", r.tokenizer_path, progress=False)
+    assert (tmp_path / "p.bin").read_bytes() == (tmp_path / "z.bin").read_bytes()
+    assert (tmp_path / "p.idx").read_bytes() == (tmp_path / "z.idx").read_bytes()
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    jsonl(folder / "b.jsonl.gz", ["second file"], opener=gzip.open)
+    jsonl(folder / "a.jsonl", ["first file", "still first"])
+    jsonl(folder / "c.jsonl", ["third file"])
+    (folder / "notes.txt").write_text("not an input")
+    (folder / "d.json").write_text("{}")
+    r = preprocess(folder, tmp_path / "dir", "bpe:300", progress=False)
+    assert decoded(tmp_path / "dir", r.tokenizer_path) == ["first file", "still first", "second file", "third file"]
+
+
+def test_given_tokenizer_file_or_folder_and_workers(tmp_path):
+    src = jsonl(tmp_path / "in.jsonl", TEXTS * 3)
+    r = preprocess(src, tmp_path / "one", "bpe:300", progress=False)
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(r.tokenizer_path, folder / "tokenizer.json")
+    pre_chunk = pre.CHUNK_LINES
+    pre.CHUNK_LINES = 4  # several chunks, so the two workers' results must come back in order
+    try:
+        r2 = preprocess(src, tmp_path / "two", str(folder), workers=2, progress=False)
+    finally:
+        pre.CHUNK_LINES = pre_chunk
+    assert r2.tokenizer_path is None and r2.documents == len(TEXTS) * 3
+    assert (tmp_path / "one.bin").read_bytes() == (tmp_path / "two.bin").read_bytes()
+    assert (tmp_path / "one.idx").read_bytes() == (tmp_path / "two.idx").read_bytes()
+
+
+def test_blank_lines_are_skipped_and_vocab_size_picks_dtype(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "a b"}\n\n   \n{"text": "c"}\n')
+    r = preprocess(path, tmp_path / "d", "bpe:300", vocab_size=128256, progress=False)
+    assert r.documents == 2 and r.dtype == np.int32 and IndexedDataset(tmp_path / "d").dtype == np.int32
+    with pytest.raises(PreprocessError, match=r"--vocab-size 100 is smaller than the tokenizer's 258 ids"):
+        preprocess(path, tmp_path / "e", r.tokenizer_path, vocab_size=100, progress=False)
+
+
+@pytest.mark.parametrize("lines,message", [
+    ('{"text": "ok"}\n{"text": "ok"}\nnot json\n', r"in\.jsonl:3: not valid JSON"),
+    ('{"text": "ok"}\n{"body": "x"}\n', r"in\.jsonl:2: no key 'text' \(found keys \['body'\]\)"),
+    ('{"text": 5}\n', r"in\.jsonl:1: 'text' is a int, expected a string"),
+    ('[1, 2]\n', r"in\.jsonl:1: no key 'text' \(found list\)"),
+])
+def test_bad_lines_name_file_and_line(tmp_path, lines, message):
+    (tmp_path / "in.jsonl").write_text(lines)
+    for tokenizer in ("bpe:300", None):  # while training and while encoding
+        if tokenizer is None:
+            jsonl(tmp_path / "good.jsonl", TEXTS)
+            tokenizer = preprocess(tmp_path / "good.jsonl", tmp_path / "good", "bpe:300",
+                                   progress=False).tokenizer_path
+        with pytest.raises(PreprocessError, match=message):
+            preprocess(tmp_path / "in.jsonl", tmp_path / "out", tokenizer, progress=False)
+        assert not IndexedDataset.exists(tmp_path / "out")
+
+
+def test_bad_inputs_and_tokenizers(tmp_path):
+    with pytest.raises(PreprocessError, match="nope.jsonl: no such file"):
+        preprocess(tmp_path / "nope.jsonl", tmp_path / "o", "bpe:300")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PreprocessError, match=r"empty: no \*\.jsonl"):
+        preprocess(tmp_path / "empty", tmp_path / "o", "bpe:300")
+    src = jsonl(tmp_path / "in.jsonl", TEXTS)
+    with pytest.raises(PreprocessError, match=r"missing[/\\]tokenizer\.json: no such tokenizer file"):
+        os.mkdir(tmp_path / "missing")
+        preprocess(src, tmp_path / "o", str(tmp_path / "missing"))
+    with pytest.raises(PreprocessError, match="at least 257 ids"):
+        preprocess(src, tmp_path / "o", "bpe:100")
+    with pytest.raises(PreprocessError, match="expected bpe:V"):
+        preprocess(src, tmp_path / "o", "bpe:lots")
+    (tmp_path / "junk.json").write_text("{not a tokenizer")
+    with pytest.raises(PreprocessError, match="junk.json: not a Hugging Face tokenizers file"):
+        preprocess(src, tmp_path / "o", str(tmp_path / "junk.json"))
+
+
+def test_tokenizer_without_eod(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2, "[END]": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "words.json"))
+    src = jsonl(tmp_path / "in.jsonl", ["hello world", "world"])
+    with pytest.raises(PreprocessError, match="no end-of-document token .*--eod-token"):
+        preprocess(src, tmp_path / "o", str(tmp_path / "words.json"), progress=False)
+    preprocess(src, tmp_path / "o", str(tmp_path / "words.json"), eod_token="[END]", progress=False)
+    assert [x.tolist() for x in IndexedDataset(tmp_path / "o")] == [[0, 1, 3], [1, 3]]
+
+
+def test_failure_midway_leaves_no_pair(tmp_path, monkeypatch):
+    # Chunks of one line: the first documents are already written when line 4 fails.
+    monkeypatch.setattr(pre, "CHUNK_LINES", 1)
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n{"oops": 1}\n')
+    tok = preprocess(jsonl(tmp_path / "good.jsonl", TEXTS), tmp_path / "old", "bpe:300", progress=False).tokenizer_path
+    old = (tmp_path / "old.bin").read_bytes()
+    with pytest.raises(PreprocessError, match=r"in\.jsonl:4"):
+        preprocess(path, tmp_path / "new", tok, progress=False)
+    with pytest.raises(PreprocessError, match=r"in\.jsonl:4"):
+        preprocess(path, tmp_path / "old", tok, progress=False)  # over an existing pair
+    assert not os.path.exists(tmp_path / "new.bin") and not os.path.exists(tmp_path / "new.idx")
+    assert (tmp_path / "old.bin").read_bytes() == old
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+def test_cli_preprocess_and_inspect(tmp_path, capsys):
+    src = jsonl(tmp_path / "in.jsonl", TEXTS)
+    prefix = str(tmp_path / "ds")
+    assert main(["preprocess", "--input", str(src), "--key", "text", "--tokenizer", "bpe:300",
+                 "--output-prefix", prefix, "--workers", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(TEXTS)} documents" in out and "uint16" in out and "ds.tokenizer.json" in out
+
+    assert main(["data", "inspect", prefix]) == 0
+    ds = IndexedDataset(prefix)
+    assert capsys.readouterr().out.strip() == (f"{prefix}: documents {len(TEXTS)}, sequences {len(TEXTS)}, "
+                                               f"tokens {ds.num_tokens}, dtype uint16")
+    assert main(["data", "inspect", prefix, "--show", "1"]) == 0
+    assert json.loads(capsys.readouterr().out) == ds[1].tolist()
+
+    assert main(["data", "inspect", prefix, "--show", str(len(TEXTS))]) == 2
+    assert "out of range" in capsys.readouterr().err
+    assert main(["data", "inspect", str(tmp_path / "missing")]) == 2
+    assert "missing.idx and" in capsys.readouterr().err
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n{"body": "y"}\n')
+    assert main(["preprocess", "--input", str(tmp_path / "bad.jsonl"), "--tokenizer", "bpe:300",
+                 "--output-prefix", str(tmp_path / "bad"), "--no-progress"]) == 2
+    assert "bad.jsonl:2: no key 'text'" in capsys.readouterr().err
