@@ -67,7 +67,7 @@ def main() -> None:
         print(f"build + write cache: {save_s:.3f} s; load from cache: {load_s:.3f} s")
 
     for weights in ([0.7, 0.3], [0.5, 0.3, 0.2]):
-        _, blend_s = timed(lambda: blend_indices(weights, 1_000_000))
+        _, blend_s = timed(lambda w=weights: blend_indices(w, 1_000_000))
         print(f"blend_indices, 1e6 samples, {len(weights)} datasets: {blend_s:.3f} s")
 
 

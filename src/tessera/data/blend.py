@@ -74,7 +74,7 @@ def blend_indices(weights: Sequence[float], num_samples: int) -> tuple[np.ndarra
     picks = [0] * num_samples
     rest = range(1, len(w))
     for t in range(num_samples):
-        steps = t if t > 1 else 1
+        steps = t if t > 1 else 1  # max(t, 1), without a call per step
         best, best_error = 0, w[0] * steps - counts[0]
         for d in rest:
             error = w[d] * steps - counts[d]

@@ -26,6 +26,7 @@ several ranks, :func:`build_on_one_rank` lets rank 0 build while the others wait
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -89,7 +90,7 @@ def split_documents(num_docs: int, split: str) -> list[range]:
     excess = bounds[-1] - num_docs
     bounds = [0] + [min(max(b - excess, 0), num_docs) for b in bounds[1:]]
     bounds = list(np.maximum.accumulate(bounds))
-    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [range(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
 
 
 # --- the three indices --------------------------------------------------------------------------
@@ -140,7 +141,7 @@ def build_shuffle_index(num_samples: int, seq_len: int, tokens_per_epoch: int, s
     # First sample starting in epoch e: ceil(e * tokens_per_epoch / seq_len).
     firsts = [min(-(-e * tokens_per_epoch // seq_len), num_samples) for e in range(num_epochs + 1)]
     blocks = [a + np.random.default_rng([seed, e, 1]).permutation(b - a)
-              for e, (a, b) in enumerate(zip(firsts[:-1], firsts[1:]))]
+              for e, (a, b) in enumerate(itertools.pairwise(firsts))]
     return np.concatenate(blocks).astype(np.int64) if blocks else np.zeros(0, dtype=np.int64)
 
 
@@ -208,7 +209,7 @@ class GPTDataset:
                              f"{self.tokens_per_epoch} tokens: too few for a sample")
         self.num_epochs = num_epochs_needed(self.tokens_per_epoch, seq_len, num_samples)
         self.description = {
-            "version": INDEX_VERSION, "name": name, "num_documents": int(len(lengths)),
+            "version": INDEX_VERSION, "name": name, "num_documents": len(lengths),
             "num_tokens": int(lengths.sum(dtype=np.int64)),
             "range": [document_range.start, document_range.stop],
             "seq_len": seq_len, "num_samples": num_samples, "seed": seed,
