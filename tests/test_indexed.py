@@ -192,11 +192,11 @@ def test_corrupt_document_index(tmp_path):
 
 
 def test_writer_refuses_empty_document_by_number(tmp_path):
-    with pytest.raises(IndexedDatasetError, match=r"d\.bin.*document 2 \(0-based\) is empty"):
-        with IndexedDatasetWriter(tmp_path / "d", np.uint16) as w:
-            w.add_document([1, 2])
-            w.add_document([3])
-            w.add_document([])
+    with (pytest.raises(IndexedDatasetError, match=r"d\.bin.*document 2 \(0-based\) is empty"),
+          IndexedDatasetWriter(tmp_path / "d", np.uint16) as w):
+        w.add_document([1, 2])
+        w.add_document([3])
+        w.add_document([])
     assert not IndexedDataset.exists(tmp_path / "d")
     assert os.listdir(tmp_path) == []  # the temporaries are gone too
 
@@ -217,10 +217,9 @@ def test_writer_refuses_unsupported_dtype(tmp_path):
 
 def test_crash_before_close_leaves_no_pair(tmp_path):
     write(tmp_path / "d", [[1, 2], [3]])
-    with pytest.raises(RuntimeError):
-        with IndexedDatasetWriter(tmp_path / "d", np.uint16) as w:
-            w.add_document([9, 9, 9])
-            raise RuntimeError("killed mid-write")
+    with pytest.raises(RuntimeError), IndexedDatasetWriter(tmp_path / "d", np.uint16) as w:
+        w.add_document([9, 9, 9])
+        raise RuntimeError("killed mid-write")
     # The old pair survives untouched and no temporary is left behind.
     assert [x.tolist() for x in IndexedDataset(tmp_path / "d")] == [[1, 2], [3]]
     assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]
