@@ -1,7 +1,24 @@
-"""Data: sample sources, the byte tokenizer and data-parallel micro-batching."""
+"""Data: indexed datasets (Megatron .bin/.idx), GPT sample indices, blending, sample sources,
+the byte tokenizer and data-parallel micro-batching.
 
-from tessera.data.loader import MicroBatches, microbatch_counts
-from tessera.data.sources import BuiltinCorpus, SyntheticTokens
-from tessera.data.tokenizer import ByteTokenizer
+Names are imported on first use, so that ``tessera preprocess`` and its worker processes (numpy
+and tokenizers only) do not pay for importing torch through the loader.
+"""
 
-__all__ = ["BuiltinCorpus", "ByteTokenizer", "MicroBatches", "SyntheticTokens", "microbatch_counts"]
+import importlib
+
+_WHERE = {
+    "BlendedDataset": "blend", "parse_blend": "blend",
+    "GPTDataset": "gpt_dataset", "split_documents": "gpt_dataset",
+    "IndexedDataset": "indexed", "IndexedDatasetError": "indexed", "IndexedDatasetWriter": "indexed",
+    "MicroBatches": "loader", "microbatch_counts": "loader",
+    "SyntheticTokens": "sources",
+    "ByteTokenizer": "tokenizer",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'tessera.data' has no attribute '{name}'")
+    return getattr(importlib.import_module(f"tessera.data.{_WHERE[name]}"), name)

@@ -14,10 +14,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tessera.config import Config
-from tessera.data import BuiltinCorpus, MicroBatches, SyntheticTokens
+from tessera.data import MicroBatches, SyntheticTokens
+from tessera.data.indexed_source import builtin_prefix, default_cache_dir, indexed_source
 from tessera.models.packed import document_fields
 from tessera.optim import MicroBatchCalculator
 from tessera.tensor_parallel import broadcast_batch
@@ -33,13 +36,13 @@ def total_samples(cfg: Config) -> int:
 
 
 def build_source(cfg: Config):
-    """The sample source: ``source[i]`` is sample i, ``seq_len + 1`` token ids."""
+    """The sample source: ``source[i]`` is sample i, ``seq_len + 1`` token ids. Every rank calls
+    it (indexed datasets build their sample index on rank 0 while the others wait)."""
     m, t, d = cfg.model, cfg.train, cfg.data
-    if d.source == "builtin":
-        return BuiltinCorpus(m.seq_len, t.seed)
     if d.source == "synthetic":
         return SyntheticTokens(m.seq_len, m.vocab_size, t.seed)
-    from tessera.data.indexed_source import indexed_source  # numpy index building, only when used
+    if d.source == "builtin":  # the demo corpus, through the same indexed path
+        d = dataclasses.replace(d, paths=[builtin_prefix(d.cache_dir or default_cache_dir())], split="1,0,0")
     return indexed_source(d, m.seq_len, total_samples(cfg), t.seed)
 
 
@@ -51,8 +54,9 @@ class DataFeed:
         self.reads = topo.is_first_stage or topo.is_last_stage or self.packing
         self.batches = MicroBatchCalculator.from_config(cfg.train, topo.dp)
         self.loader = None
+        source = build_source(cfg)  # on every rank: index building waits for rank 0
         if self.reads and topo.tp_rank == 0:
-            self.loader = MicroBatches(build_source(cfg), batches=self.batches, dp_rank=topo.dp_rank)
+            self.loader = MicroBatches(source, batches=self.batches, dp_rank=topo.dp_rank)
 
     def next(self) -> list[dict]:
         """This rank's micro-batches of the next step (empty dicts on pipeline middle stages)."""

@@ -52,6 +52,23 @@ def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int =
     return min(kinds, key=lambda k: simulate(build_all(k, pp, 1, microbatches)).step_time)
 
 
+def check_datasets(data) -> None:
+    """data.paths and data.split parse, and every dataset opens (its files are whole)."""
+    from tessera.data import IndexedDataset, IndexedDatasetError, parse_blend, split_documents
+
+    try:
+        blend = parse_blend(data.paths)
+        split_documents(1000, data.split)
+    except ValueError as e:
+        key = "data.split" if "split" in str(e) else "data.paths"
+        raise ConfigError(key, str(e), 'e.g. data.paths=["0.7", "prefixA", "0.3", "prefixB"], data.split="969,30,1"') from None
+    for _, prefix in blend:
+        try:
+            IndexedDataset(prefix)
+        except IndexedDatasetError as e:
+            raise ConfigError("data.paths", str(e), "preprocess the data with `tessera preprocess`, or fix the path") from None
+
+
 def step_microbatch_counts(cfg: Config) -> list[int]:
     """Every per-rank micro-batch count the run's steps will use (several during a ramp-up)."""
     return microbatch_counts(MicroBatchCalculator.from_config(cfg.train, cfg.parallel.dp), cfg.train.steps)
@@ -77,6 +94,8 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
         raise ConfigError("parallel.schedule", f"{e} (with {count} micro-batches per step)",
                           "choose another parallel.schedule, or change parallel.pp / vpp / train.global_batch"
                           " / train.batch_rampup") from None
+    if cfg.data.source == "indexed":
+        check_datasets(cfg.data)
     if cfg.data.source == "builtin" and m.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the byte "
                           f"tokenizer's {ByteTokenizer.vocab_size} ids of the builtin corpus",
