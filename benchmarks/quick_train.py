@@ -1,7 +1,9 @@
 """A first look at training speed on one GPU: tessera's trainer on a named model (synthetic data).
 
 Usage: python benchmarks/quick_train.py [gpt-1.3b|llama-1b] [extra --set overrides...]
-Prints tokens/s per GPU from the trainer's metrics (median of the steps after warm-up).
+Prints tokens/s per GPU, model TFLOP/s per GPU and MFU (Megatron's FLOPs convention,
+src/tessera/training/flops.py) and peak memory, from the trainer's metrics (medians of the steps
+after warm-up).
 The full harness, with peers in the same run, comes with the performance issue.
 """
 
@@ -31,7 +33,13 @@ def main() -> None:
     subprocess.run(command + [a for s in sets for a in ("--set", s)], check=True)
     steps = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     tps = statistics.median(m["tokens_per_s"] for m in steps[3:]) / nproc
-    print(f"RESULT {name} nproc={nproc} {' '.join(sys.argv[2:])}: {tps:,.0f} tokens/s per GPU")
+    tflops = statistics.median(m["tflops_per_gpu"] for m in steps[3:])
+    extra = f", {tflops:.1f} TFLOP/s per GPU"
+    if "mfu" in steps[-1]:
+        extra += f", MFU {statistics.median(m['mfu'] for m in steps[3:]):.1%}"
+    if "peak_mem_gib" in steps[-1]:
+        extra += f", peak memory {steps[-1]['peak_mem_gib']:.1f} GiB (the logging rank)"
+    print(f"RESULT {name} nproc={nproc} {' '.join(sys.argv[2:])}: {tps:,.0f} tokens/s per GPU{extra}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from tessera.tensor_parallel import RNGTracker
 from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.topology import Topology
 from tessera.training.data_feed import DataFeed
+from tessera.training.flops import flops_per_token, peak_flops
 from tessera.training.launch import init_distributed, pick_device, world_from_env
 from tessera.training.metrics import JsonlLogger, NullLogger
 from tessera.training.step import DTYPES, train_step
@@ -173,6 +174,19 @@ def train(cfg: Config) -> list[dict]:
 
     history = []
     model.train()
+    per_token, peak = flops_per_token(cfg.model), peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+    def speed(tokens: int, elapsed: float) -> dict:
+        """Model TFLOP/s per GPU (training/flops.py), MFU where the card's peak is known, and
+        this rank's peak memory."""
+        flops = per_token * tokens / elapsed / world
+        out = {"tflops_per_gpu": flops / 1e12}
+        if peak:
+            out["mfu"] = flops / peak
+        if device.type == "cuda":
+            out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        return out
+
     for step in range(t.steps):
         start = time.perf_counter()
         lr = scheduler.apply(optimizer, step)
@@ -183,7 +197,7 @@ def train(cfg: Config) -> list[dict]:
         metrics = {"step": step + 1, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
                    "weight_decay": scheduler.weight_decay(step),
                    "tokens_per_s": result.tokens / elapsed, "tokens": result.tokens,
-                   "step_time_s": elapsed}
+                   "step_time_s": elapsed, **speed(result.tokens, elapsed)}
         if scaler is not None:
             metrics.update(loss_scale=scaler.scale, skipped=result.skipped)
         logger.log(metrics)

@@ -1,0 +1,87 @@
+"""tessera against its peers on one model and layouts, in ONE run on the GPU machine.
+
+Usage (repository root of the GPU machine, with .whl/ and .peers/ carried as
+../shared/peers/README.md says):
+
+    python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 tp2 pp2      # runs everything, prints the table
+    python3 benchmarks/compare.py llama-1b 1gpu tp2 --dry-run     # only print the commands
+
+For each layout it runs tessera (benchmarks/quick_train.py), megatron-core
+(.peers/mcore_gpt_bench.py) and, on 1 GPU and at dp=2, the compiled PyTorch model
+(.peers/torch_gpt_bench.py; torch DDP at dp=2), then prints a markdown table of tokens/s per
+GPU with tessera's ratio to each peer and to tessera's own 1-GPU figure, ready for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+LAYOUTS = {  # layout -> (processes, tessera overrides, megatron-core flags)
+    "1gpu": (1, [], []),
+    "dp2": (2, ["parallel.zero=1"], []),
+    "tp2": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], ["--tp", "2"]),
+    "pp2": (2, ["parallel.pp=2"], ["--pp", "2"]),
+}
+PEER_MODEL = {"gpt-1.3b": [], "llama-1b": ["--llama", "1", "--kv-heads", "8", "--ffn", "8192", "--heads", "32",
+                                          "--layers", "16", "--vocab", "128256"]}
+
+
+def commands(model: str, layout: str) -> list[tuple[str, list[str], dict]]:
+    nproc, sets, mcore = LAYOUTS[layout]
+    env = {"NPROC": str(nproc)}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    out = [("tessera", [sys.executable, "benchmarks/quick_train.py", model, *sets], env)]
+    site = {"PYTHONPATH": "/tmp/site:" + os.environ.get("PYTHONPATH", "")}
+    out.append(("megatron-core", launch + [".peers/mcore_gpt_bench.py", *mcore, *PEER_MODEL[model]], site))
+    if layout in ("1gpu", "dp2"):
+        torch_cmd = [".peers/torch_gpt_bench.py", "--mbs", "2", "--gbs", "16", *PEER_MODEL[model]]
+        out.append(("PyTorch compiled" + (" + DDP" if nproc > 1 else ""),
+                    (launch if nproc > 1 else [sys.executable]) + torch_cmd, {}))
+    return out
+
+
+def tokens_per_gpu(output: str) -> float | None:
+    for line in output.splitlines():
+        if line.startswith("RESULT {"):
+            return float(json.loads(line[len("RESULT "):])["tokens_per_s_per_gpu"])
+        match = re.match(r"RESULT .*: ([\d,]+) tokens/s per GPU", line)
+        if match:
+            return float(match.group(1).replace(",", ""))
+    return None
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    model, layouts, dry = args[0], args[1:] or ["1gpu"], "--dry-run" in sys.argv
+    if not dry:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
+                        "/tmp/site", *[os.path.join(".whl", f) for f in os.listdir(".whl")]], check=True)
+    rows, one_gpu = [], None
+    for layout in layouts:
+        for system, cmd, env in commands(model, layout):
+            if dry:
+                print(" ".join(f"{k}={v}" for k, v in env.items()), " ".join(cmd))
+                continue
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=600)
+            tps = tokens_per_gpu(proc.stdout)
+            if tps is None:
+                print(f"{system} {layout} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}", file=sys.stderr)
+            rows.append((layout, system, tps))
+            if system == "tessera" and layout == "1gpu":
+                one_gpu = tps
+    if dry:
+        return
+    print(f"\n| layout | system | tokens/s per GPU | tessera / this | vs tessera 1 GPU |\n| --- | --- | --- | --- | --- |")
+    for layout, system, tps in rows:
+        mine = next((t for lay, s, t in rows if lay == layout and s == "tessera"), None)
+        ratio = f"{mine / tps:.2f}" if tps and mine and system != "tessera" else ""
+        vs_one = f"{tps / one_gpu:.3f}" if tps and one_gpu and system == "tessera" else ""
+        print(f"| {layout} | {system} | {tps:,.0f} | {ratio} | {vs_one} |" if tps else f"| {layout} | {system} | failed | | |")
+
+
+if __name__ == "__main__":
+    main()
