@@ -153,7 +153,7 @@ def _tp_close(actual, expected, what):
 def test_zero_with_tp2_pp2_dp2(zero):
     ref = reference()
     ranks = [out[f"zero{zero}"] for out in results(8)]
-    assert ranks[0]["schedule"] == ("1f1b" if zero == 3 else "zb-h1")  # ZB's deferred W goes through the buckets
+    assert ranks[0]["schedule"] == ("1f1b" if zero >= 2 else "zb-h1")  # ZB's deferred W goes through the buckets
     last = [r for r in ranks if r["pp_rank"] == 1]
     for r in last:
         assert_same_training(r, ref, f"tp2 pp2 dp2 zero={zero} rank tp{r['tp_rank']} dp{r['dp_rank']}", rel=1e-4)
@@ -270,3 +270,50 @@ def test_parameter_without_gradient_this_step_reduces_zeros():
     dp.finish_grad_sync()
     assert torch.count_nonzero(model["b"].weight.main_grad) == 0 and torch.count_nonzero(model["b"].bias.main_grad) == 0
     torch.testing.assert_close(model["a"].weight.main_grad, x.sum(0).expand(4, 4))
+
+
+def _uneven_worker(rank: int, world: int, zero: int) -> dict:
+    """Rank 0 uses both linears, rank 1 only the second: bucket of ``a`` completes during backward
+    on rank 0 and only in finish_grad_sync on rank 1. The reductions must still pair up."""
+    from torch import nn
+
+    from tessera.distributed.data_parallel import DataParallel
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)})
+    dp = DataParallel([model], Topology.build(), zero=zero, bucket_size=1)  # one bucket per parameter
+    x = torch.full((2, 8), float(rank + 1))
+    dp.start_step(1)
+    loss = model["b"](x).sum() + (model["a"](x).sum() if rank == 0 else 0.0)
+    try:
+        loss.backward()
+        dp.finish_grad_sync()
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"a": model["a"].weight.main_grad.clone(), "b": model["b"].weight.main_grad.clone()}
+
+
+@pytest.mark.timeout(120)
+def test_reductions_pair_up_when_a_bucket_completes_at_different_times():
+    out = run_ranks(_uneven_worker, 2, 0, timeout=60)
+    for name, per_rank in (("a", 2.0), ("b", 2.0 + 4.0)):  # d/dW of sum(W x) = sum over the batch of x
+        for r in out:
+            torch.testing.assert_close(r[name], torch.full((8, 8), per_rank), msg=name)
+
+
+@pytest.mark.timeout(120)
+def test_zero2_refuses_parameters_without_gradients():
+    out = run_ranks(_uneven_worker, 2, 2, timeout=60)
+    assert "zero=2 needs every parameter" in out[1]["error"]
+
+
+def test_zero2_and_zero_bubble_refused():
+    from tessera.config import ConfigError
+
+    with pytest.raises(ConfigError, match="zb-h1 holds every zero=2"):
+        validate(load_config(None, ["parallel.zero=2", "parallel.pp=2", "parallel.schedule=zb-h1"]), 2)
+
+
+def test_bf16_gradients_table_counts_the_fp32_copy():
+    assert bytes_per_parameter(0, 4, "bf16", "bf16") == 2 + 2 + 4 + 4 + 8
+    assert bytes_per_parameter(1, 4, "bf16", "bf16") == 2 + 2 + (4 + 8 + 4) / 4

@@ -119,7 +119,7 @@ class ParallelConfig:
     empty splits the layers evenly."""
     schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1"] = "auto"
     """Pipeline schedule. auto: the fastest valid one by the schedule simulator (no pipelining at
-    pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1; never ZB-H1 with zero=3)."""
+    pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1; never ZB-H1 with zero >= 2)."""
     zero: Literal[0, 1, 2, 3] = 0
     """Data-parallel sharding. 0: optimizer replicated, gradients all-reduced. 1: distributed
     optimizer: fp32 main parameters and Adam states sharded over dp, gradients reduce-scattered,
@@ -455,7 +455,11 @@ def validate(cfg: Config, world_size: int) -> Config:
            "use at most one stage per layer")
     _check(not (p.zero == 3 and p.schedule == "zb-h1"), "parallel.schedule",
            "zb-h1 defers weight gradients past the backward that FSDP (zero=3) reduces them in",
-           "use parallel.schedule=1f1b or interleaved with zero=3, or zero <= 2")
+           "use parallel.schedule=1f1b or interleaved with zero=3, or zero <= 1")
+    _check(not (p.zero == 2 and p.schedule == "zb-h1"), "parallel.schedule",
+           "zb-h1 holds every zero=2 gradient bucket open from a micro-batch's I step to its W step, "
+           "which needs more gradient memory than zero=1",
+           "use parallel.schedule=1f1b or interleaved with zero=2, or zero=1 with zb-h1")
     _check(t.grad_dtype == "fp32" or p.zero < 3, "train.grad_dtype",
            "bf16 gradients are a bucket option (zero 0-2); FSDP reduces in fp32",
            "set train.grad_dtype=fp32 with parallel.zero=3")

@@ -46,8 +46,9 @@ class OptimizerRange:
     bucket: Bucket
     lo: int
     hi: int
-    grad: Tensor | None  # the reduced fp32 gradient of [lo, hi); None: read the bucket's (zero=0, bf16)
+    grad: Tensor  # the reduced fp32 gradient of [lo, hi)
     own_grad: bool  # ``grad`` has storage of its own (else it is a view of the gradient buffer)
+    refresh: bool = False  # zero=0 with bf16 gradients: ``grad`` is an fp32 copy of the reduced buffer
     fragments: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)  # (param, a, b) within the range
 
     @property
@@ -55,9 +56,9 @@ class OptimizerRange:
         return self.buffer.param_data[self.lo:self.hi]
 
     def fp32_grad(self) -> Tensor:
-        if self.grad is not None:
-            return self.grad
-        return self.buffer.grad_data[self.lo:self.hi].float()
+        if self.refresh:
+            self.grad.copy_(self.buffer.grad_data[self.lo:self.hi])
+        return self.grad
 
 
 @dataclass(eq=False)
@@ -67,6 +68,7 @@ class _BucketState:
     range: OptimizerRange
     arrivals: collections.Counter = field(default_factory=collections.Counter)  # micro-batch round -> params
     rounds_reduced: int = 0  # zero=2
+    ready: bool = False  # every parameter has its last micro-batch's gradient (zero 0/1)
     launched: bool = False  # the step's final reduction has started
 
 
@@ -89,11 +91,13 @@ class DataParallel:
                         for chunk in chunks]
         self._state: dict[nn.Parameter, _BucketState] = {}
         self._states: list[_BucketState] = []  # one per bucket, in backward order per chunk
+        self._states_of: dict[ParamAndGradBuffer, list[_BucketState]] = {}
         self.ranges: list[OptimizerRange] = []
         for buffer in self.buffers:
             for bucket in buffer.buckets:
                 st = _BucketState(buffer, bucket, self._optimizer_range(buffer, bucket))
                 self._states.append(st)
+                self._states_of.setdefault(buffer, []).append(st)
                 self.ranges.append(st.range)
                 for p in bucket.params:
                     self._state[p] = st
@@ -116,14 +120,11 @@ class DataParallel:
             hi = lo + n
         else:
             lo, hi = bucket.start, bucket.end
-        if self.zero == 1 and buffer.grad_dtype == torch.float32:
-            grad = buffer.grad_data[lo:hi]  # reduce-scattered in place
-        elif self.zero == 0:
-            grad = buffer.grad_data[lo:hi] if buffer.grad_dtype == torch.float32 else None
-        else:
+        if self.zero < 2 and buffer.grad_dtype == torch.float32:
+            rng = OptimizerRange(buffer, bucket, lo, hi, buffer.grad_data[lo:hi], own_grad=False)  # in place
+        else:  # an fp32 gradient of its own (counted by the memory report)
             grad = torch.zeros(hi - lo, dtype=torch.float32, device=buffer.device)
-        own = grad is not None and (buffer.grad_data is None or grad.data_ptr() != buffer.grad_data[lo:hi].data_ptr())
-        rng = OptimizerRange(buffer, bucket, lo, hi, grad, own)
+            rng = OptimizerRange(buffer, bucket, lo, hi, grad, own_grad=True, refresh=self.zero == 0)
         for p in bucket.params:
             plo, phi = buffer.param_range(p)
             a, b = max(plo, lo), min(phi, hi)
@@ -141,12 +142,12 @@ class DataParallel:
             if buffer.grad_data is None:
                 for bucket in buffer.buckets:
                     buffer.release_grad(bucket)
-        for rng in self.ranges:
-            if rng.own_grad:
+        if self.zero == 2:  # the fp32 shards accumulate every round's reduce-scatter
+            for rng in self.ranges:
                 rng.grad.zero_()
         for st in self._states:
             st.arrivals.clear()
-            st.rounds_reduced, st.launched = 0, False
+            st.rounds_reduced, st.ready, st.launched = 0, False, False
 
     def _on_grad(self, p: nn.Parameter) -> None:
         grad, p.grad = p.grad, None
@@ -176,13 +177,24 @@ class DataParallel:
                     st.launched = True
                 self._reduce_round(st)
         elif self.overlap_grad_reduce and st.arrivals[self._expected] == complete:
-            self._launch(st)
+            st.ready = True
+            self._launch_ready(st.buffer)
+
+    def _launch_ready(self, buffer: ParamAndGradBuffer) -> None:
+        """Start the ready buckets of ``buffer`` in index order, never one before an earlier one:
+        every dp rank then issues the same collectives in the same order even where a bucket
+        completes at different times on different ranks (torch DDP's rule)."""
+        for st in self._states_of[buffer]:
+            if not st.launched:
+                if not st.ready:
+                    return
+                self._launch(st)
 
     def _launch(self, st: _BucketState) -> None:
         st.launched = True
         flat, rng = st.bucket.grad, st.range
         if self.group is None:
-            if rng.grad is not None and rng.grad.data_ptr() != flat.data_ptr():
+            if rng.own_grad and not rng.refresh:
                 rng.grad.copy_(flat)
             return
         if self.zero == 0:
@@ -210,6 +222,13 @@ class DataParallel:
         """Start what backward did not, then wait for every reduction of this step."""
         for st in self._states:
             if self.zero == 2:
+                if st.rounds_reduced < self._expected and self.group is not None:
+                    # Another rank may have completed that round: the reduce-scatters would pair up
+                    # differently across ranks. Refuse rather than risk summing the wrong buckets.
+                    missing = [tuple(p.shape) for p in st.bucket.params if self._count[p] < self._expected]
+                    raise RuntimeError(f"zero=2 needs every parameter to get a gradient in every micro-batch; "
+                                       f"parameters of shapes {missing} got fewer than {self._expected}: "
+                                       "use parallel.zero=1 (or 0, 3) for this model")
                 if st.bucket.grad is not None:  # gradients not yet reduced (a round never completed)
                     self._reduce_round(st)
                 st.launched = True

@@ -46,11 +46,11 @@ def bytes_per_parameter(zero: int, dp: int, dtype: str = "bf16", grad_dtype: str
     p, g = SIZES[dtype], SIZES[grad_dtype]
     main = 0 if dtype == "fp32" else 4
     adam = 8
+    fp32_grad = 0 if grad_dtype == "fp32" else 4  # the optimizer's fp32 copy of 16-bit gradients
     if zero == 0:
-        return p + g + main + adam
+        return p + g + fp32_grad + main + adam
     if zero == 1:
-        fp32_grad_shard = 0 if grad_dtype == "fp32" else 4
-        return p + g + (main + adam + fp32_grad_shard) / dp
+        return p + g + (main + adam + fp32_grad) / dp
     if zero == 2:
         return p + (4 + main + adam) / dp
     if zero == 3:

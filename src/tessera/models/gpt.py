@@ -137,6 +137,6 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def full_logits(self, tokens: Tensor) -> Tensor:
         """[b, s] -> [b, s, vocab_size] gathered over TP (for generation and tests)."""
-        logits = gather_from_tp_region(self.forward(tokens), self.tp.group)
+        logits = gather_from_tp_region(self(tokens), self.tp.group)  # self(): forward pre-hooks run
         return logits[..., : self.cfg.vocab_size].transpose(0, 1)
 

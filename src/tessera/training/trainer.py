@@ -40,8 +40,9 @@ from tessera.training.step import DTYPES, train_step
 
 
 def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int = 0) -> str:
-    """``auto``: the fastest valid kind by the simulator (ZB-H1's deferred weight gradients do not
-    fit FSDP's per-backward reduction, so not with zero=3); otherwise ``kind``, checked."""
+    """``auto``: the fastest valid kind by the simulator (not ZB-H1 with zero >= 2: its deferred
+    weight gradients keep zero=2's per-micro-batch buckets open, and arrive after FSDP reduced
+    them); otherwise ``kind``, checked."""
     if kind != "auto":
         check_kind(kind, pp, vpp, microbatches)
         return kind
@@ -49,7 +50,7 @@ def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int =
         return "none"
     if vpp > 1:
         return "interleaved"
-    kinds = ("1f1b",) if zero == 3 else ("1f1b", "zb-h1")
+    kinds = ("1f1b",) if zero >= 2 else ("1f1b", "zb-h1")
     return min(kinds, key=lambda k: simulate(build_all(k, pp, 1, microbatches)).step_time)
 
 
