@@ -94,7 +94,10 @@ RUNS = {
           ("zero2-no-overlap", 1, 1, [ZEROS[2], "parallel.overlap_grad_reduce=false"]),
           ("zero0-bf16", 1, 1, [ZEROS[0], "train.dtype=bf16"]),
           ("zero1-bf16-bf16grads", 1, 1, [ZEROS[1], "train.dtype=bf16", "train.grad_dtype=bf16"]),
-          ("zero2-bf16-bf16grads", 1, 1, [ZEROS[2], "train.dtype=bf16", "train.grad_dtype=bf16"])],
+          ("zero2-bf16-bf16grads", 1, 1, [ZEROS[2], "train.dtype=bf16", "train.grad_dtype=bf16"]),
+          ("zero0-bf16-wire", 1, 1, [ZEROS[0], "train.dtype=bf16", "parallel.grad_reduce_dtype=bf16"]),
+          ("zero1-bf16-wire", 1, 1, [ZEROS[1], "train.dtype=bf16", "parallel.grad_reduce_dtype=bf16"]),
+          ("zero2-bf16-wire", 1, 1, [ZEROS[2], "train.dtype=bf16", "parallel.grad_reduce_dtype=bf16"])],
     4: [(f"zero{z}", 1, 1, [ZEROS[z]]) for z in range(4)],
     8: [(f"zero{z}", 2, 2, [ZEROS[z], "parallel.sequence_parallel=true"]) for z in range(4)],
 }
@@ -183,7 +186,8 @@ def test_overlap_on_and_off_are_identical():
 def test_bf16_trains_close_to_fp32():
     ref = reference()
     for out in results(2):
-        for name in ("zero0-bf16", "zero1-bf16-bf16grads", "zero2-bf16-bf16grads"):
+        for name in ("zero0-bf16", "zero1-bf16-bf16grads", "zero2-bf16-bf16grads", "zero0-bf16-wire",
+                     "zero1-bf16-wire", "zero2-bf16-wire"):
             run = out[name]
             assert run["losses"][-1] < run["losses"][0], name
             for a, b in zip(ref["losses"], run["losses"]):
@@ -317,3 +321,16 @@ def test_zero2_and_zero_bubble_refused():
 def test_bf16_gradients_table_counts_the_fp32_copy():
     assert bytes_per_parameter(0, 4, "bf16", "bf16") == 2 + 2 + 4 + 4 + 8
     assert bytes_per_parameter(1, 4, "bf16", "bf16") == 2 + 2 + (4 + 8 + 4) / 4
+
+
+@pytest.mark.timeout(900)
+def test_bf16_on_the_wire_rounds_but_replicas_agree():
+    out = results(2)
+    for name in ("zero0-bf16-wire", "zero1-bf16-wire"):  # 4 micro-batches summed in fp32, then rounded
+        assert out[0][name]["losses"][1:] != out[0]["zero0-bf16"]["losses"][1:], name
+    # zero=2 sends each micro-batch's gradient alone: a bf16 model's gradient is a bf16 number, so
+    # the bf16 wire loses nothing there.
+    assert out[0]["zero2-bf16-wire"]["losses"] == out[0]["zero0-bf16"]["losses"]
+    for name in ("zero0-bf16-wire", "zero1-bf16-wire", "zero2-bf16-wire"):
+        for p in out[0][name]["params"]:
+            assert torch.equal(out[0][name]["params"][p], out[1][name]["params"][p]), (name, p)

@@ -132,6 +132,9 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True
     """Start each bucket's gradient reduction during the last micro-batch's backward, overlapped
     with the rest of it (zero 0-2). Off: reduce everything after backward."""
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """zero 0-2: the dtype gradients travel in over dp. bf16 halves the traffic of fp32 gradient
+    buffers (each rank's accumulated gradient rounded once); the sums are still done in fp32."""
     overlap_param_gather: bool = True
     """zero 1-2: all-gather the updated parameters asynchronously after the optimizer step, each
     bucket waited for only by the first forward that uses it."""
@@ -460,6 +463,8 @@ def validate(cfg: Config, world_size: int) -> Config:
            "zb-h1 holds every zero=2 gradient bucket open from a micro-batch's I step to its W step, "
            "which needs more gradient memory than zero=1",
            "use parallel.schedule=1f1b or interleaved with zero=2, or zero=1 with zb-h1")
+    _check(p.grad_reduce_dtype == "fp32" or p.zero < 3, "parallel.grad_reduce_dtype",
+           "FSDP (zero=3) reduces in fp32 here", "set parallel.grad_reduce_dtype=fp32 with parallel.zero=3")
     _check(t.grad_dtype == "fp32" or p.zero < 3, "train.grad_dtype",
            "bf16 gradients are a bucket option (zero 0-2); FSDP reduces in fp32",
            "set train.grad_dtype=fp32 with parallel.zero=3")

@@ -78,11 +78,12 @@ class DataParallel:
     def __init__(self, chunks: list[nn.Module], topo: Topology, *, zero: int = 0,
                  param_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype = torch.float32,
                  bucket_size: int = 40_000_000, overlap_grad_reduce: bool = True,
-                 overlap_param_gather: bool = True, wgrad_store: WeightGradStore | None = None):
+                 overlap_param_gather: bool = True, wgrad_store: WeightGradStore | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
-        self.zero, self.sharded = zero, zero >= 1
+        self.zero, self.sharded, self.reduce_dtype = zero, zero >= 1, reduce_dtype
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.buffers = [ParamAndGradBuffer([p for p in chunk.parameters() if p.requires_grad],
                                            param_dtype=param_dtype, grad_dtype=grad_dtype,
@@ -197,12 +198,22 @@ class DataParallel:
             if rng.own_grad and not rng.refresh:
                 rng.grad.copy_(flat)
             return
+        wire = self._on_the_wire(flat)
         if self.zero == 0:
-            pending = collectives.all_reduce(flat, self.group, async_op=self.overlap_grad_reduce)
+            pending = collectives.all_reduce(wire, self.group, async_op=self.overlap_grad_reduce)
+            if wire is not flat:
+                pending = collectives.Pending(None, lambda p=pending: (p.wait(), flat.copy_(wire)))
         else:
-            pending = collectives.reduce_scatter(flat, rng.grad, self.group, accumulate=False,
+            pending = collectives.reduce_scatter(wire, rng.grad, self.group, accumulate=False,
                                                  async_op=self.overlap_grad_reduce)
         self._in_flight.append(pending)
+
+    def _on_the_wire(self, flat: Tensor) -> Tensor:
+        """The gradients as sent: ``reduce_dtype`` (bf16 halves the traffic; the sums are still
+        done in fp32 by the receiver), or the buffer itself."""
+        if self.reduce_dtype is None or self.reduce_dtype == flat.dtype:
+            return flat
+        return flat.to(self.reduce_dtype)
 
     def _reduce_round(self, st: _BucketState) -> None:
         """zero=2: reduce-scatter what the bucket holds into the fp32 shard, drop the buffer."""
@@ -211,9 +222,10 @@ class DataParallel:
         if self.group is None:
             st.range.grad.add_(flat)
             return
-        pending = collectives.reduce_scatter(flat, st.range.grad, self.group, accumulate=True,
+        wire = self._on_the_wire(flat)
+        pending = collectives.reduce_scatter(wire, st.range.grad, self.group, accumulate=True,
                                              async_op=self.overlap_grad_reduce)
-        pending.keep = flat  # alive until the collective is done
+        pending.keep = wire  # alive until the collective is done
         self._in_flight.append(pending)
         while len(self._in_flight) > 2:  # bound the gradient memory in flight
             self._in_flight.popleft().wait()

@@ -145,7 +145,8 @@ def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
     data_parallel = DataParallel(stage.chunks, topo, zero=p.zero, param_dtype=DTYPES[t.dtype],
                                  grad_dtype=DTYPES[t.grad_dtype], bucket_size=p.bucket_size,
                                  overlap_grad_reduce=p.overlap_grad_reduce,
-                                 overlap_param_gather=p.overlap_param_gather, wgrad_store=stage.wgrad_store)
+                                 overlap_param_gather=p.overlap_param_gather, wgrad_store=stage.wgrad_store,
+                                 reduce_dtype=DTYPES[p.grad_reduce_dtype])
     return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
 
 
