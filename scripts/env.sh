@@ -13,7 +13,8 @@ BASE_PY=${PYTHON:-python3}
 if "$BASE_PY" -c 'import torch' 2>/dev/null; then
     PY=$BASE_PY
     # Small, pure-python extras only; never torch. Offline, whatever is missing stays missing.
-    "$PY" -c 'import numpy, pytest' 2>/dev/null || "$PY" -m pip install -q numpy pytest pytest-timeout || true
+    "$PY" -c 'import numpy, pytest, tokenizers, tqdm' 2>/dev/null \
+        || "$PY" -m pip install -q numpy pytest pytest-timeout tokenizers tqdm || true
 else
     PY="$ROOT/.venv/bin/python"
     [ -x "$PY" ] || "$BASE_PY" -m venv "$ROOT/.venv"

@@ -55,6 +55,8 @@ def test_jsonl_to_training(tmp_path):
     """The whole pipeline: text -> `tessera preprocess` (a BPE trained on it) -> `tessera train`."""
     import json
 
+    pytest.importorskip("tokenizers")
+
     import pydoc_data.topics
 
     texts = list(pydoc_data.topics.topics.values())[:40]

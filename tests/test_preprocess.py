@@ -11,6 +11,8 @@ import shutil
 import numpy as np
 import pytest
 
+pytest.importorskip("tokenizers")  # installed with tessera; a GPU box without network may lack it
+
 from tessera.cli import main
 from tessera.data import preprocess as pre
 from tessera.data.indexed import IndexedDataset
