@@ -82,8 +82,8 @@ def test_multi_epoch_each_epoch_a_full_shuffled_pass():
     stream = np.concatenate([epoch_stream(ds, docs, e) for e in range(4)])
     for j in range(len(ds)):
         np.testing.assert_array_equal(ds.read_sample(j), stream[j * seq_len:(j + 1) * seq_len + 1])
-    # Samples of epoch e (by first token) are all served before any of epoch e + 1.
-    epoch_of = np.arange(len(ds)) * seq_len // tokens
+    # Samples of epoch e (by last token) are all served before any of epoch e + 1.
+    epoch_of = (np.arange(len(ds)) + 1) * seq_len // tokens
     assert np.all(np.diff(epoch_of[ds.shuffle_index]) >= 0)
 
 
@@ -221,3 +221,37 @@ def test_blended_dataset_reads_its_datasets():
         seen[d] += 1
     with pytest.raises(ValueError, match="has .* samples but the blend draws"):
         BlendedDataset([a, b], [0.25, 0.75], 1000)
+
+
+def test_cache_key_covers_the_document_lengths(tmp_path):
+    """Same name, document count and token count, other lengths: the cache must not be reused."""
+    a = GPTDataset(FakeDocs([2, 2, 2, 2, 12]), range(5), 4, 4, seed=0, cache_dir=str(tmp_path), name="p")
+    b = GPTDataset(FakeDocs([12, 2, 2, 2, 2]), range(5), 4, 4, seed=0, cache_dir=str(tmp_path), name="p")
+    assert a.built_index and b.built_index and a.key != b.key
+    b[len(b) - 1]  # readable
+
+
+@pytest.mark.parametrize("more", [99, 100, 150, 333])
+def test_a_longer_run_keeps_the_samples_already_served(more):
+    """Asking for more samples (past an epoch boundary too) must not reorder the earlier ones."""
+    docs = FakeDocs([100] * 10)  # 1000 tokens per epoch, 100 samples of 10
+    short, long = GPTDataset(docs, range(10), 10, 50, seed=3), GPTDataset(docs, range(10), 10, more, seed=3)
+    for i in range(len(short)):
+        assert np.array_equal(short[i], long[i]), i
+
+
+def _failing_build(rank, world):
+    def build():
+        if rank == 0:
+            raise ValueError("corrupt index on rank 0")
+        return "built"
+    try:
+        return build_on_one_rank(build)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_a_failure_on_rank_0_reaches_every_rank():
+    out = run_ranks(_failing_build, 2, timeout=60)
+    assert out[0] == "ValueError: corrupt index on rank 0"
+    assert "rank 0 failed" in out[1] and "corrupt index" in out[1]

@@ -16,8 +16,9 @@ token is a label exactly once per epoch. Three indices describe the stream, as i
 
 Where tessera differs from Megatron, and why: Megatron shuffles the document index of all epochs
 together and, when the last epoch is less than 80 % used, shuffles that epoch apart. tessera
-shuffles each epoch on its own (documents, then the samples that start in it), so epoch ``e`` is
-finished before any sample of epoch ``e + 1`` is served, with no threshold to tune.
+shuffles each epoch on its own (documents, then the samples that end in it), so epoch ``e`` is
+finished before any sample of epoch ``e + 1`` is served, with no threshold to tune, and a longer
+run (more samples, more epochs) serves the same samples first.
 
 The indices are cached as ``.npy`` files under a sha256 key of everything they depend on; with
 several ranks, :func:`build_on_one_rank` lets rank 0 build while the others wait, then load.
@@ -36,7 +37,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 # Bump when the meaning or layout of the cached indices changes: old caches then miss.
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 _INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 
 T = TypeVar("T")
@@ -132,16 +133,23 @@ def build_sample_index(doc_lengths: np.ndarray, seq_len: int) -> np.ndarray:
 
 
 def build_shuffle_index(num_samples: int, seq_len: int, tokens_per_epoch: int, seed: int) -> np.ndarray:
-    """``(num_samples,)`` int64: the samples of each epoch (by their first token) permuted.
+    """``(num_samples,)`` int64: the samples of each epoch (by their last token) permuted.
 
     Sample starts grow with ``j``, so each epoch's samples are one contiguous block; the blocks
     stay in epoch order and each is shuffled with ``default_rng([seed, epoch, 1])``.
     """
-    num_epochs = -(-num_samples * seq_len // tokens_per_epoch)
-    # First sample starting in epoch e: ceil(e * tokens_per_epoch / seq_len).
-    firsts = [min(-(-e * tokens_per_epoch // seq_len), num_samples) for e in range(num_epochs + 1)]
-    blocks = [a + np.random.default_rng([seed, e, 1]).permutation(b - a)
-              for e, (a, b) in enumerate(itertools.pairwise(firsts))]
+    T, s = tokens_per_epoch, seq_len
+    blocks = []
+    for e in range(-(-(num_samples * s + 1) // T)):
+        # Epoch e's block: the samples whose LAST token lies in epoch e, j in
+        # [ceil(e T / s) - 1, ceil((e + 1) T / s) - 1). A block is complete as soon as its epoch is
+        # built, so asking for more samples later (a longer run, another epoch) never reorders the
+        # samples already served.
+        a, b = max(-(-e * T // s) - 1, 0), -(-(e + 1) * T // s) - 1
+        if a >= num_samples:
+            break
+        block = a + np.random.default_rng([seed, e, 1]).permutation(b - a)
+        blocks.append(block[block < num_samples])
     return np.concatenate(blocks).astype(np.int64) if blocks else np.zeros(0, dtype=np.int64)
 
 
@@ -163,21 +171,28 @@ def build_on_one_rank(build_fn: Callable[[], T], group=None) -> T:
     """Call ``build_fn`` on rank 0 of ``group`` first, then on the other ranks.
 
     For a :class:`GPTDataset` with a ``cache_dir`` on a filesystem every rank sees: rank 0
-    builds and writes the cache while the others wait at a barrier, then they load it instead of
-    all building the same indices at once. Without torch.distributed initialised it is just
-    ``build_fn()``. If rank 0 fails it still reaches the barrier (so nobody hangs) and raises;
-    the other ranks then build for themselves and will most likely raise the same error.
+    builds and writes the cache while the others wait, then they load it instead of all
+    building the same indices at once. Without torch.distributed initialised it is just
+    ``build_fn()``. If rank 0 fails, every rank raises (with rank 0's error), so none is left
+    waiting in a later collective.
     """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return build_fn()
+    result, error = None, [None]
     if dist.get_rank(group) == 0:
         try:
-            return build_fn()
-        finally:
-            dist.barrier(group)
-    dist.barrier(group)
+            result = build_fn()
+        except Exception as e:  # tell the others, then raise here too
+            error = [f"{type(e).__name__}: {e}"]
+            dist.broadcast_object_list(error, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+            raise
+    dist.broadcast_object_list(error, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    if dist.get_rank(group) == 0:
+        return result
+    if error[0] is not None:
+        raise RuntimeError(f"rank 0 failed to build what this rank needs: {error[0]}")
     return build_fn()
 
 
@@ -211,6 +226,10 @@ class GPTDataset:
         self.description = {
             "version": INDEX_VERSION, "name": name, "num_documents": len(lengths),
             "num_tokens": int(lengths.sum(dtype=np.int64)),
+            # the indices depend on the lengths themselves: a re-preprocessed corpus with the same
+            # counts but other documents must not reuse them
+            "lengths_sha256": hashlib.sha256(np.ascontiguousarray(
+                lengths[document_range.start:document_range.stop], dtype=np.int64).tobytes()).hexdigest(),
             "range": [document_range.start, document_range.stop],
             "seq_len": seq_len, "num_samples": num_samples, "seed": seed,
         }

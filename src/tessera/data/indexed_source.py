@@ -13,6 +13,7 @@ indexed dataset under the cache folder (:func:`builtin_prefix`).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import math
 import os
@@ -41,11 +42,17 @@ def builtin_prefix(cache_dir: str) -> str:
     prefix = os.path.join(cache_dir, "builtin", f"pydoc-topics-{digest}")
 
     def write() -> str:
-        if not IndexedDataset.exists(prefix):
-            os.makedirs(os.path.dirname(prefix), exist_ok=True)
-            with IndexedDatasetWriter(prefix, np.uint8) as writer:  # atomic: a race writes the same bytes
-                for text in texts:
-                    writer.add_document(np.frombuffer(text + bytes([BUILTIN_EOD]), dtype=np.uint8))
+        if IndexedDataset.exists(prefix):
+            return prefix
+        os.makedirs(os.path.dirname(prefix), exist_ok=True)
+        # One writer at a time per machine (ranks of other nodes, or another job, may get here
+        # with a node-local cache): the writer replaces files, which a reader must not see.
+        with open(prefix + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not IndexedDataset.exists(prefix):
+                with IndexedDatasetWriter(prefix, np.uint8) as writer:
+                    for text in texts:
+                        writer.add_document(np.frombuffer(text + bytes([BUILTIN_EOD]), dtype=np.uint8))
         return prefix
     return build_on_one_rank(write)
 

@@ -57,7 +57,8 @@ class PackedSequence:
         """Causal attention, within documents when ``document_ids`` is set. q, k, v: [b, heads, s, d]."""
         if self.document_ids is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa)
-        if q.is_cuda and varlen_attn is not None and dropout_p == 0.0 and not enable_gqa:
+        if (q.is_cuda and varlen_attn is not None and dropout_p == 0.0 and not enable_gqa
+                and q.dtype in (torch.float16, torch.bfloat16)):  # flash attention: 16-bit only
             return self._varlen(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(), dropout_p=dropout_p,
                                               enable_gqa=enable_gqa)
