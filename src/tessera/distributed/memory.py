@@ -35,10 +35,10 @@ class MemoryReport:
         return self.params + self.grads + self.main_params + self.optimizer_state
 
     def __str__(self) -> str:
-        gib = 2**30
-        return (f"model state per rank {self.total / gib:.3f} GiB ({self.total / max(self.numel, 1):.2f} bytes per "
-                f"parameter): params {self.params / gib:.3f}, grads {self.grads / gib:.3f}, "
-                f"main params {self.main_params / gib:.3f}, optimizer {self.optimizer_state / gib:.3f}")
+        unit, size = ("GiB", 2**30) if self.total >= 2**30 else ("MiB", 2**20)
+        return (f"model state per rank {self.total / size:.3f} {unit} ({self.total / max(self.numel, 1):.2f} bytes "
+                f"per parameter): params {self.params / size:.3f}, grads {self.grads / size:.3f}, "
+                f"main params {self.main_params / size:.3f}, optimizer {self.optimizer_state / size:.3f}")
 
 
 def bytes_per_parameter(zero: int, dp: int, dtype: str = "bf16", grad_dtype: str = "fp32") -> float:
