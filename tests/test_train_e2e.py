@@ -78,3 +78,12 @@ def test_batch_rampup_trains_and_pipelines_follow_it(tmp_path):
     assert tokens[0] == 4 * 32 and tokens[-1] == 8 * 32 and tokens == sorted(tokens), tokens
     pp2, _ = run_train(tmp_path / "pp2", 2, ramp + ["parallel.pp=2", "parallel.schedule=1f1b"])
     assert_same_curve(one, pp2)
+
+
+@pytest.mark.timeout(600)
+def test_compiled_layers_follow_the_eager_curve(tmp_path):
+    base = ["data.source=synthetic", "model.layers=2", "train.steps=4"]
+    eager, _ = run_train(tmp_path / "eager", 1, base)
+    compiled, _ = run_train(tmp_path / "compiled", 2, base + ["train.compile=true", "parallel.tp=2",
+                                                              "parallel.sequence_parallel=true"], timeout=500)
+    assert_same_curve(eager, compiled, rel=1e-4)

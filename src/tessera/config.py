@@ -119,7 +119,7 @@ class ParallelConfig:
     empty splits the layers evenly."""
     schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1"] = "auto"
     """Pipeline schedule. auto: the fastest valid one by the schedule simulator (no pipelining at
-    pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1; never ZB-H1 with zero >= 2)."""
+    pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1; never ZB-H1 with zero >= 2 or train.compile)."""
     zero: Literal[0, 1, 2, 3] = 0
     """Data-parallel sharding. 0: optimizer replicated, gradients all-reduced. 1: distributed
     optimizer: fp32 main parameters and Adam states sharded over dp, gradients reduce-scattered,
@@ -175,6 +175,10 @@ class TrainConfig:
     """After training, generate this many tokens from sample_prompt and print them (0: none)."""
     sample_prompt: str = "The "
     """Prompt for the sample printed after training."""
+    compile: bool = False
+    """torch.compile each transformer layer (inductor fuses its elementwise work; the first steps
+    pay the compile time). Not with the zb-h1 schedule, whose deferred weight gradients are
+    Python state the compiler cannot trace."""
     timeout_s: float = 300.0
     """Collective timeout: a dead or stuck peer ends the job with an error after this long."""
     batch_rampup: str = ""
@@ -459,6 +463,8 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(not (p.zero == 3 and p.schedule == "zb-h1"), "parallel.schedule",
            "zb-h1 defers weight gradients past the backward that FSDP (zero=3) reduces them in",
            "use parallel.schedule=1f1b or interleaved with zero=3, or zero <= 1")
+    _check(not (t.compile and p.schedule == "zb-h1"), "parallel.schedule",
+           "train.compile does not trace zb-h1's deferred weight gradients", "use 1f1b or interleaved with train.compile")
     _check(not (p.zero == 2 and p.schedule == "zb-h1"), "parallel.schedule",
            "zb-h1 holds every zero=2 gradient bucket open from a micro-batch's I step to its W step, "
            "which needs more gradient memory than zero=1",

@@ -39,7 +39,7 @@ from tessera.training.metrics import JsonlLogger, NullLogger
 from tessera.training.step import DTYPES, train_step
 
 
-def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int = 0) -> str:
+def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int = 0, compiled: bool = False) -> str:
     """``auto``: the fastest valid kind by the simulator (not ZB-H1 with zero >= 2: its deferred
     weight gradients keep zero=2's per-micro-batch buckets open, and arrive after FSDP reduced
     them); otherwise ``kind``, checked."""
@@ -50,7 +50,7 @@ def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int =
         return "none"
     if vpp > 1:
         return "interleaved"
-    kinds = ("1f1b",) if zero >= 2 else ("1f1b", "zb-h1")
+    kinds = ("1f1b",) if zero >= 2 or compiled else ("1f1b", "zb-h1")
     return min(kinds, key=lambda k: simulate(build_all(k, pp, 1, microbatches)).step_time)
 
 
@@ -88,7 +88,7 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     microbatches = t.global_batch // (t.micro_batch * p.dp)
     count = microbatches
     try:
-        kind = choose_schedule(p.schedule, p.pp, p.vpp, microbatches, p.zero)
+        kind = choose_schedule(p.schedule, p.pp, p.vpp, microbatches, p.zero, t.compile)
         for count in step_microbatch_counts(cfg):  # every count a batch ramp-up passes through
             check_kind(kind, p.pp, p.vpp, count)
             simulate(build_all(kind, p.pp, p.vpp, count), p.vpp)  # proves it cannot hang
@@ -111,7 +111,8 @@ class Stage:
     def __init__(self, cfg: Config, topo: Topology, rng: RNGTracker | None):
         p = cfg.parallel
         self.cfg, self.pp, self.pp_rank = cfg, p.pp, topo.pp_rank
-        self.schedule = choose_schedule(p.schedule, p.pp, p.vpp, self.microbatches(cfg.train.global_batch, topo.dp), p.zero)
+        self.schedule = choose_schedule(p.schedule, p.pp, p.vpp, self.microbatches(cfg.train.global_batch, topo.dp),
+                                        p.zero, cfg.train.compile)
         self.wgrad_store = WeightGradStore() if self.schedule == "zb-h1" else None
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store)
@@ -119,6 +120,9 @@ class Stage:
                                          topo.device)
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
+            if cfg.train.compile:  # per layer: one graph reused by every layer of the same shape
+                for layer in chunk.layers.values():
+                    layer.compile()
         self.model = nn.ModuleList(self.chunks)
         self.p2p = P2P(topo) if p.pp > 1 else None
         self._executors: dict[int, PipelineExecutor] = {}
