@@ -133,9 +133,17 @@ class DataParallel:
                 rng.fragments.append((p, a - lo, b - lo))
         return rng
 
+    def model_state_bytes(self) -> tuple[int, int, int]:
+        """(parameter bytes, gradient bytes incl. fp32 gradients of its own, parameter count)."""
+        params = sum(b.param_data.numel() * b.param_data.element_size() for b in self.buffers)
+        grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.buffers if b.grad_data is not None)
+        grads += sum(rng.grad.numel() * 4 for rng in self.ranges if rng.own_grad)
+        return params, grads, sum(p.numel() for p in self._state)
+
     # -- gradients --------------------------------------------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
-        """Zero the gradients; each parameter will receive ``num_microbatches`` gradients."""
+        """A new step: each parameter will receive ``num_microbatches`` gradients (the first is
+        copied into the buffer, so nothing is zeroed here but zero=2's accumulating shards)."""
         self._expected = num_microbatches
         for p in self._count:
             self._count[p] = 0

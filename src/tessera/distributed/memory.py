@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 SIZES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -58,26 +56,9 @@ def bytes_per_parameter(zero: int, dp: int, dtype: str = "bf16", grad_dtype: str
     raise ValueError(f"zero must be 0..3, not {zero}")
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    return t.numel() * t.element_size()
-
-
 def memory_report(data_parallel, optimizer) -> MemoryReport:
     """Measure this rank's model state (a DataParallel and its MainParamOptimizer, or a
     FullyShardedDataParallel and its FSDPOptimizer)."""
-    if hasattr(data_parallel, "buffers"):
-        params = sum(_nbytes(b.param_data) for b in data_parallel.buffers)
-        grads = sum(_nbytes(b.grad_data) for b in data_parallel.buffers)
-        grads += sum(_nbytes(rng.grad) for rng in data_parallel.ranges if rng.own_grad)  # fp32 shards
-        numel = sum(p.numel() for b in data_parallel.buffers for p in b.offsets)
-    else:
-        shards = [p for chunk in data_parallel.chunks for p in chunk.parameters()]
-        params = sum(_nbytes(p) for p in shards)
-        grads = sum(p.to_local().numel() * 4 for p in shards)  # fp32 sharded gradients after backward
-        numel = sum(p.numel() for p in shards)
+    params, grads, numel = data_parallel.model_state_bytes()
     return MemoryReport(params=params, grads=grads, main_params=optimizer.main_param_bytes(),
                         optimizer_state=optimizer.state_bytes(), numel=numel)

@@ -38,7 +38,36 @@ def _decay_groups(pieces: list[tuple[Tensor, nn.Parameter]], cfg: OptimConfig) -
     return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-class MainParamOptimizer:
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard (FSDP), else itself
+
+
+class _AdamW:
+    """What both optimizers share: the AdamW they drive and its state."""
+
+    inner: torch.optim.AdamW
+
+    def _build(self, pieces: list[tuple[Tensor, nn.Parameter]], cfg: OptimConfig) -> None:
+        """``pieces``: (tensor AdamW updates, the model parameter it stands for)."""
+        self.tensors = [t for t, _ in pieces]
+        self.inner = _adamw(_decay_groups(pieces, cfg), cfg, bool(pieces) and pieces[0][0].is_cuda)
+        self.param_groups = self.inner.param_groups
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (Adam's two moments) on this rank; before the first step, what
+        they will take."""
+        allocated = sum(_local(t).numel() * t.element_size() for s in self.inner.state.values()
+                        for t in s.values() if torch.is_tensor(t) and t.ndim > 0)
+        return allocated or 2 * 4 * sum(_local(t).numel() for t in self.tensors)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+class MainParamOptimizer(_AdamW):
     def __init__(self, dp: DataParallel, cfg: OptimConfig):
         self.dp, self.sharded = dp, dp.sharded
         self.mains: list[Tensor] = []  # one flat fp32 tensor per range
@@ -48,9 +77,9 @@ class MainParamOptimizer:
             self.mains.append(main)
             for param, a, b in rng.fragments:
                 self.pieces.append((nn.Parameter(main[a:b]), i, slice(a, b), param))
-        groups = _decay_groups([(t, p) for t, _, _, p in self.pieces], cfg)
-        self.inner = _adamw(groups, cfg, bool(self.mains) and self.mains[0].is_cuda)
-        self.param_groups = self.inner.param_groups
+        self._build([(t, p) for t, _, _, p in self.pieces], cfg)
+        # which ranges hold an fp32 copy (bf16/fp16 model) rather than the model's own storage
+        self.copies = [m.data_ptr() != rng.param.data_ptr() for m, rng in zip(self.mains, dp.ranges)]
 
     def grads(self) -> list[tuple[Tensor, nn.Parameter]]:
         """Point every main parameter's ``.grad`` at its reduced fp32 gradient; return them."""
@@ -73,8 +102,8 @@ class MainParamOptimizer:
         finally:
             self.inner.grad_scale = None
         with torch.no_grad():
-            for main, rng in zip(self.mains, self.dp.ranges):
-                if main.data_ptr() != rng.param.data_ptr():
+            for main, rng, copy in zip(self.mains, self.dp.ranges, self.copies):
+                if copy:
                     rng.param.copy_(main)
         self.dp.start_param_gather()
 
@@ -82,35 +111,19 @@ class MainParamOptimizer:
         for tensor, *_ in self.pieces:
             tensor.grad = None
 
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state (Adam's two moments) on this rank; before the first step, what
-        they will take."""
-        allocated = sum(t.numel() * t.element_size() for s in self.inner.state.values()
-                        for t in s.values() if torch.is_tensor(t) and t.ndim > 0)
-        return allocated or 2 * 4 * sum(t.numel() for t, *_ in self.pieces)
-
     def main_param_bytes(self) -> int:
         """Bytes of fp32 main parameters that are copies (not the model's own storage)."""
-        return sum(m.numel() * 4 for m, rng in zip(self.mains, self.dp.ranges)
-                   if m.data_ptr() != rng.param.data_ptr())
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
+        return sum(m.numel() * 4 for m, copy in zip(self.mains, self.copies) if copy)
 
 
-class FSDPOptimizer:
+class FSDPOptimizer(_AdamW):
     """zero=3: AdamW on FSDP's fp32 DTensor shards (they are the main parameters)."""
 
     sharded = True
 
     def __init__(self, chunks: list[nn.Module], cfg: OptimConfig):
         self.params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
-        groups = _decay_groups([(p, p) for p in self.params], cfg)
-        self.inner = _adamw(groups, cfg, bool(self.params) and self.params[0].is_cuda)
-        self.param_groups = self.inner.param_groups
+        self._build([(p, p) for p in self.params], cfg)
 
     def grads(self) -> list[tuple[Tensor, nn.Parameter]]:
         """Each parameter's local gradient shard (zeros where a parameter got no gradient, so a
@@ -128,16 +141,5 @@ class FSDPOptimizer:
     def zero_grad(self) -> None:
         self.inner.zero_grad(set_to_none=True)
 
-    def state_bytes(self) -> int:
-        allocated = sum(t.to_local().numel() * t.element_size() for s in self.inner.state.values()
-                        for t in s.values() if torch.is_tensor(t) and t.ndim > 0)
-        return allocated or 2 * 4 * sum(p.to_local().numel() for p in self.params)
-
     def main_param_bytes(self) -> int:
         return 0  # the fp32 shards are the model's parameters
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
