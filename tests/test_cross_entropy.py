@@ -4,9 +4,14 @@ Each rank passes its slice of the (padded) vocabulary. Logit columns beyond ``vo
 padding: they are given huge values on purpose, and must still get zero probability, zero
 gradient and leave the loss unchanged. Ranks record (label, actual, expected) and the test
 process compares (see test_mappings.py for why).
+
+Both implementations run every case: the reference ops and the fused formulation (eager here;
+compiled on CUDA, where tests/test_gpu.py compares the two).
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -29,7 +34,7 @@ def verify(results):
     return [[label for label, *_ in c] for c in results]
 
 
-def _case(rank, tp, group, gen, checks, name, shape, vocab, padded, dtype=torch.float32, tol=TOL):
+def _one_case(rank, tp, group, gen, checks, name, shape, vocab, padded, dtype=torch.float32, tol=TOL, fused=False):
     """One loss computation; ``shape`` is the token shape, logits are [*shape, padded]."""
     def close(label, actual, expected, exact=False):
         assert actual.shape == expected.shape, f"{name}: {label}: {tuple(actual.shape)} != {tuple(expected.shape)}"
@@ -53,7 +58,7 @@ def _case(rank, tp, group, gen, checks, name, shape, vocab, padded, dtype=torch.
 
     local = full.chunk(tp, dim=-1)[rank].to(dtype, copy=True).requires_grad_()
     before = local.detach().clone()
-    loss = vocab_parallel_cross_entropy(local, target, group, vocab)
+    loss = vocab_parallel_cross_entropy(local, target, group, vocab, fused=fused)
     close("loss", loss, ref_loss)
     (loss * weights).sum().backward()
     close("logits grad", local.grad, ref_logits.grad.chunk(tp, dim=-1)[rank])
@@ -72,10 +77,11 @@ def _case(rank, tp, group, gen, checks, name, shape, vocab, padded, dtype=torch.
     close("grad sums to zero over the vocabulary", row_sums, torch.zeros(shape))
 
 
-def _cross_entropy_rank(rank: int, tp: int) -> list:
+def _cross_entropy_rank(rank: int, tp: int, fused: bool) -> list:
     group = dist.group.WORLD
     gen = torch.Generator().manual_seed(7)
     checks: list = []
+    _case = functools.partial(_one_case, fused=fused)
     # vocab divisible by every tp: no padding
     _case(rank, tp, group, gen, checks, "vocab 24", (6, 3), 24, 24)
     # vocab 50 padded for this tp (and a multiple of 8 per rank): the last rank holds padding
@@ -86,27 +92,50 @@ def _cross_entropy_rank(rank: int, tp: int) -> list:
     # flat tokens (2-D logits) and a single token
     _case(rank, tp, group, gen, checks, "flat tokens", (10,), 50, padded_vocab_size(50, tp, 8))
     # extreme logits: a softmax without the max subtraction overflows
-    _case_large(rank, tp, group, gen, checks)
+    _case_large(rank, tp, group, gen, checks, fused)
     # bf16 logits: the loss is fp32 and the gradient comes back in bf16
     _case(rank, tp, group, gen, checks, "bf16", (4, 2), 50, padded_vocab_size(50, tp, 8), dtype=torch.bfloat16,
           tol=dict(rtol=1e-2, atol=1e-3))
     return checks
 
 
-def _case_large(rank, tp, group, gen, checks):
+def _case_large(rank, tp, group, gen, checks, fused):
     """Logits around 1e3 (exp overflows fp32 without the max subtraction)."""
     shape, vocab, padded = (3, 2), 24, 32
     full = torch.randn(*shape, padded, generator=gen) * 50.0 + 1000.0
     full[..., vocab:] = 1e5
     target = torch.randint(vocab, shape, generator=gen)
     ref = F.cross_entropy(full[..., :vocab].reshape(-1, vocab), target.reshape(-1), reduction="none").view(shape)
-    loss = vocab_parallel_cross_entropy(full.chunk(tp, dim=-1)[rank], target, group, vocab)
+    loss = vocab_parallel_cross_entropy(full.chunk(tp, dim=-1)[rank], target, group, vocab, fused=fused)
     assert torch.isfinite(loss).all(), "loss overflowed on large logits"
     checks.append(("large logits: loss", loss.detach().clone(), ref, TOL))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_vocab_parallel_cross_entropy_matches_full(tp):
-    labels = verify(run_ranks(_cross_entropy_rank, tp, timeout=TIMEOUT))
+def test_vocab_parallel_cross_entropy_matches_full(tp, fused):
+    labels = verify(run_ranks(_cross_entropy_rank, tp, fused, timeout=TIMEOUT))
     assert all(lab == labels[0] for lab in labels)
     assert len(labels[0]) == 5 * 5 + 4 + 1, labels[0]
+
+
+def test_fused_path_saves_no_fp32_copy_of_the_logits():
+    """The fused loss keeps the 16-bit logits and per-row statistics for backward; the reference
+    keeps an fp32 softmax the size of the logits (twice their bytes in bf16)."""
+    logits = torch.randn(64, 2, 512, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(500, (64, 2))
+
+    def saved_bytes(fused: bool) -> int:
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            vocab_parallel_cross_entropy(logits, target, None, 500, fused=fused)
+        return sum(sizes)
+
+    small = 64 * 2 * 8 * 4  # per-row statistics and targets, generously
+    assert saved_bytes(True) <= logits.numel() * 2 + small
+    assert saved_bytes(False) >= logits.numel() * 4

@@ -122,3 +122,66 @@ def test_varlen_attention_matches_the_mask_path():
     fast = seq.attention(q, k, v, 0.0, enable_gqa=False)
     reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seq.mask())
     torch.testing.assert_close(fast, reference, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fused_cross_entropy_matches_the_reference():
+    """The compiled vocab-parallel loss on bf16 logits with a padded vocabulary (GPT-1.3B's
+    shape per micro-batch) equals the reference ops: loss and 16-bit logits gradient."""
+    from tessera.tensor_parallel import vocab_parallel_cross_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(1024, 2, 50304, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    logits[..., 50257:] = 100.0  # padding: must get no probability
+    target = torch.randint(0, 50257, (1024, 2), device="cuda", generator=g)
+    weight = torch.rand(1024, 2, device="cuda", generator=g)
+    out = []
+    for fused in (False, True):
+        x = logits.clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(x, target, None, 50257, fused=fused)
+        (loss * weight).sum().backward()
+        out.append((loss, x.grad))
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-5, atol=1e-5)
+    assert out[1][1].dtype == torch.bfloat16
+    torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-2, atol=1e-5)
+    assert out[1][1][..., 50257:].abs().max().item() == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fused_weight_gradient_accumulation_is_exact_to_fp32():
+    """Gradient-accumulation fusion on CUDA: bf16 GEMMs accumulated in an fp32 main gradient by
+    cuBLAS. It must be available in this torch, and closer to the fp64 sum than the reference
+    (bf16 product rounded, then added)."""
+    from tessera.tensor_parallel.wgrad import _fused_supported, wgrad_into
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pairs = [(torch.randn(1024, 4096, device="cuda", generator=g).to(torch.bfloat16),
+              torch.randn(4096, 512, device="cuda", generator=g).to(torch.bfloat16)) for _ in range(4)]
+    out = torch.empty(1024, 512, device="cuda")
+    assert _fused_supported(out, pairs[0][0]), "this torch has no fp32-accumulating bf16 GEMM (addmm out_dtype)"
+    exact = sum(a.double() @ b.double() for a, b in pairs)
+    errors = []
+    for fused in (True, False):
+        acc = torch.full_like(out, float("nan"))  # a step's first product must overwrite, not add
+        for i, (a, b) in enumerate(pairs):
+            wgrad_into(acc, a, b, accumulate=i > 0, fused=fused)
+        errors.append((acc.double() - exact).abs().max().item())
+    scale = exact.abs().max().item()
+    assert errors[0] < 1e-5 * scale, errors
+    assert errors[0] < errors[1], f"fused {errors[0]} vs reference {errors[1]}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fast_paths_follow_the_reference_loss_curve(tmp_path):
+    """200 bf16 steps with every fast path on (fused cross entropy, gradient-accumulation fusion)
+    and with all off follow the same loss curve within bf16 tolerance."""
+    model = ["model.hidden=256", "model.layers=4", "model.heads=4", "model.seq_len=256", "model.vocab_size=1000",
+             "train.dtype=bf16", "train.steps=200", "train.log_every=50", "optim.lr=1e-3", "data.source=builtin",
+             "model.family=llama", "model.kv_heads=2", "model.ffn_hidden=704"]
+    fast = _train(tmp_path, "fast", 1, model + ["train.fused_cross_entropy=true", "train.grad_accum_fusion=true"])
+    ref = _train(tmp_path, "ref", 1, model + ["train.fused_cross_entropy=false", "train.grad_accum_fusion=false"])
+    assert len(fast) == len(ref) == 200
+    assert fast[-1]["loss"] < 0.6 * fast[0]["loss"], "the run must learn"
+    for w in range(0, 200, 10):  # windows of 10 steps: bf16 noise per step, the same curve
+        a, b = (sum(m["loss"] for m in run[w:w + 10]) / 10 for run in (fast, ref))
+        assert a == pytest.approx(b, rel=3e-2), f"steps {w + 1}-{w + 10}"

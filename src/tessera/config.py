@@ -179,6 +179,14 @@ class TrainConfig:
     """torch.compile each transformer layer (inductor fuses its elementwise work; the first steps
     pay the compile time). Not with the zb-h1 schedule, whose deferred weight gradients are
     Python state the compiler cannot trace."""
+    grad_accum_fusion: bool = True
+    """Gradient-accumulation fusion: a linear layer's weight-gradient GEMM adds straight into the
+    fp32 main gradient (one cuBLAS call with an fp32 accumulator on CUDA; the reference
+    matmul-then-add elsewhere), so no 16-bit weight gradient is stored and added. Applies with
+    parallel.zero 0-2 and without train.compile (whose layers leave gradients to autograd)."""
+    fused_cross_entropy: bool = True
+    """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
+    fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""
     timeout_s: float = 300.0
     """Collective timeout: a dead or stuck peer ends the job with an error after this long."""
     batch_rampup: str = ""

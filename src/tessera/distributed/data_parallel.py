@@ -19,7 +19,10 @@ Communication plan of one step (zero = ``parallel.zero``):
 
 The loss is already divided by the global token count, so every reduction is a sum.
 Zero-bubble schedules compute some weight gradients outside autograd (``WeightGradStore``); they
-are routed through :meth:`accumulate` like the others.
+are routed through :meth:`accumulate` like the others. With gradient-accumulation fusion
+(``train.grad_accum_fusion``, the layers' store given here) a linear layer's weight gradient is
+never materialised: :meth:`accumulate_product` has the GEMM add it into ``main_grad`` and counts
+the arrival as the hook would.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from torch import Tensor, nn
 from tessera.distributed import collectives
 from tessera.distributed.buffers import Bucket, ParamAndGradBuffer
 from tessera.distributed.collectives import Pending
-from tessera.tensor_parallel.wgrad import WeightGradStore
+from tessera.tensor_parallel.wgrad import WeightGradStore, wgrad_into
 from tessera.topology import Topology
 
 
@@ -79,7 +82,7 @@ class DataParallel:
                  param_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype = torch.float32,
                  bucket_size: int = 40_000_000, overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = True, wgrad_store: WeightGradStore | None = None,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, fuse_wgrad: bool = True):
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
@@ -109,6 +112,7 @@ class DataParallel:
         self._gathers: dict[Bucket, Pending] = {}
         if wgrad_store is not None:
             wgrad_store.accumulate = self.accumulate
+            wgrad_store.accumulate_product = self.accumulate_product if fuse_wgrad else None
         if self.sharded and overlap_param_gather and self.group is not None:
             for chunk, buffer in zip(chunks, self.buffers):
                 self._register_gather_hooks(chunk, buffer)
@@ -165,6 +169,22 @@ class DataParallel:
 
     def accumulate(self, p: nn.Parameter, grad: Tensor) -> None:
         """Add one micro-batch's gradient of ``p``; start reductions that became possible."""
+        st = self._open(p)
+        if self._count[p] == 0 and st.buffer.grad_data is not None:
+            p.main_grad.copy_(grad.view(p.main_grad.shape))  # the buffer still holds last step's
+        else:
+            p.main_grad.add_(grad.view(p.main_grad.shape))
+        self._arrived(p, st)
+
+    def accumulate_product(self, p: nn.Parameter, grad_out: Tensor, x: Tensor) -> None:
+        """Gradient-accumulation fusion: add ``grad_out.T @ x`` (one micro-batch's gradient of
+        the weight ``p``) into its main gradient inside the GEMM (``wgrad_into``)."""
+        st = self._open(p)
+        first = self._count[p] == 0 and st.buffer.grad_data is not None
+        wgrad_into(p.main_grad, grad_out.t(), x, accumulate=not first)
+        self._arrived(p, st)
+
+    def _open(self, p: nn.Parameter) -> _BucketState:
         st = self._state[p]
         if st.launched:
             raise RuntimeError(f"a gradient of a {tuple(p.shape)} parameter arrived after its bucket was "
@@ -172,10 +192,9 @@ class DataParallel:
                                "a parameter used twice per micro-batch outside one autograd graph?")
         if p.main_grad is None:
             st.buffer.allocate_grad(st.bucket)
-        if self._count[p] == 0 and st.buffer.grad_data is not None:
-            p.main_grad.copy_(grad.view(p.main_grad.shape))  # the buffer still holds last step's
-        else:
-            p.main_grad.add_(grad.view(p.main_grad.shape))
+        return st
+
+    def _arrived(self, p: nn.Parameter, st: _BucketState) -> None:
         self._count[p] += 1
         st.arrivals[self._count[p]] += 1
         complete = len(st.bucket.params)

@@ -111,7 +111,7 @@ class GPTModel(nn.Module):
         if self.output is not None:
             return self.output(x)
         return column_parallel_linear(x, self.embedding.weight, None, self.tp.group, self.tp.sequence_parallel,
-                                      wgrad_store=self.tp.wgrad_store)
+                                      wgrad_store=self.tp.wgrad_store, fuse_wgrad=False)  # autograd sums both uses
 
     def forward(self, tokens: Tensor | None = None, labels: Tensor | None = None,
                 hidden: Tensor | None = None, position_ids: Tensor | None = None,
@@ -132,7 +132,9 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits
         # [s, b] -> [b, s]; contiguous (tiny), so it is no view (FSDP warns about returned views)
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, self.cfg.vocab_size).t().contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, self.cfg.vocab_size,
+                                            fused=self.tp.fused_cross_entropy)
+        return loss.t().contiguous()
 
     @torch.no_grad()
     def full_logits(self, tokens: Tensor) -> Tensor:

@@ -34,7 +34,8 @@ class TPContext:
     group: Group = None
     sequence_parallel: bool = False
     rng: RNGTracker | None = None
-    wgrad_store: WeightGradStore | None = None  # set for zero-bubble pipeline schedules
+    wgrad_store: WeightGradStore | None = None  # zero-bubble schedules, gradient-accumulation fusion
+    fused_cross_entropy: bool | None = None  # the compiled vocab-parallel loss (None: on CUDA only)
 
     @property
     def size(self) -> int:

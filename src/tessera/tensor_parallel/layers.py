@@ -58,14 +58,15 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
 
 def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tp_group: Group,
                            sequence_parallel: bool = False, gather_output: bool = False,
-                           wgrad_store: WeightGradStore | None = None) -> Tensor:
+                           wgrad_store: WeightGradStore | None = None, fuse_wgrad: bool = True) -> Tensor:
     """The column-parallel product with a given local weight [out/tp, in] (also used by a tied
-    output layer, whose weight is the embedding's)."""
+    output layer, whose weight is the embedding's: ``fuse_wgrad=False`` as that weight's
+    gradient has a second term, from the lookup)."""
     if sequence_parallel:
         x = gather_from_sequence_region(x, tp_group, reduce_grad=True)
     else:
         x = copy_to_tp_region(x, tp_group)
-    y = linear(x, weight, bias, wgrad_store)
+    y = linear(x, weight, bias, wgrad_store, fuse_wgrad)
     return gather_from_tp_region(y, tp_group) if gather_output else y
 
 

@@ -6,13 +6,20 @@ weights (which nobody waits for, so they can fill idle time). A linear layer giv
 :class:`WeightGradStore` runs through :class:`_DeferrableLinear`: inside ``store.defer(key)`` its
 backward returns the input gradient at once and files the weight-gradient GEMM under ``key``;
 ``store.run(key)`` performs them later, accumulating into ``weight.grad`` (or wherever
-``store.accumulate`` says). Outside a ``defer``
-block it is an ordinary linear layer.
+``store.accumulate`` says). Outside a ``defer`` block it is an ordinary linear layer.
+
+The same store carries **gradient-accumulation fusion**: when data parallelism sets
+``store.accumulate_product``, a weight gradient is never materialised: the GEMM
+``grad_out^T @ input`` adds straight into the parameter's fp32 ``main_grad``
+(:func:`wgrad_into`; on CUDA one cuBLAS call with bf16 inputs and an fp32 accumulator, as
+Megatron's ``fused_weight_gradient_mlp_cuda`` extension does, here through
+``torch.addmm(..., out_dtype=torch.float32)``; elsewhere the reference ``main_grad += a @ b``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +33,9 @@ class WeightGradStore:
         # Where a deferred weight gradient goes: into ``weight.grad`` by default; data parallelism
         # (tessera.distributed.DataParallel) points this at its gradient buffers.
         self.accumulate = _accumulate
+        # Gradient-accumulation fusion: ``accumulate_product(weight, grad_out_2d, input_2d)`` adds
+        # ``grad_out_2d.T @ input_2d`` into the weight's main gradient (set by DataParallel).
+        self.accumulate_product = None
 
     @contextlib.contextmanager
     def defer(self, key: object):
@@ -43,6 +53,53 @@ class WeightGradStore:
     def __len__(self) -> int:
         return sum(map(len, self.pending.values()))
 
+    def add_weight_grad(self, weight: Tensor, grad_out: Tensor, x: Tensor) -> None:
+        """Add ``grad_out.T @ x`` (2-D) to ``weight``'s gradient, fused when data parallelism asks."""
+        if self.accumulate_product is not None:
+            self.accumulate_product(weight, grad_out, x)
+        else:
+            self.accumulate(weight, grad_out.t() @ x)
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_out_gemm(device: torch.device, out_dtype: torch.dtype, in_dtype: torch.dtype) -> bool:
+    """Whether this torch can write an ``in_dtype`` GEMM into an ``out_dtype`` accumulator
+    (``aten::addmm.dtype_out``: CUDA only, fp32 out for bf16/fp16 inputs; some versions want
+    the added matrix in the inputs' dtype). Probed once per (device, dtypes)."""
+    try:
+        acc = torch.ones(2, 2, dtype=out_dtype, device=device)
+        m = torch.ones(2, 2, dtype=in_dtype, device=device)
+        torch.addmm(acc, m, m, out_dtype=out_dtype, out=acc)
+        torch.mm(m, m, out_dtype=out_dtype, out=acc[:, :1].contiguous())
+        return bool((acc == 3).all())
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _fused_supported(out: Tensor, a: Tensor) -> bool:
+    if out.device.type != "cuda":
+        return False
+    return out.dtype == a.dtype or _dtype_out_gemm(out.device, out.dtype, a.dtype)
+
+
+def wgrad_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool, fused: bool | None = None) -> None:
+    """``out (+)= a @ b`` where ``out`` may be fp32 and ``a``, ``b`` 16-bit.
+
+    Fused (CUDA): one GEMM whose epilogue reads and writes ``out`` in its own dtype, so the
+    16-bit product is never rounded nor stored. Reference (CPU, or a torch without the
+    ``out_dtype`` GEMM): the product in the inputs' dtype, then added (or copied) into ``out``.
+    ``fused=None`` chooses by device; tests force either."""
+    if fused is None:
+        fused = _fused_supported(out, a)
+    if not fused:
+        product = a @ b
+        out.add_(product) if accumulate else out.copy_(product)
+    elif out.dtype == a.dtype:
+        torch.addmm(out, a, b, out=out) if accumulate else torch.mm(a, b, out=out)
+    else:
+        (torch.addmm(out, a, b, out_dtype=out.dtype, out=out) if accumulate
+         else torch.mm(a, b, out_dtype=out.dtype, out=out))
+
 
 def _accumulate(param: Tensor, grad: Tensor) -> None:
     if param.grad is None:
@@ -53,7 +110,7 @@ def _accumulate(param: Tensor, grad: Tensor) -> None:
 
 class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore):
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore, fuse: bool):
         device = x.device.type
         if torch.is_autocast_enabled(device):  # cast as autocast would, and save the casts
             dtype = torch.get_autocast_dtype(device)
@@ -62,28 +119,33 @@ class _DeferrableLinear(torch.autograd.Function):
         else:
             w, b = weight, bias
         ctx.save_for_backward(x, w)
-        ctx.weight, ctx.has_bias, ctx.store = weight, bias is not None, store
+        ctx.weight, ctx.has_bias, ctx.store, ctx.fuse = weight, bias is not None, store, fuse
         with torch.autocast(device, enabled=False):
             return F.linear(x, w, b)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, w = ctx.saved_tensors
-        grad_x = grad @ w
+        grad_x = grad @ w if ctx.needs_input_grad[0] else None
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
         weight, store = ctx.weight, ctx.store
+        if not ctx.needs_input_grad[1]:
+            return grad_x, None, grad_b, None, None
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        if store.key is not None:  # zero-bubble I step: the W GEMM runs later
+            store.pending.setdefault(store.key, []).append(lambda: store.add_weight_grad(weight, g2, x2))
+            return grad_x, None, grad_b, None, None
+        if ctx.fuse and store.accumulate_product is not None:  # straight into main_grad
+            store.accumulate_product(weight, g2, x2)
+            return grad_x, None, grad_b, None, None
+        return grad_x, (g2.t() @ x2).to(weight.dtype), grad_b, None, None
 
-        def weight_grad() -> Tensor:
-            return grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
 
-        if store.key is None:
-            return grad_x, weight_grad().to(weight.dtype), grad_b, None
-        store.pending.setdefault(store.key, []).append(lambda: store.accumulate(weight, weight_grad()))
-        return grad_x, None, grad_b, None
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore | None) -> Tensor:
-    """``F.linear``, with a deferrable weight gradient when a store is given."""
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore | None,
+           fuse: bool = True) -> Tensor:
+    """``F.linear``, with a deferrable (and fusable) weight gradient when a store is given.
+    ``fuse=False`` for a weight that also gets gradients elsewhere in the same backward (a tied
+    embedding used as the output layer): autograd must sum those before the gradient hook."""
     if store is None:
         return F.linear(x, weight, bias)
-    return _DeferrableLinear.apply(x, weight, bias, store)
+    return _DeferrableLinear.apply(x, weight, bias, store, fuse)

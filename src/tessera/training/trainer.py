@@ -113,9 +113,10 @@ class Stage:
         self.cfg, self.pp, self.pp_rank = cfg, p.pp, topo.pp_rank
         self.schedule = choose_schedule(p.schedule, p.pp, p.vpp, self.microbatches(cfg.train.global_batch, topo.dp),
                                         p.zero, cfg.train.compile)
-        self.wgrad_store = WeightGradStore() if self.schedule == "zb-h1" else None
+        fuse = cfg.train.grad_accum_fusion and p.zero < 3 and not cfg.train.compile
+        self.wgrad_store = WeightGradStore() if self.schedule == "zb-h1" or fuse else None
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
-                       wgrad_store=self.wgrad_store)
+                       wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False)
         self.chunks = build_stage_chunks(cfg.model, tp, topo.pp_rank, p.pp, p.vpp, parse_layout(p.pp_layout),
                                          topo.device)
         for chunk in self.chunks:
@@ -150,7 +151,7 @@ def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
                                  grad_dtype=DTYPES[t.grad_dtype], bucket_size=p.bucket_size,
                                  overlap_grad_reduce=p.overlap_grad_reduce,
                                  overlap_param_gather=p.overlap_param_gather, wgrad_store=stage.wgrad_store,
-                                 reduce_dtype=DTYPES[p.grad_reduce_dtype])
+                                 reduce_dtype=DTYPES[p.grad_reduce_dtype], fuse_wgrad=t.grad_accum_fusion)
     return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
 
 
