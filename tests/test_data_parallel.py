@@ -97,9 +97,11 @@ RUNS = {
           ("zero2-bf16-bf16grads", 1, 1, [ZEROS[2], "train.dtype=bf16", "train.grad_dtype=bf16"]),
           ("zero0-bf16-wire", 1, 1, [ZEROS[0], "train.dtype=bf16", "parallel.grad_reduce_dtype=bf16"]),
           ("zero1-bf16-wire", 1, 1, [ZEROS[1], "train.dtype=bf16", "parallel.grad_reduce_dtype=bf16"]),
-          ("zero2-bf16-wire", 1, 1, [ZEROS[2], "train.dtype=bf16", "parallel.grad_reduce_dtype=bf16"])],
+          ("zero2-bf16-wire", 1, 1, [ZEROS[2], "train.dtype=bf16", "parallel.grad_reduce_dtype=bf16"])]
+       + [(f"zero{z}-fused", 1, 1, [ZEROS[z], "train.grad_accum_fusion=true"]) for z in range(3)],
     4: [(f"zero{z}", 1, 1, [ZEROS[z]]) for z in range(4)],
-    8: [(f"zero{z}", 2, 2, [ZEROS[z], "parallel.sequence_parallel=true"]) for z in range(4)],
+    8: [(f"zero{z}", 2, 2, [ZEROS[z], "parallel.sequence_parallel=true"]) for z in range(4)]
+       + [("zero1-fused", 2, 2, [ZEROS[1], "parallel.sequence_parallel=true", "train.grad_accum_fusion=true"])],
 }
 
 
@@ -170,6 +172,22 @@ def test_zero_with_tp2_pp2_dp2(zero):
                 kind, sizes = param_kind(model, source) if name != "output.weight" else ("vocab", None)
                 compare_to_full(kind, sizes, [s["params"][name] for s in shards], ref["params"][source],
                                 f"zero={zero} pp{pp_rank} dp{dp_rank} {name}", VOCAB, check=_tp_close)
+
+
+@pytest.mark.timeout(900)
+def test_grad_accum_fusion_matches_one_rank():
+    """Weight gradients added straight into the buckets (train.grad_accum_fusion) at dp=2 for zero
+    0-2, and at tp2 x pp2 x dp2 with ZB-H1 (whose deferred W GEMMs take the same route)."""
+    ref = reference()
+    for r, out in enumerate(results(2)):
+        for zero in range(3):
+            run = out[f"zero{zero}-fused"]
+            assert_same_training(run, ref, f"fused dp=2 zero={zero} rank {r}")
+            assert_same_params(run["params"], ref, f"fused dp=2 zero={zero} rank {r}")
+    ranks = [out["zero1-fused"] for out in results(8)]
+    assert ranks[0]["schedule"] == "zb-h1"
+    for r in (r for r in ranks if r["pp_rank"] == 1):
+        assert_same_training(r, ref, f"fused tp2 pp2 dp2 rank tp{r['tp_rank']} dp{r['dp_rank']}", rel=1e-4)
 
 
 @pytest.mark.timeout(900)

@@ -88,7 +88,7 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     microbatches = t.global_batch // (t.micro_batch * p.dp)
     count = microbatches
     try:
-        kind = choose_schedule(p.schedule, p.pp, p.vpp, microbatches, p.zero, t.compile)
+        kind = choose_schedule(p.schedule, p.pp, p.vpp, microbatches, p.zero, t.compile == "true")
         for count in step_microbatch_counts(cfg):  # every count a batch ramp-up passes through
             check_kind(kind, p.pp, p.vpp, count)
             simulate(build_all(kind, p.pp, p.vpp, count), p.vpp)  # proves it cannot hang
@@ -105,6 +105,14 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     return cfg
 
 
+def compiled_layers(cfg: Config, schedule: str, device: torch.device) -> bool:
+    """train.compile resolved: "auto" compiles where it was measured to pay (CUDA, tp=1, a
+    schedule without deferred weight gradients)."""
+    if cfg.train.compile != "auto":
+        return cfg.train.compile == "true"
+    return device.type == "cuda" and cfg.parallel.tp == 1 and schedule != "zb-h1"
+
+
 class Stage:
     """This rank's share of the model and how it runs a step of ``m`` micro-batches."""
 
@@ -112,8 +120,9 @@ class Stage:
         p = cfg.parallel
         self.cfg, self.pp, self.pp_rank = cfg, p.pp, topo.pp_rank
         self.schedule = choose_schedule(p.schedule, p.pp, p.vpp, self.microbatches(cfg.train.global_batch, topo.dp),
-                                        p.zero, cfg.train.compile)
-        fuse = cfg.train.grad_accum_fusion and p.zero < 3 and not cfg.train.compile
+                                        p.zero, cfg.train.compile == "true")
+        self.compiled = compiled_layers(cfg, self.schedule, topo.device)
+        fuse = cfg.train.grad_accum_fusion and p.zero < 3 and not self.compiled
         self.wgrad_store = WeightGradStore() if self.schedule == "zb-h1" or fuse else None
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False)
@@ -121,7 +130,7 @@ class Stage:
                                          topo.device)
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
-            if cfg.train.compile:  # per layer: one graph reused by every layer of the same shape
+            if self.compiled:  # per layer: one graph reused by every layer of the same shape
                 for layer in chunk.layers.values():
                     layer.compile()
         self.model = nn.ModuleList(self.chunks)
