@@ -71,6 +71,7 @@ def main() -> None:
             if tps is None:
                 print(f"{system} {layout} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}", file=sys.stderr)
             rows.append((layout, system, tps))
+            print(f"{layout} {system}: {tps}", flush=True)
             if system == "tessera" and layout == "1gpu":
                 one_gpu = tps
     if dry:
