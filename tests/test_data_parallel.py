@@ -101,7 +101,8 @@ RUNS = {
        + [(f"zero{z}-fused", 1, 1, [ZEROS[z], "train.grad_accum_fusion=true"]) for z in range(3)],
     4: [(f"zero{z}", 1, 1, [ZEROS[z]]) for z in range(4)],
     8: [(f"zero{z}", 2, 2, [ZEROS[z], "parallel.sequence_parallel=true"]) for z in range(4)]
-       + [("zero1-fused", 2, 2, [ZEROS[1], "parallel.sequence_parallel=true", "train.grad_accum_fusion=true"])],
+       + [("zero1-fused", 2, 2, [ZEROS[1], "parallel.sequence_parallel=true", "train.grad_accum_fusion=true",
+                                 "parallel.tp_comm_overlap=true"])],
 }
 
 
@@ -177,7 +178,8 @@ def test_zero_with_tp2_pp2_dp2(zero):
 @pytest.mark.timeout(900)
 def test_grad_accum_fusion_matches_one_rank():
     """Weight gradients added straight into the buckets (train.grad_accum_fusion) at dp=2 for zero
-    0-2, and at tp2 x pp2 x dp2 with ZB-H1 (whose deferred W GEMMs take the same route)."""
+    0-2, and at tp2 x pp2 x dp2 with ZB-H1 (whose deferred W GEMMs take the same route), there
+    with the TP communication overlap on too."""
     ref = reference()
     for r, out in enumerate(results(2)):
         for zero in range(3):

@@ -75,11 +75,11 @@ def _fused_rows(r: _Recorder, full: torch.Tensor, sizes: list[int]) -> torch.Ten
 
 
 def _check_column(r: _Recorder, name: str, sizes, *, gather_output=False, sequence_parallel=False,
-                  bias=True, seed=0):
+                  bias=True, seed=0, comm_overlap=False):
     sizes_list = [sizes] if isinstance(sizes, int) else list(sizes)
     out_features = sum(sizes_list)
     layer = ColumnParallelLinear(IN, sizes, tp_group=r.group, bias=bias, gather_output=gather_output,
-                                 sequence_parallel=sequence_parallel)
+                                 sequence_parallel=sequence_parallel, comm_overlap=comm_overlap)
     ref = ColumnParallelLinear(IN, sizes, tp_group=None, bias=bias)
     layer.reset_parameters(torch.Generator().manual_seed(seed))
     ref.reset_parameters(torch.Generator().manual_seed(seed))
@@ -238,6 +238,9 @@ def _layers_rank(rank: int, tp: int) -> list:
     _check_column(r, "column fused qkv sequence_parallel", QKV, sequence_parallel=True, seed=6)
     _check_column(r, "column gather_output sequence_parallel", OUT, gather_output=True,
                   sequence_parallel=True, seed=7)
+    # the input gradient's collective overlapped with the weight-gradient GEMM: the same maths
+    _check_column(r, "column overlap", OUT, seed=8, comm_overlap=True)
+    _check_column(r, "column sequence_parallel overlap", QKV, sequence_parallel=True, seed=9, comm_overlap=True)
     _check_row(r, "row input_is_parallel", seed=11)
     _check_row(r, "row replicated input", input_is_parallel=False, seed=12)
     _check_row(r, "row no bias", bias=False, seed=13)
@@ -271,7 +274,7 @@ def _layers_rank(rank: int, tp: int) -> list:
 def test_layers_match_unsharded_maths(tp):
     labels = verify(run_ranks(_layers_rank, tp, timeout=TIMEOUT))
     assert all(lab == labels[0] for lab in labels)
-    assert len(labels[0]) == 96, len(labels[0])
+    assert len(labels[0]) == 110, len(labels[0])
 
 
 @pytest.mark.parametrize("tp,pad_multiple,expected", [

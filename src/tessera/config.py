@@ -135,6 +135,11 @@ class ParallelConfig:
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """zero 0-2: the dtype gradients travel in over dp. bf16 halves the traffic of fp32 gradient
     buffers (each rank's accumulated gradient rounded once); the sums are still done in fp32."""
+    tp_comm_overlap: bool = False
+    """tp > 1: a column-parallel layer's backward starts its input gradient's all-reduce (or, with
+    sequence parallelism, reduce-scatter) as soon as that gradient is computed and runs the
+    weight-gradient GEMM while it travels. Off by default: on GPT-1.3B at tp=2 it measured no
+    gain (BENCHMARKS.md). false: the collective, then the GEMM."""
     overlap_param_gather: bool = True
     """zero 1-2: all-gather the updated parameters asynchronously after the optimizer step, each
     bucket waited for only by the first forward that uses it."""

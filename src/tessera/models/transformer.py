@@ -36,6 +36,7 @@ class TPContext:
     rng: RNGTracker | None = None
     wgrad_store: WeightGradStore | None = None  # zero-bubble schedules, gradient-accumulation fusion
     fused_cross_entropy: bool | None = None  # the compiled vocab-parallel loss (None: on CUDA only)
+    comm_overlap: bool = False  # column layers overlap their input-gradient reduction with the W GEMM
 
     @property
     def size(self) -> int:
@@ -97,7 +98,7 @@ class Attention(nn.Module):
         q, kv = cfg.heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden, [q, kv, kv], tp_group=tp.group, bias=bias,
                                         sequence_parallel=tp.sequence_parallel, init_std=cfg.init_std,
-                                        wgrad_store=tp.wgrad_store, device=device)
+                                        wgrad_store=tp.wgrad_store, comm_overlap=tp.comm_overlap, device=device)
         self.proj = RowParallelLinear(q, cfg.hidden, tp_group=tp.group, bias=bias,
                                       sequence_parallel=tp.sequence_parallel,
                                       init_std=scaled_init_std(cfg.init_std, cfg.layers),
@@ -132,10 +133,12 @@ class MLP(nn.Module):
         common = dict(tp_group=tp.group, sequence_parallel=tp.sequence_parallel, wgrad_store=tp.wgrad_store,
                       device=device)
         if cfg.family == "gpt2":
-            self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, bias=True, init_std=cfg.init_std, **common)
+            self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, bias=True, init_std=cfg.init_std,
+                                            comm_overlap=tp.comm_overlap, **common)
             self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=True, init_std=out_std, **common)
         else:
-            self.fc1 = ColumnParallelLinear(cfg.hidden, [ffn, ffn], bias=False, init_std=cfg.init_std, **common)
+            self.fc1 = ColumnParallelLinear(cfg.hidden, [ffn, ffn], bias=False, init_std=cfg.init_std,
+                                            comm_overlap=tp.comm_overlap, **common)
             self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=False, init_std=out_std, **common)
 
     def forward(self, x: Tensor) -> Tensor:

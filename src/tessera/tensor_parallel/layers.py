@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from tessera.tensor_parallel.wgrad import WeightGradStore, linear
 from tessera.tensor_parallel.mappings import (
     Group,
+    column_parallel_matmul,
     copy_to_tp_region,
     gather_from_sequence_region,
     gather_from_tp_region,
@@ -58,10 +59,15 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
 
 def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tp_group: Group,
                            sequence_parallel: bool = False, gather_output: bool = False,
-                           wgrad_store: WeightGradStore | None = None, fuse_wgrad: bool = True) -> Tensor:
+                           wgrad_store: WeightGradStore | None = None, fuse_wgrad: bool = True,
+                           comm_overlap: bool = False) -> Tensor:
     """The column-parallel product with a given local weight [out/tp, in] (also used by a tied
     output layer, whose weight is the embedding's: ``fuse_wgrad=False`` as that weight's
-    gradient has a second term, from the lookup)."""
+    gradient has a second term, from the lookup). ``comm_overlap`` (tp > 1): the input gradient's
+    reduction overlaps the weight-gradient GEMM (one autograd function for collective + matmul)."""
+    if comm_overlap and group_size(tp_group) > 1:
+        y = column_parallel_matmul(x, weight, bias, tp_group, sequence_parallel, wgrad_store, fuse_wgrad)
+        return gather_from_tp_region(y, tp_group) if gather_output else y
     if sequence_parallel:
         x = gather_from_sequence_region(x, tp_group, reduce_grad=True)
     else:
@@ -81,9 +87,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, output_sizes: int | list[int], *, tp_group: Group,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, wgrad_store: WeightGradStore | None = None,
+                 comm_overlap: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        self.wgrad_store = wgrad_store
+        self.wgrad_store, self.comm_overlap = wgrad_store, comm_overlap
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.tp_group, self.tp = tp_group, group_size(tp_group)
         if gather_output and len(self.output_sizes) > 1:
@@ -111,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
         ``weight`` overrides the layer's own (a tied output layer passes the embedding's)."""
         return column_parallel_linear(x, self.weight if weight is None else weight, self.bias,
                                       self.tp_group, self.sequence_parallel, self.gather_output,
-                                      self.wgrad_store)
+                                      self.wgrad_store, comm_overlap=self.comm_overlap)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes} / tp={self.tp}, bias={self.bias is not None}"

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from tessera.tensor_parallel.wgrad import autocast_operands, weight_grad
+
 Group = dist.ProcessGroup | None
 
 # torch 2.13 renamed the tensor collectives (the old names warn); older releases only have those.
@@ -211,3 +213,48 @@ def gather_from_sequence_region(x: Tensor, group: Group, reduce_grad: bool = Tru
 def reduce_scatter_to_sequence_region(x: Tensor, group: Group) -> Tensor:
     """Sum partial results and keep this rank's slice of the sequence (dim 0)."""
     return _ReduceScatterToSequence.apply(x, group) if group_size(group) > 1 else x
+
+
+# -- a column-parallel linear with its input collective, overlapped in backward -------------------
+class _ColumnParallelMatmul(torch.autograd.Function):
+    """``y = enter(x) W^T + b`` where ``enter`` is the column layer's input collective: f (identity
+    forward, all-reduce backward) or, under sequence parallelism, the all-gather along the
+    sequence (reduce-scatter backward). One function, so that backward can start the input
+    gradient's reduction asynchronously right after its GEMM and compute the weight gradient's
+    GEMM while it travels (Megatron's "async tensor-model-parallel all-reduce" and its
+    sequence-parallel reduce-scatter overlap)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel, store, fuse):
+        x = _gather_first(x, group) if sequence_parallel else x
+        x, w, b = autocast_operands(x, weight, bias)
+        ctx.save_for_backward(x, w)
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        ctx.weight, ctx.store, ctx.fuse = weight, store, fuse
+        with torch.autocast(x.device.type, enabled=False):
+            return torch.nn.functional.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad_x, work = grad @ w, None
+        if ctx.sequence_parallel:
+            n = group_size(ctx.group)
+            out = torch.empty((grad_x.shape[0] // n, *grad_x.shape[1:]), dtype=grad_x.dtype, device=grad_x.device)
+            work = reduce_scatter_single(out, grad_x, group=ctx.group, async_op=True)
+        else:
+            out = grad_x
+            work = dist.all_reduce(out, group=ctx.group, async_op=True)
+        grad_w = weight_grad(ctx, grad, x) if ctx.needs_input_grad[1] else None  # overlaps the collective
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        work.wait()
+        return out, grad_w, grad_b, None, None, None, None
+
+
+def column_parallel_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, group: Group,
+                           sequence_parallel: bool, store=None, fuse: bool = True) -> Tensor:
+    """The column-parallel product with its input collective in one autograd function (for
+    tp > 1): the input gradient's all-reduce or reduce-scatter overlaps the weight-gradient GEMM."""
+    if group_size(group) == 1:
+        raise ValueError("column_parallel_matmul is for tp > 1")
+    return _ColumnParallelMatmul.apply(x, weight, bias, group, sequence_parallel, store, fuse)

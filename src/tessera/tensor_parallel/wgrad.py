@@ -108,19 +108,37 @@ def _accumulate(param: Tensor, grad: Tensor) -> None:
         param.grad.add_(grad)
 
 
+def autocast_operands(x: Tensor, weight: Tensor, bias: Tensor | None):
+    """The operands as autocast would cast them (so the casts are what backward saves)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
+    return x, weight, bias
+
+
+def weight_grad(ctx, grad: Tensor, x: Tensor) -> Tensor | None:
+    """The weight gradient of ``y = x W^T`` for a layer with a store (``ctx.weight``,
+    ``ctx.store``, ``ctx.fuse``): returned for autograd, or filed for later (a zero-bubble I step),
+    or added straight into the main gradient (fusion) -- then None."""
+    weight, store = ctx.weight, ctx.store
+    g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    if store is not None and store.key is not None:  # zero-bubble I step: the W GEMM runs later
+        store.pending.setdefault(store.key, []).append(lambda: store.add_weight_grad(weight, g2, x2))
+        return None
+    if store is not None and ctx.fuse and store.accumulate_product is not None:  # into main_grad
+        store.accumulate_product(weight, g2, x2)
+        return None
+    return (g2.t() @ x2).to(weight.dtype)
+
+
 class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore, fuse: bool):
-        device = x.device.type
-        if torch.is_autocast_enabled(device):  # cast as autocast would, and save the casts
-            dtype = torch.get_autocast_dtype(device)
-            x, w = x.to(dtype), weight.to(dtype)
-            b = bias.to(dtype) if bias is not None else None
-        else:
-            w, b = weight, bias
+        x, w, b = autocast_operands(x, weight, bias)
         ctx.save_for_backward(x, w)
         ctx.weight, ctx.has_bias, ctx.store, ctx.fuse = weight, bias is not None, store, fuse
-        with torch.autocast(device, enabled=False):
+        with torch.autocast(x.device.type, enabled=False):
             return F.linear(x, w, b)
 
     @staticmethod
@@ -128,17 +146,8 @@ class _DeferrableLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         grad_x = grad @ w if ctx.needs_input_grad[0] else None
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-        weight, store = ctx.weight, ctx.store
-        if not ctx.needs_input_grad[1]:
-            return grad_x, None, grad_b, None, None
-        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        if store.key is not None:  # zero-bubble I step: the W GEMM runs later
-            store.pending.setdefault(store.key, []).append(lambda: store.add_weight_grad(weight, g2, x2))
-            return grad_x, None, grad_b, None, None
-        if ctx.fuse and store.accumulate_product is not None:  # straight into main_grad
-            store.accumulate_product(weight, g2, x2)
-            return grad_x, None, grad_b, None, None
-        return grad_x, (g2.t() @ x2).to(weight.dtype), grad_b, None, None
+        grad_w = weight_grad(ctx, grad, x) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore | None,
