@@ -55,6 +55,11 @@ def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None) -
     stage = Stage(cfg, topo, rng)
     data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
     memory = memory_report(data_parallel, optimizer)
+    fused = []  # weights whose gradient the GEMM added straight into main_grad
+    store = stage.wgrad_store
+    if store is not None and store.accumulate_product is not None:
+        inner = store.accumulate_product
+        store.accumulate_product = lambda p, *ab: (fused.append(p), inner(p, *ab))
     losses, norms, skipped = [], [], []
     for step in range(STEPS):
         micro_batches = my_micro_batches(step, topo)
@@ -73,7 +78,7 @@ def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None) -
             params[name] = full.detach().float().clone()
     return dict(losses=losses, norms=norms, skipped=skipped, params=params, memory=memory,
                 state_bytes=optimizer.state_bytes(), tp_rank=topo.tp_rank, pp_rank=topo.pp_rank,
-                dp_rank=topo.dp_rank, schedule=stage.schedule)
+                dp_rank=topo.dp_rank, schedule=stage.schedule, fused_calls=len(fused))
 
 
 def _dp_worker(rank: int, world: int, runs: list[tuple[str, int, int, list[str]]]) -> dict:
@@ -184,10 +189,15 @@ def test_grad_accum_fusion_matches_one_rank():
     for r, out in enumerate(results(2)):
         for zero in range(3):
             run = out[f"zero{zero}-fused"]
+            # qkv, proj, fc1, fc2 of 2 layers (the tied output layer is left to autograd), every
+            # micro-batch of every step: the trainer wired the fusion in
+            assert run["fused_calls"] == 8 * (GLOBAL // 2) * STEPS, run["fused_calls"]
+            assert out[f"zero{zero}"]["fused_calls"] == 0
             assert_same_training(run, ref, f"fused dp=2 zero={zero} rank {r}")
             assert_same_params(run["params"], ref, f"fused dp=2 zero={zero} rank {r}")
     ranks = [out["zero1-fused"] for out in results(8)]
     assert ranks[0]["schedule"] == "zb-h1"
+    assert all(r["fused_calls"] > 0 for r in ranks)
     for r in (r for r in ranks if r["pp_rank"] == 1):
         assert_same_training(r, ref, f"fused tp2 pp2 dp2 rank tp{r['tp_rank']} dp{r['dp_rank']}", rel=1e-4)
 

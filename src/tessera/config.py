@@ -182,14 +182,15 @@ class TrainConfig:
     """Prompt for the sample printed after training."""
     compile: Literal["auto", "true", "false"] = "auto"
     """torch.compile each transformer layer (inductor fuses its elementwise work; the first steps
-    pay the compile time). auto: on for CUDA runs with tp=1 whose schedule is not zb-h1
-    (measured +2% on GPT-1.3B, BENCHMARKS.md), off otherwise. true: always; not with the zb-h1
+    pay the compile time). auto: on for CUDA runs with tp=1 whose schedule is not zb-h1 and
+    without train.grad_accum_fusion (measured +2% on GPT-1.3B, BENCHMARKS.md), off otherwise. true: always; not with the zb-h1
     schedule, whose deferred weight gradients are Python state the compiler cannot trace."""
     grad_accum_fusion: bool = False
     """Gradient-accumulation fusion: a linear layer's weight-gradient GEMM adds straight into the
     fp32 main gradient (one cuBLAS call with an fp32 accumulator on CUDA; the reference
-    matmul-then-add elsewhere), so no 16-bit weight gradient is stored and added. Applies with
-    parallel.zero 0-2 and without train.compile (whose layers leave gradients to autograd)."""
+    matmul-then-add elsewhere), so no 16-bit weight gradient is stored and added. With
+    parallel.zero 0-2, not with train.compile=true (compiled layers leave gradients to autograd).
+    Off by default: the GPU machine's torch 2.11 lacks the accumulating GEMM (BENCHMARKS.md)."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""
@@ -363,8 +364,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         return items
     choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
     base = type(choices[0]) if choices else hint
-    if isinstance(value, bool) and choices and "true" in choices:  # TOML's true for a "true" choice
-        value = str(value).lower()
+    if choices and "true" in choices and (isinstance(value, bool) or isinstance(value, str)):
+        # an auto/true/false choice takes what a bool field takes: TOML booleans, True, 1, yes
+        lowered = str(value).strip().lower()
+        value = {"1": "true", "yes": "true", "0": "false", "no": "false"}.get(lowered, lowered)
     if isinstance(value, str) and base is not str:
         text = value.strip()
         try:
@@ -479,6 +482,14 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(not (p.zero == 3 and p.schedule == "zb-h1"), "parallel.schedule",
            "zb-h1 defers weight gradients past the backward that FSDP (zero=3) reduces them in",
            "use parallel.schedule=1f1b or interleaved with zero=3, or zero <= 1")
+    _check(not (p.schedule == "zb-h1" and p.pp < 2), "parallel.schedule",
+           "zb-h1 fills pipeline bubbles; with pp=1 there are none", "use parallel.schedule=none (or auto) with pp=1")
+    _check(not (t.grad_accum_fusion and p.zero == 3), "train.grad_accum_fusion",
+           "zero=3 (FSDP) owns the gradients; there is no main_grad to fuse into",
+           "set train.grad_accum_fusion=false with parallel.zero=3")
+    _check(not (t.grad_accum_fusion and t.compile == "true"), "train.grad_accum_fusion",
+           "compiled layers leave weight gradients to autograd, so nothing would be fused",
+           "choose one: train.compile=false or train.grad_accum_fusion=false")
     _check(not (t.compile == "true" and p.schedule == "zb-h1"), "parallel.schedule",
            "train.compile does not trace zb-h1's deferred weight gradients", "use 1f1b or interleaved with train.compile")
     _check(not (p.zero == 2 and p.schedule == "zb-h1"), "parallel.schedule",

@@ -82,7 +82,7 @@ class DataParallel:
                  param_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype = torch.float32,
                  bucket_size: int = 40_000_000, overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = True, wgrad_store: WeightGradStore | None = None,
-                 reduce_dtype: torch.dtype | None = None, fuse_wgrad: bool = True):
+                 reduce_dtype: torch.dtype | None = None, fuse_wgrad: bool = False):
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank

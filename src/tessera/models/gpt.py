@@ -107,12 +107,17 @@ class GPTModel(nn.Module):
         return x
 
     def logits(self, x: Tensor) -> Tensor:
-        """Residual stream -> this rank's logit slice [s, b, padded_vocab / tp]."""
+        """Residual stream -> this rank's logit slice [s, b, padded_vocab / tp].
+
+        A tied output layer's weight is the embedding, whose gradient has a second term from the
+        lookup: not fused into main_grad (autograd sums the two before the gradient hook). A
+        zero-bubble schedule, which would defer the output term apart from the lookup's, only
+        runs with pp >= 2 (config.validate), where the two are different parameters."""
         x = self.final_norm(x)
         if self.output is not None:
             return self.output(x)
         return column_parallel_linear(x, self.embedding.weight, None, self.tp.group, self.tp.sequence_parallel,
-                                      wgrad_store=self.tp.wgrad_store, fuse_wgrad=False,  # autograd sums both uses
+                                      wgrad_store=self.tp.wgrad_store, fuse_wgrad=False,  # see below
                                       comm_overlap=self.tp.comm_overlap)
 
     def forward(self, tokens: Tensor | None = None, labels: Tensor | None = None,

@@ -62,35 +62,39 @@ class WeightGradStore:
 
 
 @functools.lru_cache(maxsize=None)
-def _dtype_out_gemm(device: torch.device, out_dtype: torch.dtype, in_dtype: torch.dtype) -> bool:
-    """Whether this torch can write an ``in_dtype`` GEMM into an ``out_dtype`` accumulator
-    (``aten::addmm.dtype_out``: CUDA only, fp32 out for bf16/fp16 inputs; some versions want
-    the added matrix in the inputs' dtype). Probed once per (device, dtypes)."""
+def _dtype_out_gemm(device: torch.device, out_dtype: torch.dtype, in_dtype: torch.dtype, accumulate: bool) -> bool:
+    """Whether this torch has the ``in_dtype`` GEMM writing an ``out_dtype`` result: ``mm`` with
+    ``out_dtype`` (``accumulate=False``) or ``addmm`` adding into an ``out_dtype`` matrix
+    (``accumulate=True``; torch 2.11 wants the added matrix in the inputs' dtype). CUDA only,
+    fp32 out for bf16/fp16 inputs. Probed once per (device, dtypes, kind)."""
     try:
         acc = torch.ones(2, 2, dtype=out_dtype, device=device)
         m = torch.ones(2, 2, dtype=in_dtype, device=device)
-        torch.addmm(acc, m, m, out_dtype=out_dtype, out=acc)
-        torch.mm(m, m, out_dtype=out_dtype, out=acc[:, :1].contiguous())
-        return bool((acc == 3).all())
+        if accumulate:
+            torch.addmm(acc, m, m, out_dtype=out_dtype, out=acc)
+            return bool((acc == 3).all())
+        torch.mm(m, m, out_dtype=out_dtype, out=acc)
+        return bool((acc == 2).all())
     except (RuntimeError, TypeError):
         return False
 
 
-def _fused_supported(out: Tensor, a: Tensor) -> bool:
+def fused_supported(out: Tensor, a: Tensor, accumulate: bool) -> bool:
+    """Whether :func:`wgrad_into` can run fused here (for the first product, or an added one)."""
     if out.device.type != "cuda":
         return False
-    return out.dtype == a.dtype or _dtype_out_gemm(out.device, out.dtype, a.dtype)
+    return out.dtype == a.dtype or _dtype_out_gemm(out.device, out.dtype, a.dtype, accumulate)
 
 
 def wgrad_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool, fused: bool | None = None) -> None:
     """``out (+)= a @ b`` where ``out`` may be fp32 and ``a``, ``b`` 16-bit.
 
-    Fused (CUDA): one GEMM whose epilogue reads and writes ``out`` in its own dtype, so the
-    16-bit product is never rounded nor stored. Reference (CPU, or a torch without the
-    ``out_dtype`` GEMM): the product in the inputs' dtype, then added (or copied) into ``out``.
-    ``fused=None`` chooses by device; tests force either."""
+    Fused (CUDA): one GEMM that writes (or, accumulating, reads and writes) ``out`` in its own
+    dtype, so the 16-bit product is never rounded nor stored. Reference (CPU, or a torch without
+    that GEMM): the product in the inputs' dtype, then added (or copied) into ``out``.
+    ``fused=None`` chooses by device and torch; tests force either."""
     if fused is None:
-        fused = _fused_supported(out, a)
+        fused = fused_supported(out, a, accumulate)
     if not fused:
         product = a @ b
         out.add_(product) if accumulate else out.copy_(product)

@@ -107,10 +107,12 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
 
 def compiled_layers(cfg: Config, schedule: str, device: torch.device) -> bool:
     """train.compile resolved: "auto" compiles where it was measured to pay (CUDA, tp=1, a
-    schedule without deferred weight gradients)."""
+    schedule without deferred weight gradients), unless gradient-accumulation fusion was asked
+    for (compiled layers leave weight gradients to autograd)."""
     if cfg.train.compile != "auto":
         return cfg.train.compile == "true"
-    return device.type == "cuda" and cfg.parallel.tp == 1 and schedule != "zb-h1"
+    return (device.type == "cuda" and cfg.parallel.tp == 1 and schedule != "zb-h1"
+            and not cfg.train.grad_accum_fusion)
 
 
 class Stage:
