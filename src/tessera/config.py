@@ -190,7 +190,7 @@ class TrainConfig:
     fp32 main gradient (one cuBLAS call with an fp32 accumulator on CUDA; the reference
     matmul-then-add elsewhere), so no 16-bit weight gradient is stored and added. With
     parallel.zero 0-2, not with train.compile=true (compiled layers leave gradients to autograd).
-    Off by default: the GPU machine's torch 2.11 lacks the accumulating GEMM (BENCHMARKS.md)."""
+    Off by default until measured on GPU (BENCHMARKS.md)."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""
