@@ -51,11 +51,14 @@ def test_nccl_tensor_parallel_matches_one_gpu(tmp_path):
     tp2 = _train(tmp_path, "tp2", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"])
     overlap = _train(tmp_path, "tp2-overlap", 2, ["parallel.tp=2", "parallel.sequence_parallel=true",
                                                   "parallel.tp_comm_overlap=true"])
+    fused = _train(tmp_path, "tp2-async", 2, ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                              "parallel.tp_async=true"])
     dp2 = _train(tmp_path, "dp2", 2, [])
-    for a, b, c, d in zip(one, tp2, dp2, overlap):
+    for a, b, c, d, e in zip(one, tp2, dp2, overlap, fused):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
         assert c["loss"] == pytest.approx(a["loss"], rel=1e-4)
         assert d["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert e["loss"] == pytest.approx(a["loss"], rel=1e-4)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

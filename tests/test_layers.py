@@ -75,11 +75,11 @@ def _fused_rows(r: _Recorder, full: torch.Tensor, sizes: list[int]) -> torch.Ten
 
 
 def _check_column(r: _Recorder, name: str, sizes, *, gather_output=False, sequence_parallel=False,
-                  bias=True, seed=0, comm_overlap=False):
+                  bias=True, seed=0, comm_overlap=False, async_tp=False):
     sizes_list = [sizes] if isinstance(sizes, int) else list(sizes)
     out_features = sum(sizes_list)
     layer = ColumnParallelLinear(IN, sizes, tp_group=r.group, bias=bias, gather_output=gather_output,
-                                 sequence_parallel=sequence_parallel, comm_overlap=comm_overlap)
+                                 sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, async_tp=async_tp)
     ref = ColumnParallelLinear(IN, sizes, tp_group=None, bias=bias)
     layer.reset_parameters(torch.Generator().manual_seed(seed))
     ref.reset_parameters(torch.Generator().manual_seed(seed))
@@ -120,9 +120,10 @@ def _check_column(r: _Recorder, name: str, sizes, *, gather_output=False, sequen
         r.close(f"{name}: bias grad", layer.bias.grad, _fused_rows(r, ref.bias.grad, sizes_list))
 
 
-def _check_row(r: _Recorder, name: str, *, input_is_parallel=True, sequence_parallel=False, bias=True, seed=0):
+def _check_row(r: _Recorder, name: str, *, input_is_parallel=True, sequence_parallel=False, bias=True, seed=0,
+               async_tp=False):
     layer = RowParallelLinear(IN, OUT, tp_group=r.group, bias=bias, input_is_parallel=input_is_parallel,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=sequence_parallel, async_tp=async_tp)
     ref = RowParallelLinear(IN, OUT, tp_group=None, bias=bias)
     layer.reset_parameters(torch.Generator().manual_seed(seed))
     ref.reset_parameters(torch.Generator().manual_seed(seed))
@@ -163,10 +164,10 @@ def _check_row(r: _Recorder, name: str, *, input_is_parallel=True, sequence_para
             r.close(f"{name}: bias grad", layer.bias.grad, ref.bias.grad)
 
 
-def _check_mlp(r: _Recorder, name: str, *, sequence_parallel: bool):
+def _check_mlp(r: _Recorder, name: str, *, sequence_parallel: bool, async_tp: bool = False):
     """Column then row, as in a transformer MLP: one all-reduce (or all-gather + reduce-scatter)."""
-    col = ColumnParallelLinear(IN, OUT, tp_group=r.group, sequence_parallel=sequence_parallel)
-    row = RowParallelLinear(OUT, IN, tp_group=r.group, sequence_parallel=sequence_parallel)
+    col = ColumnParallelLinear(IN, OUT, tp_group=r.group, sequence_parallel=sequence_parallel, async_tp=async_tp)
+    row = RowParallelLinear(OUT, IN, tp_group=r.group, sequence_parallel=sequence_parallel, async_tp=async_tp)
     ref_col = ColumnParallelLinear(IN, OUT, tp_group=None)
     ref_row = RowParallelLinear(OUT, IN, tp_group=None)
     for i, (a, b) in enumerate([(col, ref_col), (row, ref_row)]):
@@ -247,6 +248,12 @@ def _layers_rank(rank: int, tp: int) -> list:
     _check_row(r, "row sequence_parallel", sequence_parallel=True, seed=14)
     _check_mlp(r, "mlp", sequence_parallel=False)
     _check_mlp(r, "mlp sequence_parallel", sequence_parallel=True)
+    # async TP: the collectives fused with the GEMMs (torch's reference ops on CPU)
+    _check_column(r, "column async_tp", QKV, sequence_parallel=True, seed=15, async_tp=True)
+    _check_column(r, "column async_tp gather_output", OUT, gather_output=True, sequence_parallel=True, seed=16,
+                  async_tp=True)
+    _check_row(r, "row async_tp", sequence_parallel=True, seed=17, async_tp=True)
+    _check_mlp(r, "mlp async_tp", sequence_parallel=True, async_tp=True)
     _check_embedding(r, "embedding pad 1", pad_multiple=1, seed=21)
     _check_embedding(r, "embedding pad 8", pad_multiple=8, seed=22)
 
@@ -274,7 +281,7 @@ def _layers_rank(rank: int, tp: int) -> list:
 def test_layers_match_unsharded_maths(tp):
     labels = verify(run_ranks(_layers_rank, tp, timeout=TIMEOUT))
     assert all(lab == labels[0] for lab in labels)
-    assert len(labels[0]) == 110, len(labels[0])
+    assert len(labels[0]) == 138, len(labels[0])
 
 
 @pytest.mark.parametrize("tp,pad_multiple,expected", [
@@ -282,3 +289,16 @@ def test_layers_match_unsharded_maths(tp):
 ])
 def test_padded_vocab_size(tp, pad_multiple, expected):
     assert padded_vocab_size(VOCAB, tp, pad_multiple) == expected
+
+
+def test_model_hands_the_tp_options_to_every_linear_layer():
+    from tessera.config import ModelConfig
+    from tessera.models import GPTModel, TPContext
+    from tessera.tensor_parallel.layers import ColumnParallelLinear as Col, RowParallelLinear as Row
+    for family in ("gpt2", "llama"):
+        cfg = ModelConfig(family=family, hidden=32, heads=4, kv_heads=2 if family == "llama" else 0, layers=2,
+                          seq_len=8, vocab_size=40, tie_embeddings=False)
+        model = GPTModel(cfg, TPContext(async_tp=True, comm_overlap=True))
+        layers = [m for m in model.modules() if isinstance(m, (Col, Row))]
+        assert len(layers) == 2 * 4 + 1 and all(m.async_tp for m in layers), family
+        assert all(m.comm_overlap for m in layers if isinstance(m, Col)), family

@@ -87,3 +87,13 @@ def test_compiled_layers_follow_the_eager_curve(tmp_path):
     compiled, _ = run_train(tmp_path / "compiled", 2, base + ["train.compile=true", "parallel.tp=2",
                                                               "parallel.sequence_parallel=true"], timeout=500)
     assert_same_curve(eager, compiled, rel=1e-4)
+
+
+@pytest.mark.timeout(600)
+def test_async_tp_follows_the_one_process_curve(tmp_path):
+    """parallel.tp_async (SP collectives fused with the GEMMs; torch's reference ops on CPU)."""
+    base = ["data.source=synthetic", "model.layers=2", "train.steps=4"]
+    one, _ = run_train(tmp_path / "one", 1, base)
+    tp2, _ = run_train(tmp_path / "tp2", 2, base + ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                                    "parallel.tp_async=true"])
+    assert_same_curve(one, tp2, rel=1e-4)

@@ -140,6 +140,11 @@ class ParallelConfig:
     sequence parallelism, reduce-scatter) as soon as that gradient is computed and runs the
     weight-gradient GEMM while it travels. Off by default: on GPT-1.3B at tp=2 it measured no
     gain (BENCHMARKS.md). false: the collective, then the GEMM."""
+    tp_async: bool = False
+    """tp > 1 with sequence parallelism: each column layer's all-gather and row layer's
+    reduce-scatter run fused with the GEMM, chunked and overlapped (torch's symmetric-memory
+    fused_all_gather_matmul / fused_matmul_reduce_scatter on CUDA, both directions;
+    tensor_parallel/async_tp.py). Not yet measured on GPU, so off by default."""
     overlap_param_gather: bool = True
     """zero 1-2: all-gather the updated parameters asynchronously after the optimizer step, each
     bucket waited for only by the first forward that uses it."""
@@ -482,6 +487,9 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(not (p.zero == 3 and p.schedule == "zb-h1"), "parallel.schedule",
            "zb-h1 defers weight gradients past the backward that FSDP (zero=3) reduces them in",
            "use parallel.schedule=1f1b or interleaved with zero=3, or zero <= 1")
+    _check(not p.tp_async or (p.tp > 1 and p.sequence_parallel), "parallel.tp_async",
+           "async TP fuses sequence-parallel all-gathers and reduce-scatters with the GEMMs",
+           "set parallel.tp >= 2 and parallel.sequence_parallel=true, or parallel.tp_async=false")
     _check(not (p.schedule == "zb-h1" and p.pp < 2), "parallel.schedule",
            "zb-h1 fills pipeline bubbles; with pp=1 there are none", "use parallel.schedule=none (or auto) with pp=1")
     _check(not (t.grad_accum_fusion and p.zero == 3), "train.grad_accum_fusion",

@@ -36,6 +36,7 @@ class TPContext:
     rng: RNGTracker | None = None
     wgrad_store: WeightGradStore | None = None  # zero-bubble schedules, gradient-accumulation fusion
     fused_cross_entropy: bool | None = None  # the compiled vocab-parallel loss (None: on CUDA only)
+    async_tp: bool = False  # SP collectives fused with the GEMMs (tensor_parallel/async_tp.py)
     comm_overlap: bool = False  # column layers overlap their input-gradient reduction with the W GEMM
 
     @property
@@ -98,11 +99,12 @@ class Attention(nn.Module):
         q, kv = cfg.heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden, [q, kv, kv], tp_group=tp.group, bias=bias,
                                         sequence_parallel=tp.sequence_parallel, init_std=cfg.init_std,
-                                        wgrad_store=tp.wgrad_store, comm_overlap=tp.comm_overlap, device=device)
+                                        wgrad_store=tp.wgrad_store, comm_overlap=tp.comm_overlap,
+                                        async_tp=tp.async_tp, device=device)
         self.proj = RowParallelLinear(q, cfg.hidden, tp_group=tp.group, bias=bias,
                                       sequence_parallel=tp.sequence_parallel,
                                       init_std=scaled_init_std(cfg.init_std, cfg.layers),
-                                      wgrad_store=tp.wgrad_store, device=device)
+                                      wgrad_store=tp.wgrad_store, async_tp=tp.async_tp, device=device)
         self.rope = (RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device)
                      if cfg.family == "llama" else None)
 
@@ -134,12 +136,14 @@ class MLP(nn.Module):
                       device=device)
         if cfg.family == "gpt2":
             self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, bias=True, init_std=cfg.init_std,
-                                            comm_overlap=tp.comm_overlap, **common)
-            self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=True, init_std=out_std, **common)
+                                            comm_overlap=tp.comm_overlap, async_tp=tp.async_tp, **common)
+            self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=True, init_std=out_std, async_tp=tp.async_tp,
+                                         **common)
         else:
             self.fc1 = ColumnParallelLinear(cfg.hidden, [ffn, ffn], bias=False, init_std=cfg.init_std,
-                                            comm_overlap=tp.comm_overlap, **common)
-            self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=False, init_std=out_std, **common)
+                                            comm_overlap=tp.comm_overlap, async_tp=tp.async_tp, **common)
+            self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=False, init_std=out_std, async_tp=tp.async_tp,
+                                         **common)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.fc1(x)

@@ -1,0 +1,116 @@
+"""Sequence-parallel matmuls fused with their collectives ("async TP", ``parallel.tp_async``).
+
+Under sequence parallelism a column-parallel layer all-gathers its input along the sequence
+before its GEMM, and a row-parallel layer reduce-scatters its GEMM's output; their backward
+passes do the duals. Run one after the other, the collectives sit on the critical path (most of
+what tp=2 loses, BENCHMARKS.md). torch's symmetric-memory ops
+``symm_mem::fused_all_gather_matmul`` and ``symm_mem::fused_matmul_reduce_scatter`` cut the
+matmul into per-rank chunks and move each chunk over NVLink with the copy engines while the
+previous chunk multiplies, so the communication hides behind the GEMM and takes no SMs.
+
+The two autograd functions here use them in both directions:
+
+=========================  ================================  ======================================
+layer                      forward                           backward (input grad; weight grad)
+=========================  ================================  ======================================
+column (``_AllGatherMM``)  all-gather x, x W^T               (g W) reduce-scattered; g^T x_full
+row (``_MMReduceScatter``) (y W^T) reduce-scattered          all-gather g, g W; g_full^T y
+=========================  ================================  ======================================
+
+On CUDA the symmetric-memory kernels run; elsewhere torch's own reference implementations of
+the same ops (a functional collective, then the matmul), which is what the CPU tests check the
+autograd wiring with. Weight gradients go through :func:`tessera.tensor_parallel.wgrad.weight_grad`
+(zero-bubble deferral, gradient-accumulation fusion) like every other linear layer's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from tessera.tensor_parallel.wgrad import autocast_operands, weight_grad
+
+
+@functools.cache
+def _enable(group_name: str) -> None:
+    from torch.distributed import _symmetric_memory as symm
+    if hasattr(symm, "enable_symm_mem_for_group"):  # newer torch enables it on first use
+        symm.enable_symm_mem_for_group(group_name)
+
+
+def _all_gather_matmul(a_shard: Tensor, b: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+    """(all-gather of ``a_shard`` along dim 0, that gathered tensor @ ``b``)."""
+    from torch.distributed import _symmetric_memory as symm
+    if a_shard.is_cuda:
+        _enable(group.group_name)
+        full, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(a_shard.contiguous(), [b], 0, group.group_name)
+    else:
+        full, (out,) = symm._fused_all_gather_matmul_fallback(a_shard.contiguous(), [b], 0, group.group_name)
+    return full, out
+
+
+def _matmul_reduce_scatter(a: Tensor, b: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """(``a`` @ ``b``) summed over the group, this rank's slice of dim 0."""
+    from torch.distributed import _symmetric_memory as symm
+    if a.is_cuda:
+        _enable(group.group_name)
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a.contiguous(), b, "sum", 0, group.group_name)
+    return symm._fused_matmul_reduce_scatter_fallback(a.contiguous(), b, "sum", 0, group.group_name)
+
+
+class _AllGatherMM(torch.autograd.Function):
+    """Column-parallel layer under SP: ``y = all_gather(x) W^T + b``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, store, fuse):
+        x, w, b = autocast_operands(x, weight, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            x_full, y = _all_gather_matmul(x, w.t(), group)
+            if b is not None:
+                y = y + b
+        ctx.save_for_backward(x_full, w)
+        ctx.group, ctx.has_bias, ctx.weight, ctx.store, ctx.fuse = group, bias is not None, weight, store, fuse
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_full, w = ctx.saved_tensors
+        grad_x = _matmul_reduce_scatter(grad, w, ctx.group)
+        grad_w = weight_grad(ctx, grad, x_full) if ctx.needs_input_grad[1] else None
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class _MMReduceScatter(torch.autograd.Function):
+    """Row-parallel layer under SP: ``z = reduce_scatter(y W^T)`` (the bias is added after)."""
+
+    @staticmethod
+    def forward(ctx, y, weight, group, store, fuse):
+        y, w, _ = autocast_operands(y, weight, None)
+        with torch.autocast(y.device.type, enabled=False):
+            z = _matmul_reduce_scatter(y, w.t(), group)
+        ctx.save_for_backward(y, w)
+        ctx.group, ctx.weight, ctx.store, ctx.fuse = group, weight, store, fuse
+        return z
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, w = ctx.saved_tensors
+        grad_full, grad_y = _all_gather_matmul(grad, w, ctx.group)
+        grad_w = weight_grad(ctx, grad_full, y) if ctx.needs_input_grad[1] else None
+        return grad_y, grad_w, None, None, None
+
+
+def all_gather_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, group: dist.ProcessGroup,
+                      store=None, fuse: bool = True) -> Tensor:
+    """x: [s/tp, b, in] (this rank's sequence slice) -> [s, b, out/tp]."""
+    return _AllGatherMM.apply(x, weight, bias, group, store, fuse)
+
+
+def matmul_reduce_scatter(y: Tensor, weight: Tensor, group: dist.ProcessGroup, store=None,
+                          fuse: bool = True) -> Tensor:
+    """y: [s, b, in/tp] -> [s/tp, b, out], summed over the group."""
+    return _MMReduceScatter.apply(y, weight, group, store, fuse)
