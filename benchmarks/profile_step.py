@@ -6,36 +6,20 @@ Prints, on rank 0, the median over steps 3..N of: wall time per step, and the GP
 forward+backward, waiting for gradient reductions, finalize + norm + clip, optimizer step.
 """
 
-import datetime
 import statistics
 import sys
 import time
 
 import torch
+from bench_setup import build
 
-from tessera.config import load_config
 from tessera.distributed.finalize import finalize_model_grads
 from tessera.optim import clip_coefficient, global_grad_norm
-from tessera.tensor_parallel import RNGTracker
-from tessera.topology import Topology
-from tessera.training.launch import init_distributed, pick_device, world_from_env
-from tessera.training.data_feed import DataFeed
-from tessera.training.trainer import Stage, build_data_parallel, check_runnable
 
-MODEL = ["model.family=gpt2", "model.layers=24", "model.hidden=2048", "model.heads=16", "model.seq_len=2048",
-         "model.vocab_size=50304", "model.tie_embeddings=true", "train.micro_batch=2", "train.global_batch=16",
-         "train.dtype=bf16", "data.source=synthetic"]
 sets = [a for a in sys.argv[1:] if a != "--set"]
-cfg = load_config(None, MODEL + sets)
-rank, local_rank, world = world_from_env()
-check_runnable(cfg, world)
-device = pick_device("auto", local_rank)
-init_distributed(device, 300)
-p = cfg.parallel
-topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device, timeout=datetime.timedelta(seconds=300))
-stage = Stage(cfg, topo, RNGTracker.for_rank(1, topo.tp_rank, topo.pp_rank, device))
-dp, opt = build_data_parallel(stage, topo, cfg)
-data = DataFeed(cfg, topo)
+b = build(sets)
+cfg, rank, world, topo, stage, dp, opt, data = b.cfg, b.rank, b.world, b.topo, b.stage, b.dp, b.opt, b.data
+device = topo.device
 rows = []
 for step in range(10):
     t0 = time.perf_counter()
