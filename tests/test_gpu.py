@@ -183,15 +183,16 @@ def test_fused_weight_gradient_accumulation_is_exact_to_fp32():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_fast_paths_follow_the_reference_loss_curve(tmp_path):
-    """200 bf16 steps with the fast paths on (compiled layers, fused cross entropy) and with every
-    one off follow the same loss curve within bf16 tolerance; and gradient-accumulation fusion
-    (without compile, which excludes it) likewise."""
+    """200 bf16 steps with every fast path on (compiled layers, fused cross entropy,
+    gradient-accumulation fusion) and with every one off follow the same loss curve within bf16
+    tolerance; and fusion alone (eager layers) likewise."""
     model = ["model.hidden=256", "model.layers=4", "model.heads=4", "model.seq_len=256", "model.vocab_size=1000",
              "train.dtype=bf16", "train.steps=200", "train.log_every=50", "optim.lr=1e-3", "data.source=builtin",
              "model.family=llama", "model.kv_heads=2", "model.ffn_hidden=704"]
     ref = _train(tmp_path, "ref", 1, model + ["train.fused_cross_entropy=false", "train.grad_accum_fusion=false",
                                               "train.compile=false"])
-    fast = _train(tmp_path, "fast", 1, model + ["train.fused_cross_entropy=true", "train.compile=true"])
+    fast = _train(tmp_path, "fast", 1, model + ["train.fused_cross_entropy=true", "train.compile=true",
+                                                "train.grad_accum_fusion=true"])
     fused = _train(tmp_path, "fused", 1, model + ["train.grad_accum_fusion=true", "train.compile=false"])
     assert len(fast) == len(ref) == len(fused) == 200
     assert ref[-1]["loss"] < 0.6 * ref[0]["loss"], "the run must learn"

@@ -80,13 +80,18 @@ def test_batch_rampup_trains_and_pipelines_follow_it(tmp_path):
     assert_same_curve(one, pp2)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_compiled_layers_follow_the_eager_curve(tmp_path):
+    """train.compile=true (inductor's CPU backend here) at tp=2 with SP, and at pp=2 under ZB-H1
+    with gradient-accumulation fusion, whose linear layers run eagerly between compiled pieces."""
     base = ["data.source=synthetic", "model.layers=2", "train.steps=4"]
     eager, _ = run_train(tmp_path / "eager", 1, base)
     compiled, _ = run_train(tmp_path / "compiled", 2, base + ["train.compile=true", "parallel.tp=2",
                                                               "parallel.sequence_parallel=true"], timeout=500)
     assert_same_curve(eager, compiled, rel=1e-4)
+    zb, _ = run_train(tmp_path / "zb", 2, base + ["train.compile=true", "parallel.pp=2", "parallel.schedule=zb-h1",
+                                                  "train.grad_accum_fusion=true"], timeout=500)
+    assert_same_curve(eager, zb, rel=1e-4)
 
 
 @pytest.mark.timeout(600)

@@ -119,7 +119,7 @@ class ParallelConfig:
     empty splits the layers evenly."""
     schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1"] = "auto"
     """Pipeline schedule. auto: the fastest valid one by the schedule simulator (no pipelining at
-    pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1; never ZB-H1 with zero >= 2 or train.compile)."""
+    pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1; never ZB-H1 with zero >= 2)."""
     zero: Literal[0, 1, 2, 3] = 0
     """Data-parallel sharding. 0: optimizer replicated, gradients all-reduced. 1: distributed
     optimizer: fp32 main parameters and Adam states sharded over dp, gradients reduce-scattered,
@@ -187,15 +187,14 @@ class TrainConfig:
     """Prompt for the sample printed after training."""
     compile: Literal["auto", "true", "false"] = "auto"
     """torch.compile each transformer layer (inductor fuses its elementwise work; the first steps
-    pay the compile time). auto: on for CUDA runs with tp=1 whose schedule is not zb-h1 and
-    without train.grad_accum_fusion (measured +2% on GPT-1.3B, BENCHMARKS.md), off otherwise. true: always; not with the zb-h1
-    schedule, whose deferred weight gradients are Python state the compiler cannot trace."""
+    pay the compile time). Linear layers whose weight gradients are deferred (zb-h1) or fused
+    (train.grad_accum_fusion) run eagerly between the compiled pieces. auto: on for CUDA runs, off
+    on CPU (BENCHMARKS.md has the A/B per layout)."""
     grad_accum_fusion: bool = False
     """Gradient-accumulation fusion: a linear layer's weight-gradient GEMM adds straight into the
     fp32 main gradient (one cuBLAS call with an fp32 accumulator on CUDA; the reference
     matmul-then-add elsewhere), so no 16-bit weight gradient is stored and added. With
-    parallel.zero 0-2, not with train.compile=true (compiled layers leave gradients to autograd).
-    Off by default until measured on GPU (BENCHMARKS.md)."""
+    parallel.zero 0-2."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""
@@ -495,11 +494,6 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(not (t.grad_accum_fusion and p.zero == 3), "train.grad_accum_fusion",
            "zero=3 (FSDP) owns the gradients; there is no main_grad to fuse into",
            "set train.grad_accum_fusion=false with parallel.zero=3")
-    _check(not (t.grad_accum_fusion and t.compile == "true"), "train.grad_accum_fusion",
-           "compiled layers leave weight gradients to autograd, so nothing would be fused",
-           "choose one: train.compile=false or train.grad_accum_fusion=false")
-    _check(not (t.compile == "true" and p.schedule == "zb-h1"), "parallel.schedule",
-           "train.compile does not trace zb-h1's deferred weight gradients", "use 1f1b or interleaved with train.compile")
     _check(not (p.zero == 2 and p.schedule == "zb-h1"), "parallel.schedule",
            "zb-h1 holds every zero=2 gradient bucket open from a micro-batch's I step to its W step, "
            "which needs more gradient memory than zero=1",

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tessera.tensor_parallel.wgrad import autocast_operands, weight_grad
+from tessera.tensor_parallel.wgrad import apply_eager, autocast_operands, weight_grad
 
 
 @functools.cache
@@ -107,10 +107,12 @@ class _MMReduceScatter(torch.autograd.Function):
 def all_gather_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, group: dist.ProcessGroup,
                       store=None, fuse: bool = True) -> Tensor:
     """x: [s/tp, b, in] (this rank's sequence slice) -> [s, b, out/tp]."""
-    return _AllGatherMM.apply(x, weight, bias, group, store, fuse)
+    args = (x, weight, bias, group, store, fuse)
+    return _AllGatherMM.apply(*args) if store is None else apply_eager(_AllGatherMM, *args)
 
 
 def matmul_reduce_scatter(y: Tensor, weight: Tensor, group: dist.ProcessGroup, store=None,
                           fuse: bool = True) -> Tensor:
     """y: [s, b, in/tp] -> [s/tp, b, out], summed over the group."""
-    return _MMReduceScatter.apply(y, weight, group, store, fuse)
+    args = (y, weight, group, store, fuse)
+    return _MMReduceScatter.apply(*args) if store is None else apply_eager(_MMReduceScatter, *args)

@@ -154,6 +154,19 @@ class _DeferrableLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+@torch.compiler.disable
+def apply_eager(function: type[torch.autograd.Function], *args):
+    """``function.apply(*args)``, run eagerly even inside a compiled layer.
+
+    The autograd functions that take a :class:`WeightGradStore` file their weight-gradient GEMM
+    for later (zero-bubble) or add it in place into ``main_grad`` (fusion): Python state and a
+    mutation of a tensor that is not an input, which the compiler cannot put into a graph. So a
+    compiled layer breaks its graph around each such linear layer and compiles the work between
+    them (norms, attention, activations, residual adds, the TP collectives), where inductor's
+    fusions are; the GEMMs would have been cuBLAS calls either way."""
+    return function.apply(*args)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore | None,
            fuse: bool = True) -> Tensor:
     """``F.linear``, with a deferrable (and fusable) weight gradient when a store is given.
@@ -161,4 +174,4 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStor
     embedding used as the output layer): autograd must sum those before the gradient hook."""
     if store is None:
         return F.linear(x, weight, bias)
-    return _DeferrableLinear.apply(x, weight, bias, store, fuse)
+    return apply_eager(_DeferrableLinear, x, weight, bias, store, fuse)

@@ -39,7 +39,7 @@ from tessera.training.metrics import JsonlLogger, NullLogger
 from tessera.training.step import DTYPES, train_step
 
 
-def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int = 0, compiled: bool = False) -> str:
+def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int = 0) -> str:
     """``auto``: the fastest valid kind by the simulator (not ZB-H1 with zero >= 2: its deferred
     weight gradients keep zero=2's per-micro-batch buckets open, and arrive after FSDP reduced
     them); otherwise ``kind``, checked."""
@@ -50,7 +50,7 @@ def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int =
         return "none"
     if vpp > 1:
         return "interleaved"
-    kinds = ("1f1b",) if zero >= 2 or compiled else ("1f1b", "zb-h1")
+    kinds = ("1f1b",) if zero >= 2 else ("1f1b", "zb-h1")
     return min(kinds, key=lambda k: simulate(build_all(k, pp, 1, microbatches)).step_time)
 
 
@@ -88,7 +88,7 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     microbatches = t.global_batch // (t.micro_batch * p.dp)
     count = microbatches
     try:
-        kind = choose_schedule(p.schedule, p.pp, p.vpp, microbatches, p.zero, t.compile == "true")
+        kind = choose_schedule(p.schedule, p.pp, p.vpp, microbatches, p.zero)
         for count in step_microbatch_counts(cfg):  # every count a batch ramp-up passes through
             check_kind(kind, p.pp, p.vpp, count)
             simulate(build_all(kind, p.pp, p.vpp, count), p.vpp)  # proves it cannot hang
@@ -105,14 +105,12 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     return cfg
 
 
-def compiled_layers(cfg: Config, schedule: str, device: torch.device) -> bool:
-    """train.compile resolved: "auto" compiles where it was measured to pay (CUDA, tp=1, a
-    schedule without deferred weight gradients), unless gradient-accumulation fusion was asked
-    for (compiled layers leave weight gradients to autograd)."""
+def compiled_layers(cfg: Config, device: torch.device) -> bool:
+    """train.compile resolved: "auto" compiles on CUDA, where it was measured to pay at every
+    layout (BENCHMARKS.md); not on CPU, where inductor's C++ builds cost more than they save."""
     if cfg.train.compile != "auto":
         return cfg.train.compile == "true"
-    return (device.type == "cuda" and cfg.parallel.tp == 1 and schedule != "zb-h1"
-            and not cfg.train.grad_accum_fusion)
+    return device.type == "cuda"
 
 
 class Stage:
@@ -122,9 +120,9 @@ class Stage:
         p = cfg.parallel
         self.cfg, self.pp, self.pp_rank = cfg, p.pp, topo.pp_rank
         self.schedule = choose_schedule(p.schedule, p.pp, p.vpp, self.microbatches(cfg.train.global_batch, topo.dp),
-                                        p.zero, cfg.train.compile == "true")
-        self.compiled = compiled_layers(cfg, self.schedule, topo.device)
-        fuse = cfg.train.grad_accum_fusion and p.zero < 3 and not self.compiled
+                                        p.zero)
+        self.compiled = compiled_layers(cfg, topo.device)
+        fuse = cfg.train.grad_accum_fusion and p.zero < 3
         self.wgrad_store = WeightGradStore() if self.schedule == "zb-h1" or fuse else None
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
