@@ -185,13 +185,23 @@ def test_compile_takes_what_a_bool_takes(given, expected):
 
 
 
-def test_compile_auto_resolves_by_device():
+def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     import torch
     from tessera.config import load_config
-    from tessera.training.trainer import compiled_layers
+    from tessera.training.trainer import fast_paths
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    for sets in ([], ["parallel.tp=2"], ["train.grad_accum_fusion=true"]):
-        assert compiled_layers(load_config(None, sets), cuda)
-        assert not compiled_layers(load_config(None, sets), cpu)
-    assert compiled_layers(load_config(None, ["train.compile=true"]), cpu)
-    assert not compiled_layers(load_config(None, ["train.compile=false"]), cuda)
+
+    def resolved(sets, schedule="none", device=cuda):
+        return fast_paths(load_config(None, sets), schedule, device)
+
+    assert resolved([]) == (False, True)  # tp=1: fused weight gradients, eager layers
+    assert resolved(["parallel.tp=2"]) == (True, False)  # tp>1: compiled layers
+    assert resolved(["parallel.tp=2"], "zb-h1") == (False, True)  # no graph breaks around deferred W
+    assert resolved(["parallel.zero=3"]) == (False, False)
+    assert resolved(["parallel.tp=2", "train.grad_accum_fusion=true"]) == (False, True)
+    assert resolved(["train.compile=true"]) == (True, False)
+    assert resolved(["train.compile=true", "train.grad_accum_fusion=true"]) == (True, True)
+    assert resolved(["train.compile=false", "train.grad_accum_fusion=false"]) == (False, False)
+    for sets in ([], ["parallel.tp=2"]):
+        assert resolved(sets, device=cpu) == (False, False)
+    assert resolved(["train.compile=true", "train.grad_accum_fusion=true"], device=cpu) == (True, True)

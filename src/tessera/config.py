@@ -188,13 +188,18 @@ class TrainConfig:
     compile: Literal["auto", "true", "false"] = "auto"
     """torch.compile each transformer layer (inductor fuses its elementwise work; the first steps
     pay the compile time). Linear layers whose weight gradients are deferred (zb-h1) or fused
-    (train.grad_accum_fusion) run eagerly between the compiled pieces. auto: on for CUDA runs, off
-    on CPU (BENCHMARKS.md has the A/B per layout)."""
-    grad_accum_fusion: bool = False
+    (train.grad_accum_fusion) run eagerly between compiled pieces, a graph break each, which
+    costs more CPU time per step than the compiled pieces save (measured, BENCHMARKS.md). auto:
+    on for CUDA runs at tp > 1 whose schedule is not zb-h1 and where train.grad_accum_fusion is
+    not true (measured +15% at tp=2); off elsewhere (at tp=1 gradient-accumulation fusion in
+    eager layers measured faster than compiled layers)."""
+    grad_accum_fusion: Literal["auto", "true", "false"] = "auto"
     """Gradient-accumulation fusion: a linear layer's weight-gradient GEMM adds straight into the
     fp32 main gradient (one cuBLAS call with an fp32 accumulator on CUDA; the reference
     matmul-then-add elsewhere), so no 16-bit weight gradient is stored and added. With
-    parallel.zero 0-2."""
+    parallel.zero 0-2. auto: on for CUDA runs with zero 0-2 whose layers are not compiled
+    (measured +2% on GPT-1.3B against compiled layers, BENCHMARKS.md); off on CPU, where it
+    would run its reference path."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""
@@ -491,7 +496,7 @@ def validate(cfg: Config, world_size: int) -> Config:
            "set parallel.tp >= 2 and parallel.sequence_parallel=true, or parallel.tp_async=false")
     _check(not (p.schedule == "zb-h1" and p.pp < 2), "parallel.schedule",
            "zb-h1 fills pipeline bubbles; with pp=1 there are none", "use parallel.schedule=none (or auto) with pp=1")
-    _check(not (t.grad_accum_fusion and p.zero == 3), "train.grad_accum_fusion",
+    _check(not (t.grad_accum_fusion == "true" and p.zero == 3), "train.grad_accum_fusion",
            "zero=3 (FSDP) owns the gradients; there is no main_grad to fuse into",
            "set train.grad_accum_fusion=false with parallel.zero=3")
     _check(not (p.zero == 2 and p.schedule == "zb-h1"), "parallel.schedule",

@@ -105,12 +105,23 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     return cfg
 
 
-def compiled_layers(cfg: Config, device: torch.device) -> bool:
-    """train.compile resolved: "auto" compiles on CUDA, where it was measured to pay at every
-    layout (BENCHMARKS.md); not on CPU, where inductor's C++ builds cost more than they save."""
-    if cfg.train.compile != "auto":
-        return cfg.train.compile == "true"
-    return device.type == "cuda"
+def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, bool]:
+    """(compiled layers, gradient-accumulation fusion): train.compile and train.grad_accum_fusion
+    resolved. Explicit choices stand (both together: the fused linear layers run eagerly between
+    compiled pieces). auto picks what measured fastest on H100/H200 (BENCHMARKS.md, session 4):
+    compiled layers at tp > 1 (+15%), fused weight gradients in eager layers elsewhere (+2% over
+    compiled layers at tp=1); never compiled layers around a zb-h1 schedule's deferred weight
+    gradients, whose graph breaks cost more CPU time than compiling saves. Nothing on CPU."""
+    t, p, cuda = cfg.train, cfg.parallel, device.type == "cuda"
+    if t.compile == "auto":
+        compiled = cuda and p.tp > 1 and schedule != "zb-h1" and t.grad_accum_fusion != "true"
+    else:
+        compiled = t.compile == "true"
+    if t.grad_accum_fusion == "auto":
+        fuse = cuda and p.zero < 3 and not compiled
+    else:
+        fuse = t.grad_accum_fusion == "true"
+    return compiled, fuse
 
 
 class Stage:
@@ -121,8 +132,8 @@ class Stage:
         self.cfg, self.pp, self.pp_rank = cfg, p.pp, topo.pp_rank
         self.schedule = choose_schedule(p.schedule, p.pp, p.vpp, self.microbatches(cfg.train.global_batch, topo.dp),
                                         p.zero)
-        self.compiled = compiled_layers(cfg, topo.device)
-        fuse = cfg.train.grad_accum_fusion and p.zero < 3
+        self.compiled, self.fuse_wgrad = fast_paths(cfg, self.schedule, topo.device)
+        fuse = self.fuse_wgrad
         self.wgrad_store = WeightGradStore() if self.schedule == "zb-h1" or fuse else None
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
@@ -161,7 +172,7 @@ def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
                                  grad_dtype=DTYPES[t.grad_dtype], bucket_size=p.bucket_size,
                                  overlap_grad_reduce=p.overlap_grad_reduce,
                                  overlap_param_gather=p.overlap_param_gather, wgrad_store=stage.wgrad_store,
-                                 reduce_dtype=DTYPES[p.grad_reduce_dtype], fuse_wgrad=t.grad_accum_fusion)
+                                 reduce_dtype=DTYPES[p.grad_reduce_dtype], fuse_wgrad=stage.fuse_wgrad)
     return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
 
 
@@ -186,7 +197,9 @@ def train(cfg: Config) -> list[dict]:
     logger = JsonlLogger(t.out_dir, t.log_every) if logs else NullLogger()
     n_params = sum(p.numel() for p in model.parameters())
     logger.print(f"tessera: {cfg.model.family} with {n_params:,} parameters on this rank, "
-                 f"{topo!r}, schedule {stage.schedule}, zero={p.zero}, device {device}, {t.dtype}")
+                 f"{topo!r}, schedule {stage.schedule}, zero={p.zero}, device {device}, {t.dtype}, "
+                 f"layers {'compiled' if stage.compiled else 'eager'}, "
+                 f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}")
     logger.print(str(memory_report(data_parallel, optimizer)))
 
     history = []
