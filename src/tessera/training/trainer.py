@@ -109,12 +109,14 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     """(compiled layers, gradient-accumulation fusion): train.compile and train.grad_accum_fusion
     resolved. Explicit choices stand (both together: the fused linear layers run eagerly between
     compiled pieces). auto picks what measured fastest on H100/H200 (BENCHMARKS.md, session 4):
-    compiled layers at tp > 1 (+15%), fused weight gradients in eager layers elsewhere (+2% over
-    compiled layers at tp=1); never compiled layers around a zb-h1 schedule's deferred weight
+    compiled layers at tp > 1 (+15%) and for the llama family (RMSNorm, RoPE and SwiGLU run as
+    many small kernels in eager mode: +10% on Llama-1B), fused weight gradients in eager layers
+    elsewhere (+2% over compiled layers on GPT-1.3B at tp=1); never compiled layers around a zb-h1 schedule's deferred weight
     gradients, whose graph breaks cost more CPU time than compiling saves. Nothing on CPU."""
     t, p, cuda = cfg.train, cfg.parallel, device.type == "cuda"
     if t.compile == "auto":
-        compiled = cuda and p.tp > 1 and schedule != "zb-h1" and t.grad_accum_fusion != "true"
+        elementwise_heavy = p.tp > 1 or cfg.model.family == "llama"  # RMSNorm, RoPE, SwiGLU: many eager kernels
+        compiled = cuda and elementwise_heavy and schedule != "zb-h1" and t.grad_accum_fusion != "true"
     else:
         compiled = t.compile == "true"
     if t.grad_accum_fusion == "auto":
