@@ -194,14 +194,16 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     def resolved(sets, schedule="none", device=cuda):
         return fast_paths(load_config(None, sets), schedule, device)
 
-    assert resolved([]) == (False, True)  # tp=1: fused weight gradients, eager layers
-    assert resolved(["parallel.tp=2"]) == (True, False)  # tp>1: compiled layers
-    assert resolved(["parallel.tp=2"], "zb-h1") == (False, True)  # no graph breaks around deferred W
+    assert resolved([]) == (False, True)  # GPT at tp=1: fused weight gradients, eager layers
+    assert resolved(["model.family=llama"]) == (True, False)  # llama at tp=1: compiled layers
+    assert resolved(["model.family=llama"], "1f1b") == (True, False)
+    assert resolved(["model.family=llama"], "zb-h1") == (False, True)  # no graph breaks around deferred W
+    assert resolved(["parallel.tp=2"]) == (False, True)  # compiled at tp>1: opt-in for now
     assert resolved(["parallel.zero=3"]) == (False, False)
-    assert resolved(["parallel.tp=2", "train.grad_accum_fusion=true"]) == (False, True)
+    assert resolved(["model.family=llama", "train.grad_accum_fusion=true"]) == (False, True)
     assert resolved(["train.compile=true"]) == (True, False)
     assert resolved(["train.compile=true", "train.grad_accum_fusion=true"]) == (True, True)
     assert resolved(["train.compile=false", "train.grad_accum_fusion=false"]) == (False, False)
-    for sets in ([], ["parallel.tp=2"]):
+    for sets in ([], ["parallel.tp=2"], ["model.family=llama"]):
         assert resolved(sets, device=cpu) == (False, False)
     assert resolved(["train.compile=true", "train.grad_accum_fusion=true"], device=cpu) == (True, True)

@@ -190,9 +190,10 @@ class TrainConfig:
     pay the compile time). Linear layers whose weight gradients are deferred (zb-h1) or fused
     (train.grad_accum_fusion) run eagerly between compiled pieces, a graph break each, which
     costs more CPU time per step than the compiled pieces save (measured, BENCHMARKS.md). auto:
-    on for CUDA runs at tp > 1 whose schedule is not zb-h1 and where train.grad_accum_fusion is
-    not true (measured +15% at tp=2); off elsewhere (at tp=1 gradient-accumulation fusion in
-    eager layers measured faster than compiled layers)."""
+    on for CUDA runs of the llama family at tp=1 whose schedule is not zb-h1 and where
+    train.grad_accum_fusion is not true (+10% on Llama-1B); off elsewhere (on GPT-1.3B at tp=1
+    fused weight gradients in eager layers measured 2% faster). true at tp=2 measured +15% on
+    GPT-1.3B, opt-in until its NCCL GPU test passes."""
     grad_accum_fusion: Literal["auto", "true", "false"] = "auto"
     """Gradient-accumulation fusion: a linear layer's weight-gradient GEMM adds straight into the
     fp32 main gradient (one cuBLAS call with an fp32 accumulator on CUDA; the reference
