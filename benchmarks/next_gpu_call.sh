@@ -5,3 +5,8 @@
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 timeout 560 python3 -m pytest -q -rs -x tests/test_gpu.py 2>&1 | tee ${OUT:-/tmp}/gpu_tests.log | tail -40
+# then the first measurement of the FLOPs-balanced pipeline split against the even one (pp=2)
+for layout in "" balanced; do
+  NPROC=2 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b parallel.pp=2 parallel.schedule=zb-h1 \
+    "parallel.pp_layout=$layout" 2>&1 | grep -E "RESULT|Error" | tail -2
+done

@@ -64,6 +64,7 @@ def test_pipeline_layouts_give_the_same_losses(tmp_path):
         ("tp2pp2", 4, ["parallel.tp=2", "parallel.pp=2"]),
         ("pp2vpp2", 2, ["parallel.pp=2", "parallel.vpp=2"]),
         ("pp4", 4, ["parallel.pp=4", "parallel.schedule=1f1b"]),
+        ("pp2balanced", 2, ["parallel.pp=2", "parallel.pp_layout=balanced"]),
     ]:
         curve, stdout = run_train(tmp_path / name, nproc, base + layout)
         assert_same_curve(reference, curve)

@@ -116,7 +116,8 @@ class ParallelConfig:
     all-reduces by all-gather / reduce-scatter pairs."""
     pp_layout: str = ""
     """Layers of each virtual pipeline stage, comma-separated (pp*vpp entries, e.g. "3,4,4,3");
-    empty splits the layers evenly."""
+    empty splits the layers evenly; "balanced" splits them by FLOPs, the last stage's output
+    head counted as the layers it weighs (GPT-1.3B at pp=2: 13,11)."""
     schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1"] = "auto"
     """Pipeline schedule. auto: the fastest valid one by the schedule simulator (no pipelining at
     pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1; never ZB-H1 with zero >= 2)."""

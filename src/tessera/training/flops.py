@@ -19,17 +19,31 @@ from tessera.config import ModelConfig
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
 
-def matmul_weights(cfg: ModelConfig) -> int:
-    """Weights every token passes through a matmul: attention, MLP and the output head."""
+def layer_matmul_weights(cfg: ModelConfig) -> int:
+    """Weights a token passes through a matmul in one transformer layer (attention and MLP)."""
     h, d = cfg.hidden, cfg.head_dim
     attention = h * (cfg.heads + 2 * cfg.num_kv_heads) * d + cfg.heads * d * h
     mlp = (3 if cfg.family == "llama" else 2) * h * cfg.ffn_size
-    return cfg.layers * (attention + mlp) + h * cfg.vocab_size
+    return attention + mlp
+
+
+def matmul_weights(cfg: ModelConfig) -> int:
+    """Weights every token passes through a matmul: attention, MLP and the output head."""
+    return cfg.layers * layer_matmul_weights(cfg) + head_matmul_weights(cfg)
+
+
+def head_matmul_weights(cfg: ModelConfig) -> int:
+    return cfg.hidden * cfg.vocab_size
+
+
+def layer_flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token of one transformer layer (its matmuls and causal attention)."""
+    return 6.0 * layer_matmul_weights(cfg) + 6.0 * cfg.seq_len * cfg.hidden
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs (forward + backward) per token."""
-    return 6.0 * matmul_weights(cfg) + 6.0 * cfg.layers * cfg.seq_len * cfg.hidden
+    return cfg.layers * layer_flops_per_token(cfg) + 6.0 * head_matmul_weights(cfg)
 
 
 def peak_flops(device_name: str) -> float | None:

@@ -81,7 +81,7 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     validate(cfg, world_size)
     p, m, t = cfg.parallel, cfg.model, cfg.train
     try:
-        stage_layer_ranges(m.layers, p.pp, p.vpp, parse_layout(p.pp_layout))
+        stage_layer_ranges(m.layers, p.pp, p.vpp, parse_layout(p.pp_layout, m, p.pp, p.vpp))
     except LayoutError as e:
         raise ConfigError("parallel.pp_layout" if p.pp_layout else "parallel.vpp", str(e),
                           "change parallel.pp / parallel.vpp or give parallel.pp_layout") from None
@@ -143,7 +143,8 @@ class Stage:
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
                        comm_overlap=p.tp_comm_overlap, async_tp=p.tp_async)
-        self.chunks = build_stage_chunks(cfg.model, tp, topo.pp_rank, p.pp, p.vpp, parse_layout(p.pp_layout),
+        layout = parse_layout(p.pp_layout, cfg.model, p.pp, p.vpp)
+        self.chunks = build_stage_chunks(cfg.model, tp, topo.pp_rank, p.pp, p.vpp, layout,
                                          topo.device)
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)

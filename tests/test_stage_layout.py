@@ -1,0 +1,43 @@
+"""parallel.pp_layout=balanced: layers per virtual stage by FLOPs, the output head counted."""
+
+import itertools
+
+import pytest
+
+from tessera.config import ModelConfig, load_config
+from tessera.pipeline_parallel.stage import LayoutError, balanced_layout, parse_layout, stage_layer_ranges
+from tessera.training.flops import flops_per_token, head_matmul_weights, layer_flops_per_token
+
+
+def busiest(cfg: ModelConfig, layout) -> float:
+    work = [n * layer_flops_per_token(cfg) for n in layout]
+    work[-1] += 6.0 * head_matmul_weights(cfg)
+    return max(work)
+
+
+@pytest.mark.parametrize("layers,vocab,pp,vpp", [(8, 1000, 2, 1), (8, 20000, 2, 1), (9, 50000, 3, 1),
+                                                  (8, 30000, 2, 2), (6, 300, 3, 2), (7, 90000, 4, 1)])
+def test_balanced_layout_minimises_the_busiest_stage(layers, vocab, pp, vpp):
+    cfg = ModelConfig(hidden=64, heads=4, layers=layers, seq_len=32, vocab_size=vocab)
+    got = balanced_layout(cfg, pp, vpp)
+    assert sum(got) == layers and min(got) >= 1 and len(got) == pp * vpp
+    stage_layer_ranges(layers, pp, vpp, got)  # a valid layout
+    best = min(busiest(cfg, c) for c in itertools.product(range(1, layers + 1), repeat=pp * vpp) if sum(c) == layers)
+    assert busiest(cfg, got) == pytest.approx(best)
+
+
+def test_gpt_1_3b_at_pp2_moves_two_layers_off_the_head_stage():
+    cfg = ModelConfig(hidden=2048, heads=16, layers=24, seq_len=2048, vocab_size=50304)
+    assert balanced_layout(cfg, 2) == [13, 11]
+    assert busiest(cfg, [13, 11]) < 0.95 * busiest(cfg, [12, 12])
+    # the head is what the split accounts for: the whole model's FLOPs are the layers' plus it
+    assert flops_per_token(cfg) == pytest.approx(24 * layer_flops_per_token(cfg) + 6.0 * head_matmul_weights(cfg))
+
+
+def test_balanced_is_parsed_from_the_config_and_refused_when_it_cannot_be():
+    cfg = load_config(None, ["model.layers=4", "parallel.pp_layout=balanced"])
+    assert parse_layout(cfg.parallel.pp_layout, cfg.model, 2, 1) == balanced_layout(cfg.model, 2, 1)
+    with pytest.raises(LayoutError, match="every stage needs a layer"):
+        parse_layout("balanced", cfg.model, 4, 2)
+    with pytest.raises(LayoutError, match="needs the model config"):
+        parse_layout("balanced")
