@@ -184,7 +184,6 @@ def test_compile_takes_what_a_bool_takes(given, expected):
 
 
 
-
 def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     import torch
     from tessera.config import load_config

@@ -58,10 +58,11 @@ def test_nccl_tensor_parallel_matches_one_gpu(tmp_path):
     for name, sets in runs.items():  # every variant runs, so one GPU call names every failure
         try:
             curve = _train(tmp_path, name, 2, sets)
+            assert len(curve) == len(one), f"{len(curve)} steps logged, not {len(one)}"
             for a, b in zip(one, curve):
                 assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
-        except AssertionError as e:
-            failed.append(f"{name}: {str(e)[-500:]}")
+        except Exception as e:  # noqa: BLE001 -- a timeout too: the other variants still run and are named
+            failed.append(f"{name}: {type(e).__name__}: {str(e)[-500:]}")
     assert not failed, "\n".join(failed)
 
 
@@ -187,20 +188,20 @@ def test_fused_weight_gradient_accumulation_is_exact_to_fp32():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_fast_paths_follow_the_reference_loss_curve(tmp_path):
-    """200 bf16 steps with every fast path on (compiled layers, fused cross entropy,
-    gradient-accumulation fusion) and with every one off follow the same loss curve within bf16
-    tolerance; and fusion alone (eager layers) likewise."""
+    """200 bf16 steps follow the all-off curve within bf16 tolerance with each combination of
+    fast paths: what auto picks for llama (compiled layers, fused cross entropy), fused weight
+    gradients in eager layers (what auto picks for GPT), and compiled layers with fusion."""
     model = ["model.hidden=256", "model.layers=4", "model.heads=4", "model.seq_len=256", "model.vocab_size=1000",
              "train.dtype=bf16", "train.steps=200", "train.log_every=50", "optim.lr=1e-3", "data.source=builtin",
              "model.family=llama", "model.kv_heads=2", "model.ffn_hidden=704"]
     ref = _train(tmp_path, "ref", 1, model + ["train.fused_cross_entropy=false", "train.grad_accum_fusion=false",
                                               "train.compile=false"])
-    fast = _train(tmp_path, "fast", 1, model + ["train.fused_cross_entropy=true", "train.compile=true",
-                                                "train.grad_accum_fusion=true"])
+    fast = _train(tmp_path, "fast", 1, model)  # auto: compiled layers and fused CE for llama on CUDA
     fused = _train(tmp_path, "fused", 1, model + ["train.grad_accum_fusion=true", "train.compile=false"])
-    assert len(fast) == len(ref) == len(fused) == 200
+    both = _train(tmp_path, "both", 1, model + ["train.grad_accum_fusion=true", "train.compile=true"])
+    assert len(fast) == len(ref) == len(fused) == len(both) == 200
     assert ref[-1]["loss"] < 0.6 * ref[0]["loss"], "the run must learn"
-    for run in (fast, fused):
+    for run in (fast, fused, both):
         for w in range(0, 200, 10):  # windows of 10 steps: bf16 noise per step, the same curve
             a, b = (sum(m["loss"] for m in r[w:w + 10]) / 10 for r in (run, ref))
             assert a == pytest.approx(b, rel=3e-2), f"steps {w + 1}-{w + 10}"

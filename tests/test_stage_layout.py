@@ -5,8 +5,17 @@ import itertools
 import pytest
 
 from tessera.config import ModelConfig, load_config
-from tessera.pipeline_parallel.stage import LayoutError, balanced_layout, parse_layout, stage_layer_ranges
-from tessera.training.flops import flops_per_token, head_matmul_weights, layer_flops_per_token
+from tessera.pipeline_parallel.stage import (
+    LayoutError,
+    balanced_layout,
+    parse_layout,
+    stage_layer_ranges,
+)
+from tessera.training.flops import (
+    flops_per_token,
+    head_matmul_weights,
+    layer_flops_per_token,
+)
 
 
 def busiest(cfg: ModelConfig, layout) -> float:
@@ -35,8 +44,10 @@ def test_gpt_1_3b_at_pp2_moves_two_layers_off_the_head_stage():
 
 
 def test_balanced_is_parsed_from_the_config_and_refused_when_it_cannot_be():
-    cfg = load_config(None, ["model.layers=4", "parallel.pp_layout=balanced"])
-    assert parse_layout(cfg.parallel.pp_layout, cfg.model, 2, 1) == balanced_layout(cfg.model, 2, 1)
+    cfg = load_config(None, ["model.layers=5", "model.hidden=64", "model.heads=4", "model.vocab_size=256",
+                             "parallel.pp_layout=balanced"])
+    assert parse_layout(cfg.parallel.pp_layout, cfg.model, 2, 1) == [3, 2]
+    assert parse_layout(" BALANCED ", cfg.model, 2, 1) == [3, 2]
     with pytest.raises(LayoutError, match="every stage needs a layer"):
         parse_layout("balanced", cfg.model, 4, 2)
     with pytest.raises(LayoutError, match="needs the model config"):

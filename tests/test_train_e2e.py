@@ -64,10 +64,14 @@ def test_pipeline_layouts_give_the_same_losses(tmp_path):
         ("tp2pp2", 4, ["parallel.tp=2", "parallel.pp=2"]),
         ("pp2vpp2", 2, ["parallel.pp=2", "parallel.vpp=2"]),
         ("pp4", 4, ["parallel.pp=4", "parallel.schedule=1f1b"]),
-        ("pp2balanced", 2, ["parallel.pp=2", "parallel.pp_layout=balanced"]),
     ]:
         curve, stdout = run_train(tmp_path / name, nproc, base + layout)
         assert_same_curve(reference, curve)
+    # 5 layers: the even split is refused at pp=2, the FLOPs-balanced one gives 3/2
+    five = ["model.layers=5", "data.source=builtin"]
+    reference, _ = run_train(tmp_path / "five-pp1", 1, five)
+    curve, _ = run_train(tmp_path / "five-balanced", 2, five + ["parallel.pp=2", "parallel.pp_layout=Balanced"])
+    assert_same_curve(reference, curve)
 
 
 @pytest.mark.timeout(300)

@@ -117,7 +117,8 @@ class ParallelConfig:
     pp_layout: str = ""
     """Layers of each virtual pipeline stage, comma-separated (pp*vpp entries, e.g. "3,4,4,3");
     empty splits the layers evenly; "balanced" splits them by FLOPs, the last stage's output
-    head counted as the layers it weighs (GPT-1.3B at pp=2: 13,11)."""
+    head counted as the layers it weighs (GPT-1.3B at pp=2: 13,11; it moves layers, and so
+    activation memory, onto the first stages)."""
     schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1"] = "auto"
     """Pipeline schedule. auto: the fastest valid one by the schedule simulator (no pipelining at
     pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1; never ZB-H1 with zero >= 2)."""
@@ -145,7 +146,8 @@ class ParallelConfig:
     """tp > 1 with sequence parallelism: each column layer's all-gather and row layer's
     reduce-scatter run fused with the GEMM, chunked and overlapped (torch's symmetric-memory
     fused_all_gather_matmul / fused_matmul_reduce_scatter on CUDA, both directions;
-    tensor_parallel/async_tp.py). Not yet measured on GPU, so off by default."""
+    tensor_parallel/async_tp.py). Off by default: measured slower on 2x H100 at tp=2 (18,235
+    against 30,656 tokens/s eager, BENCHMARKS.md session 4)."""
     overlap_param_gather: bool = True
     """zero 1-2: all-gather the updated parameters asynchronously after the optimizer step, each
     bucket waited for only by the first forward that uses it."""
@@ -197,11 +199,10 @@ class TrainConfig:
     GPT-1.3B, opt-in until its NCCL GPU test passes."""
     grad_accum_fusion: Literal["auto", "true", "false"] = "auto"
     """Gradient-accumulation fusion: a linear layer's weight-gradient GEMM adds straight into the
-    fp32 main gradient (one cuBLAS call with an fp32 accumulator on CUDA; the reference
-    matmul-then-add elsewhere), so no 16-bit weight gradient is stored and added. With
+    fp32 main gradient (one cuBLAS call with an fp32 accumulator on CUDA; for 16-bit inputs off
+    CUDA, the reference matmul-then-add), so no 16-bit weight gradient is stored and added. With
     parallel.zero 0-2. auto: on for CUDA runs with zero 0-2 whose layers are not compiled
-    (measured +2% on GPT-1.3B against compiled layers, BENCHMARKS.md); off on CPU, where it
-    would run its reference path."""
+    (measured +2% on GPT-1.3B against compiled layers, BENCHMARKS.md); off on CPU."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""

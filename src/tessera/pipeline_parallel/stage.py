@@ -23,7 +23,8 @@ class LayoutError(ValueError):
 def balanced_layout(cfg: ModelConfig, pp: int, vpp: int = 1) -> list[int]:
     """Layers per virtual stage that minimise the busiest stage's FLOPs, the last stage carrying
     the output head: each layer in turn goes to the stage with the least work so far (exact
-    for identical layers), ties to the earlier stage; no stage is left without a layer."""
+    for identical layers), ties to the earlier stage. Every stage gets at least one layer (a
+    stage of only the head would be optimal only for toy models whose head outweighs layers)."""
     from tessera.training.flops import head_matmul_weights, layer_flops_per_token
 
     stages = pp * vpp
@@ -32,7 +33,7 @@ def balanced_layout(cfg: ModelConfig, pp: int, vpp: int = 1) -> list[int]:
     layer = layer_flops_per_token(cfg)
     work = [0.0] * stages
     work[-1] = 6.0 * head_matmul_weights(cfg)
-    counts = [1] * stages  # one layer each first: a stage of only the head would idle its rank
+    counts = [1] * stages
     work = [w + layer for w in work]
     for _ in range(cfg.layers - stages):
         i = min(range(stages), key=lambda j: (work[j], j))
@@ -45,7 +46,7 @@ def parse_layout(text: str, cfg: ModelConfig | None = None, pp: int = 1, vpp: in
     """``parallel.pp_layout``: None (even), ``"balanced"`` (by FLOPs, needs ``cfg``) or the list."""
     if not text.strip():
         return None
-    if text.strip() == "balanced":
+    if text.strip().lower() == "balanced":
         if cfg is None:
             raise LayoutError("pp_layout=balanced needs the model config")
         return balanced_layout(cfg, pp, vpp)

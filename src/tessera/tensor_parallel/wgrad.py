@@ -13,7 +13,8 @@ The same store carries **gradient-accumulation fusion**: when data parallelism s
 ``grad_out^T @ input`` adds straight into the parameter's fp32 ``main_grad``
 (:func:`wgrad_into`; on CUDA one cuBLAS call with bf16 inputs and an fp32 accumulator, as
 Megatron's ``fused_weight_gradient_mlp_cuda`` extension does, here through
-``torch.addmm(..., out_dtype=torch.float32)``; elsewhere the reference ``main_grad += a @ b``).
+``torch.addmm(..., out_dtype=torch.float32)``; with fp32 inputs a plain ``addmm`` into it, on any
+device; for 16-bit inputs off CUDA the reference ``main_grad += a @ b``).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def wgrad_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool, fused: bool 
     """``out (+)= a @ b`` where ``out`` may be fp32 and ``a``, ``b`` 16-bit.
 
     Fused (CUDA): one GEMM that writes (or, accumulating, reads and writes) ``out`` in its own
-    dtype, so the 16-bit product is never rounded nor stored. Reference (CPU, or a torch without
+    dtype, so the 16-bit product is never rounded nor stored. Reference (16-bit inputs off CUDA, or a torch without
     that GEMM): the product in the inputs' dtype, then added (or copied) into ``out``.
     ``fused=None`` chooses by device and torch; tests force either."""
     if fused is None:

@@ -84,7 +84,7 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
         stage_layer_ranges(m.layers, p.pp, p.vpp, parse_layout(p.pp_layout, m, p.pp, p.vpp))
     except LayoutError as e:
         raise ConfigError("parallel.pp_layout" if p.pp_layout else "parallel.vpp", str(e),
-                          "change parallel.pp / parallel.vpp or give parallel.pp_layout") from None
+                          "change parallel.pp / parallel.vpp, or give an explicit parallel.pp_layout") from None
     microbatches = t.global_batch // (t.micro_batch * p.dp)
     count = microbatches
     try:
@@ -108,8 +108,8 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
 def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, bool]:
     """(compiled layers, gradient-accumulation fusion): train.compile and train.grad_accum_fusion
     resolved. Explicit choices stand (both together: the fused linear layers run eagerly between
-    compiled pieces). auto picks what measured fastest on H100 (BENCHMARKS.md, session 4) among
-    the paths a GPU test has checked: compiled layers for the llama family at tp=1 (RMSNorm, RoPE
+    compiled pieces). auto picks what measured fastest on H100 (BENCHMARKS.md, session 4):
+    compiled layers for the llama family at tp=1 (RMSNorm, RoPE
     and SwiGLU run as many small kernels in eager mode: +10% on Llama-1B over fused eager layers),
     fused weight gradients in eager layers elsewhere (+2% over compiled layers on GPT-1.3B).
     Compiled layers at tp > 1 measured +15% on GPT-1.3B but stay opt-in (train.compile=true)
@@ -205,7 +205,8 @@ def train(cfg: Config) -> list[dict]:
     logger.print(f"tessera: {cfg.model.family} with {n_params:,} parameters on this rank, "
                  f"{topo!r}, schedule {stage.schedule}, zero={p.zero}, device {device}, {t.dtype}, "
                  f"layers {'compiled' if stage.compiled else 'eager'}, "
-                 f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}")
+                 f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
+                 f"{' (deferred, zb-h1)' if stage.schedule == 'zb-h1' else ''}")
     logger.print(str(memory_report(data_parallel, optimizer)))
 
     history = []
