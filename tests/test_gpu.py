@@ -53,7 +53,8 @@ def test_nccl_tensor_parallel_matches_one_gpu(tmp_path):
     one = _train(tmp_path, "one", 1, [])
     runs = {"tp2": sp, "tp2-overlap": sp + ["parallel.tp_comm_overlap=true"],
             "tp2-async": sp + ["parallel.tp_async=true"], "tp2-compiled": sp + ["train.compile=true"],
-            "tp2-async-compiled": sp + ["parallel.tp_async=true", "train.compile=true"], "dp2": []}
+            "tp2-async-compiled": sp + ["parallel.tp_async=true", "train.compile=true"],
+            "tp2-async-p2p": sp + ["parallel.tp_async=p2p"], "dp2": []}
     failed = []
     for name, sets in runs.items():  # every variant runs, so one GPU call names every failure
         try:

@@ -254,6 +254,12 @@ def _layers_rank(rank: int, tp: int) -> list:
                   async_tp=True)
     _check_row(r, "row async_tp", sequence_parallel=True, seed=17, async_tp=True)
     _check_mlp(r, "mlp async_tp", sequence_parallel=True, async_tp=True)
+    # the same as a ring of sends and receives (parallel.tp_async=p2p)
+    _check_column(r, "column async_tp p2p", QKV, sequence_parallel=True, seed=18, async_tp="p2p")
+    _check_column(r, "column async_tp p2p gather_output", OUT, gather_output=True, sequence_parallel=True,
+                  seed=19, async_tp="p2p")
+    _check_row(r, "row async_tp p2p", sequence_parallel=True, seed=20, async_tp="p2p")
+    _check_mlp(r, "mlp async_tp p2p", sequence_parallel=True, async_tp="p2p")
     _check_embedding(r, "embedding pad 1", pad_multiple=1, seed=21)
     _check_embedding(r, "embedding pad 8", pad_multiple=8, seed=22)
 
@@ -281,7 +287,7 @@ def _layers_rank(rank: int, tp: int) -> list:
 def test_layers_match_unsharded_maths(tp):
     labels = verify(run_ranks(_layers_rank, tp, timeout=TIMEOUT))
     assert all(lab == labels[0] for lab in labels)
-    assert len(labels[0]) == 138, len(labels[0])
+    assert len(labels[0]) == 166, len(labels[0])
 
 
 @pytest.mark.parametrize("tp,pad_multiple,expected", [

@@ -107,3 +107,6 @@ def test_async_tp_follows_the_one_process_curve(tmp_path):
     tp2, _ = run_train(tmp_path / "tp2", 2, base + ["parallel.tp=2", "parallel.sequence_parallel=true",
                                                     "parallel.tp_async=true"])
     assert_same_curve(one, tp2, rel=1e-4)
+    ring, _ = run_train(tmp_path / "ring", 2, base + ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                                      "parallel.tp_async=p2p"])
+    assert_same_curve(one, ring, rel=1e-4)

@@ -142,11 +142,12 @@ class ParallelConfig:
     sequence parallelism, reduce-scatter) as soon as that gradient is computed and runs the
     weight-gradient GEMM while it travels. Off by default: on GPT-1.3B at tp=2 it measured no
     gain (BENCHMARKS.md). false: the collective, then the GEMM."""
-    tp_async: bool = False
+    tp_async: Literal["false", "true", "p2p"] = "false"
     """tp > 1 with sequence parallelism: each column layer's all-gather and row layer's
-    reduce-scatter run fused with the GEMM, chunked and overlapped (torch's symmetric-memory
-    fused_all_gather_matmul / fused_matmul_reduce_scatter on CUDA, both directions;
-    tensor_parallel/async_tp.py). Off by default: measured slower on 2x H100 at tp=2 (18,235
+    reduce-scatter run fused with the GEMM, chunked and overlapped, both directions
+    (tensor_parallel/async_tp.py). true: torch's symmetric-memory fused_all_gather_matmul /
+    fused_matmul_reduce_scatter on CUDA. p2p: a ring of NCCL sends and receives, one sequence
+    chunk on the wire while the previous chunk multiplies (not yet measured on GPU). Off by default: measured slower on 2x H100 at tp=2 (18,235
     against 30,656 tokens/s eager, BENCHMARKS.md session 4)."""
     overlap_param_gather: bool = True
     """zero 1-2: all-gather the updated parameters asynchronously after the optimizer step, each
@@ -494,7 +495,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(not (p.zero == 3 and p.schedule == "zb-h1"), "parallel.schedule",
            "zb-h1 defers weight gradients past the backward that FSDP (zero=3) reduces them in",
            "use parallel.schedule=1f1b or interleaved with zero=3, or zero <= 1")
-    _check(not p.tp_async or (p.tp > 1 and p.sequence_parallel), "parallel.tp_async",
+    _check(p.tp_async == "false" or (p.tp > 1 and p.sequence_parallel), "parallel.tp_async",
            "async TP fuses sequence-parallel all-gathers and reduce-scatters with the GEMMs",
            "set parallel.tp >= 2 and parallel.sequence_parallel=true, or parallel.tp_async=false")
     _check(not (p.schedule == "zb-h1" and p.pp < 2), "parallel.schedule",

@@ -36,7 +36,7 @@ class TPContext:
     rng: RNGTracker | None = None
     wgrad_store: WeightGradStore | None = None  # zero-bubble schedules, gradient-accumulation fusion
     fused_cross_entropy: bool | None = None  # the compiled vocab-parallel loss (None: on CUDA only)
-    async_tp: bool = False  # SP collectives fused with the GEMMs (tensor_parallel/async_tp.py)
+    async_tp: bool | str = False  # SP collectives fused with the GEMMs: True (symmetric memory) or "p2p"
     comm_overlap: bool = False  # column layers overlap their input-gradient reduction with the W GEMM
 
     @property

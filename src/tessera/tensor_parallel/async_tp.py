@@ -41,9 +41,12 @@ def _enable(group_name: str) -> None:
         symm.enable_symm_mem_for_group(group_name)
 
 
-def _all_gather_matmul(a_shard: Tensor, b: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+def _all_gather_matmul(a_shard: Tensor, b: Tensor, group: dist.ProcessGroup,
+                       backend: str = "symm_mem") -> tuple[Tensor, Tensor]:
     """(all-gather of ``a_shard`` along dim 0, that gathered tensor @ ``b``)."""
     from torch.distributed import _symmetric_memory as symm
+    if backend == "p2p":
+        return ring_all_gather_matmul(a_shard, b, group)
     if a_shard.is_cuda:
         _enable(group.group_name)
         full, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(a_shard.contiguous(), [b], 0, group.group_name)
@@ -52,9 +55,11 @@ def _all_gather_matmul(a_shard: Tensor, b: Tensor, group: dist.ProcessGroup) -> 
     return full, out
 
 
-def _matmul_reduce_scatter(a: Tensor, b: Tensor, group: dist.ProcessGroup) -> Tensor:
+def _matmul_reduce_scatter(a: Tensor, b: Tensor, group: dist.ProcessGroup, backend: str = "symm_mem") -> Tensor:
     """(``a`` @ ``b``) summed over the group, this rank's slice of dim 0."""
     from torch.distributed import _symmetric_memory as symm
+    if backend == "p2p":
+        return ring_matmul_reduce_scatter(a, b, group)
     if a.is_cuda:
         _enable(group.group_name)
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(a.contiguous(), b, "sum", 0, group.group_name)
@@ -65,54 +70,126 @@ class _AllGatherMM(torch.autograd.Function):
     """Column-parallel layer under SP: ``y = all_gather(x) W^T + b``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, store, fuse):
+    def forward(ctx, x, weight, bias, group, store, fuse, backend):
         x, w, b = autocast_operands(x, weight, bias)
         with torch.autocast(x.device.type, enabled=False):
-            x_full, y = _all_gather_matmul(x, w.t(), group)
+            x_full, y = _all_gather_matmul(x, w.t(), group, backend)
             if b is not None:
                 y = y + b
         ctx.save_for_backward(x_full, w)
         ctx.group, ctx.has_bias, ctx.weight, ctx.store, ctx.fuse = group, bias is not None, weight, store, fuse
+        ctx.backend = backend
         return y
 
     @staticmethod
     def backward(ctx, grad):
         x_full, w = ctx.saved_tensors
-        grad_x = _matmul_reduce_scatter(grad, w, ctx.group)
+        grad_x = _matmul_reduce_scatter(grad, w, ctx.group, ctx.backend)
         grad_w = weight_grad(ctx, grad, x_full) if ctx.needs_input_grad[1] else None
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class _MMReduceScatter(torch.autograd.Function):
     """Row-parallel layer under SP: ``z = reduce_scatter(y W^T)`` (the bias is added after)."""
 
     @staticmethod
-    def forward(ctx, y, weight, group, store, fuse):
+    def forward(ctx, y, weight, group, store, fuse, backend):
         y, w, _ = autocast_operands(y, weight, None)
         with torch.autocast(y.device.type, enabled=False):
-            z = _matmul_reduce_scatter(y, w.t(), group)
+            z = _matmul_reduce_scatter(y, w.t(), group, backend)
         ctx.save_for_backward(y, w)
-        ctx.group, ctx.weight, ctx.store, ctx.fuse = group, weight, store, fuse
+        ctx.group, ctx.weight, ctx.store, ctx.fuse, ctx.backend = group, weight, store, fuse, backend
         return z
 
     @staticmethod
     def backward(ctx, grad):
         y, w = ctx.saved_tensors
-        grad_full, grad_y = _all_gather_matmul(grad, w, ctx.group)
+        grad_full, grad_y = _all_gather_matmul(grad, w, ctx.group, ctx.backend)
         grad_w = weight_grad(ctx, grad_full, y) if ctx.needs_input_grad[1] else None
-        return grad_y, grad_w, None, None, None
+        return grad_y, grad_w, None, None, None, None
+
+
+def _backend(async_tp) -> str:
+    return "p2p" if async_tp == "p2p" else "symm_mem"  # True: torch's symmetric-memory ops
 
 
 def all_gather_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, group: dist.ProcessGroup,
-                      store=None, fuse: bool = True) -> Tensor:
-    """x: [s/tp, b, in] (this rank's sequence slice) -> [s, b, out/tp]."""
-    args = (x, weight, bias, group, store, fuse)
+                      store=None, fuse: bool = True, backend=True) -> Tensor:
+    """x: [s/tp, b, in] (this rank's sequence slice) -> [s, b, out/tp]. ``backend``: the
+    layers' ``async_tp`` (True: symmetric memory; "p2p": the ring below)."""
+    args = (x, weight, bias, group, store, fuse, _backend(backend))
     return _AllGatherMM.apply(*args) if store is None else apply_eager(_AllGatherMM, *args)
 
 
 def matmul_reduce_scatter(y: Tensor, weight: Tensor, group: dist.ProcessGroup, store=None,
-                          fuse: bool = True) -> Tensor:
+                          fuse: bool = True, backend=True) -> Tensor:
     """y: [s, b, in/tp] -> [s/tp, b, out], summed over the group."""
-    args = (y, weight, group, store, fuse)
+    args = (y, weight, group, store, fuse, _backend(backend))
     return _MMReduceScatter.apply(*args) if store is None else apply_eager(_MMReduceScatter, *args)
+
+
+# -- the same two ops as a ring of point-to-point messages (``parallel.tp_async=p2p``) ---------
+#
+# Each step sends one sequence chunk to the next rank of the TP group and receives one from the
+# previous (torch.distributed.batch_isend_irecv, NCCL's own streams on CUDA), while this rank
+# multiplies the chunk it already has: n-1 steps for tp=n, the transfer of step k hidden behind
+# the GEMM of step k. Plain NCCL send/receive, no symmetric memory.
+
+
+def _ring_peers(group: dist.ProcessGroup) -> tuple[int, int, int, int]:
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    return n, r, dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+
+
+def _exchange(send: Tensor, recv: Tensor, to: int, frm: int, group) -> list:
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, frm, group)])
+
+
+def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    torch.mm(a.reshape(-1, a.shape[-1]), b, out=out.view(-1, b.shape[-1]))
+
+
+def ring_all_gather_matmul(a_shard: Tensor, b: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+    """(all-gather of ``a_shard`` along dim 0, that @ ``b``): chunk ``c`` of the result is
+    computed while chunk ``c - 1`` travels on to the next rank."""
+    a_shard = a_shard.contiguous()
+    n, r, to, frm = _ring_peers(group)
+    m = a_shard.shape[0]
+    full = a_shard.new_empty((n * m, *a_shard.shape[1:]))
+    out = a_shard.new_empty((n * m, *a_shard.shape[1:-1], b.shape[-1]))
+    full[r * m:(r + 1) * m].copy_(a_shard)
+    have = r  # the chunk this rank holds and passes on next
+    for step in range(n):
+        pending = []
+        if step < n - 1:
+            got = (r - step - 1) % n
+            pending = _exchange(full[have * m:(have + 1) * m], full[got * m:(got + 1) * m], to, frm, group)
+        _mm_into(out[have * m:(have + 1) * m], full[have * m:(have + 1) * m], b)
+        for work in pending:
+            work.wait()
+        if step < n - 1:
+            have = got
+    return full, out
+
+
+def ring_matmul_reduce_scatter(a: Tensor, b: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """(``a`` @ ``b``) summed over the group, this rank's slice of dim 0: the partial sum of
+    chunk ``c`` starts on rank ``c + 1`` and travels the ring to its owner, each rank adding its
+    own product while the previous partial sum is on the wire."""
+    a = a.contiguous()
+    n, r, to, frm = _ring_peers(group)
+    m = a.shape[0] // n
+    shape = (m, *a.shape[1:-1], b.shape[-1])
+    acc = a.new_empty(shape)
+    _mm_into(acc, a[((r - 1) % n) * m:((r - 1) % n + 1) * m], b)  # step 0: chunk r-1, fresh
+    for step in range(1, n):
+        chunk = (r - step - 1) % n
+        incoming = a.new_empty(shape)
+        pending = _exchange(acc, incoming, to, frm, group)
+        mine = a.new_empty(shape)
+        _mm_into(mine, a[chunk * m:(chunk + 1) * m], b)  # overlaps the transfer
+        for work in pending:
+            work.wait()
+        acc = mine.add_(incoming)
+    return acc

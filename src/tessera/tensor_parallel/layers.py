@@ -61,15 +61,16 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
 def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tp_group: Group,
                            sequence_parallel: bool = False, gather_output: bool = False,
                            wgrad_store: WeightGradStore | None = None, fuse_wgrad: bool = True,
-                           comm_overlap: bool = False, async_tp: bool = False) -> Tensor:
+                           comm_overlap: bool = False, async_tp: bool | str = False) -> Tensor:
     """The column-parallel product with a given local weight [out/tp, in] (also used by a tied
     output layer, whose weight is the embedding's: ``fuse_wgrad=False`` as that weight's
     gradient has a second term, from the lookup). ``comm_overlap`` (tp > 1): the input gradient's
     reduction overlaps the weight-gradient GEMM (one autograd function for collective + matmul).
     ``async_tp`` (tp > 1 with sequence parallelism): the all-gather and the GEMM run as one
-    chunked, overlapped op (tensor_parallel/async_tp.py), both ways."""
+    chunked, overlapped op (tensor_parallel/async_tp.py), both ways: True with torch's
+    symmetric-memory ops, "p2p" as a ring of NCCL sends and receives."""
     if async_tp and sequence_parallel and group_size(tp_group) > 1:
-        y = all_gather_matmul(x, weight, bias, tp_group, wgrad_store, fuse_wgrad)
+        y = all_gather_matmul(x, weight, bias, tp_group, wgrad_store, fuse_wgrad, backend=async_tp)
         return gather_from_tp_region(y, tp_group) if gather_output else y
     if comm_overlap and group_size(tp_group) > 1:
         y = column_parallel_matmul(x, weight, bias, tp_group, sequence_parallel, wgrad_store, fuse_wgrad)
@@ -167,7 +168,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
         if self.async_tp and self.sequence_parallel and self.tp > 1:  # one chunked, overlapped op
-            z = matmul_reduce_scatter(x, self.weight, self.tp_group, self.wgrad_store)
+            z = matmul_reduce_scatter(x, self.weight, self.tp_group, self.wgrad_store, backend=self.async_tp)
             return z if self.bias is None else z + self.bias
         z = linear(x, self.weight, None, self.wgrad_store)
         if self.sequence_parallel:

@@ -142,7 +142,8 @@ class Stage:
         self.wgrad_store = WeightGradStore() if self.schedule == "zb-h1" or fuse else None
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
-                       comm_overlap=p.tp_comm_overlap, async_tp=p.tp_async)
+                       comm_overlap=p.tp_comm_overlap,
+                       async_tp={"false": False, "true": True, "p2p": "p2p"}[p.tp_async])
         layout = parse_layout(p.pp_layout, cfg.model, p.pp, p.vpp)
         self.chunks = build_stage_chunks(cfg.model, tp, topo.pp_rank, p.pp, p.vpp, layout,
                                          topo.device)
