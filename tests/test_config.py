@@ -170,7 +170,8 @@ def test_fast_path_options_refused_where_they_cannot_act():
     from tessera.config import ConfigError, load_config, validate
     cases = [(["parallel.zero=3", "train.grad_accum_fusion=true"], "no main_grad to fuse into"),
              (["parallel.schedule=zb-h1"], "with pp=1 there are none"),
-             (["parallel.tp=2", "parallel.tp_async=true"], "async TP fuses sequence-parallel")]
+             (["parallel.tp=2", "parallel.tp_async=true"], "async TP fuses sequence-parallel"),
+             (["parallel.tp=2", "parallel.tp_async=p2p"], "async TP fuses sequence-parallel")]
     for sets, message in cases:
         with pytest.raises(ConfigError, match=message):
             validate(load_config(None, sets), 2)

@@ -164,7 +164,7 @@ def _check_row(r: _Recorder, name: str, *, input_is_parallel=True, sequence_para
             r.close(f"{name}: bias grad", layer.bias.grad, ref.bias.grad)
 
 
-def _check_mlp(r: _Recorder, name: str, *, sequence_parallel: bool, async_tp: bool = False):
+def _check_mlp(r: _Recorder, name: str, *, sequence_parallel: bool, async_tp: bool | str = False):
     """Column then row, as in a transformer MLP: one all-reduce (or all-gather + reduce-scatter)."""
     col = ColumnParallelLinear(IN, OUT, tp_group=r.group, sequence_parallel=sequence_parallel, async_tp=async_tp)
     row = RowParallelLinear(OUT, IN, tp_group=r.group, sequence_parallel=sequence_parallel, async_tp=async_tp)
@@ -308,3 +308,11 @@ def test_model_hands_the_tp_options_to_every_linear_layer():
         layers = [m for m in model.modules() if isinstance(m, (Col, Row))]
         assert len(layers) == 2 * 4 + 1 and all(m.async_tp for m in layers), family
         assert all(m.comm_overlap for m in layers if isinstance(m, Col)), family
+
+
+def test_async_tp_backend_is_true_or_p2p():
+    from tessera.tensor_parallel.async_tp import _backend
+    assert _backend(True) == "symm_mem" and _backend("p2p") == "p2p"
+    for bad in (False, "false", "P2P", "true"):
+        with pytest.raises(ValueError, match="give True"):
+            _backend(bad)

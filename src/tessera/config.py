@@ -146,9 +146,9 @@ class ParallelConfig:
     """tp > 1 with sequence parallelism: each column layer's all-gather and row layer's
     reduce-scatter run fused with the GEMM, chunked and overlapped, both directions
     (tensor_parallel/async_tp.py). true: torch's symmetric-memory fused_all_gather_matmul /
-    fused_matmul_reduce_scatter on CUDA. p2p: a ring of NCCL sends and receives, one sequence
-    chunk on the wire while the previous chunk multiplies (not yet measured on GPU). Off by default: measured slower on 2x H100 at tp=2 (18,235
-    against 30,656 tokens/s eager, BENCHMARKS.md session 4)."""
+    fused_matmul_reduce_scatter on CUDA, measured slower on 2x H100 at tp=2 (18,235 against
+    30,656 tokens/s eager, BENCHMARKS.md session 4). p2p: a ring of NCCL sends and receives, one
+    sequence chunk on the wire while another multiplies (not yet measured on GPU). Off by default."""
     overlap_param_gather: bool = True
     """zero 1-2: all-gather the updated parameters asynchronously after the optimizer step, each
     bucket waited for only by the first forward that uses it."""

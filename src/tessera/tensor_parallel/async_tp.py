@@ -17,9 +17,10 @@ column (``_AllGatherMM``)  all-gather x, x W^T               (g W) reduce-scatte
 row (``_MMReduceScatter``) (y W^T) reduce-scattered          all-gather g, g W; g_full^T y
 =========================  ================================  ======================================
 
-On CUDA the symmetric-memory kernels run; elsewhere torch's own reference implementations of
-the same ops (a functional collective, then the matmul), which is what the CPU tests check the
-autograd wiring with. Weight gradients go through :func:`tessera.tensor_parallel.wgrad.weight_grad`
+With ``parallel.tp_async=p2p`` the same two functions run as a ring of plain NCCL sends and
+receives instead (the end of this file). With ``true``, on CUDA the symmetric-memory kernels run;
+elsewhere torch's own reference implementations of the same ops (a functional collective, then
+the matmul), which is what the CPU tests check the autograd wiring with. Weight gradients go through :func:`tessera.tensor_parallel.wgrad.weight_grad`
 (zero-bubble deferral, gradient-accumulation fusion) like every other linear layer's.
 """
 
@@ -44,9 +45,9 @@ def _enable(group_name: str) -> None:
 def _all_gather_matmul(a_shard: Tensor, b: Tensor, group: dist.ProcessGroup,
                        backend: str = "symm_mem") -> tuple[Tensor, Tensor]:
     """(all-gather of ``a_shard`` along dim 0, that gathered tensor @ ``b``)."""
-    from torch.distributed import _symmetric_memory as symm
     if backend == "p2p":
         return ring_all_gather_matmul(a_shard, b, group)
+    from torch.distributed import _symmetric_memory as symm
     if a_shard.is_cuda:
         _enable(group.group_name)
         full, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(a_shard.contiguous(), [b], 0, group.group_name)
@@ -57,9 +58,9 @@ def _all_gather_matmul(a_shard: Tensor, b: Tensor, group: dist.ProcessGroup,
 
 def _matmul_reduce_scatter(a: Tensor, b: Tensor, group: dist.ProcessGroup, backend: str = "symm_mem") -> Tensor:
     """(``a`` @ ``b``) summed over the group, this rank's slice of dim 0."""
-    from torch.distributed import _symmetric_memory as symm
     if backend == "p2p":
         return ring_matmul_reduce_scatter(a, b, group)
+    from torch.distributed import _symmetric_memory as symm
     if a.is_cuda:
         _enable(group.group_name)
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(a.contiguous(), b, "sum", 0, group.group_name)
@@ -111,7 +112,12 @@ class _MMReduceScatter(torch.autograd.Function):
 
 
 def _backend(async_tp) -> str:
-    return "p2p" if async_tp == "p2p" else "symm_mem"  # True: torch's symmetric-memory ops
+    """The layers' ``async_tp``: True (torch's symmetric-memory ops) or "p2p" (the ring below)."""
+    if async_tp is True:
+        return "symm_mem"
+    if async_tp == "p2p":
+        return "p2p"
+    raise ValueError(f"async_tp={async_tp!r}: give True (symmetric memory) or 'p2p' (a ring of sends)")
 
 
 def all_gather_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, group: dist.ProcessGroup,
@@ -151,8 +157,9 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 def ring_all_gather_matmul(a_shard: Tensor, b: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
-    """(all-gather of ``a_shard`` along dim 0, that @ ``b``): chunk ``c`` of the result is
-    computed while chunk ``c - 1`` travels on to the next rank."""
+    """(all-gather of ``a_shard`` along dim 0, that @ ``b``): each step multiplies the chunk this
+    rank holds while sending it on to the next rank and receiving the previous rank's. Every
+    rank's shard must have the same shape (as under sequence parallelism)."""
     a_shard = a_shard.contiguous()
     n, r, to, frm = _ring_peers(group)
     m = a_shard.shape[0]
@@ -179,6 +186,8 @@ def ring_matmul_reduce_scatter(a: Tensor, b: Tensor, group: dist.ProcessGroup) -
     own product while the previous partial sum is on the wire."""
     a = a.contiguous()
     n, r, to, frm = _ring_peers(group)
+    if a.shape[0] % n:
+        raise ValueError(f"reduce-scatter of dim 0 = {a.shape[0]} over {n} ranks: not divisible")
     m = a.shape[0] // n
     shape = (m, *a.shape[1:-1], b.shape[-1])
     acc = a.new_empty(shape)

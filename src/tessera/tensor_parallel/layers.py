@@ -94,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, output_sizes: int | list[int], *, tp_group: Group,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, wgrad_store: WeightGradStore | None = None,
-                 comm_overlap: bool = False, async_tp: bool = False,
+                 comm_overlap: bool = False, async_tp: bool | str = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.wgrad_store, self.comm_overlap, self.async_tp = wgrad_store, comm_overlap, async_tp
@@ -138,7 +138,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
                  init_std: float = 0.02, wgrad_store: WeightGradStore | None = None,
-                 async_tp: bool = False,
+                 async_tp: bool | str = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.wgrad_store, self.async_tp = wgrad_store, async_tp
