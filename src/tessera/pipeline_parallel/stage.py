@@ -31,10 +31,8 @@ def balanced_layout(cfg: ModelConfig, pp: int, vpp: int = 1) -> list[int]:
     if stages > cfg.layers:
         raise LayoutError(f"pp*vpp = {stages} virtual stages for {cfg.layers} layers: every stage needs a layer")
     layer = layer_flops_per_token(cfg)
-    work = [0.0] * stages
-    work[-1] = 6.0 * head_matmul_weights(cfg)
-    counts = [1] * stages
-    work = [w + layer for w in work]
+    counts, work = [1] * stages, [layer] * stages
+    work[-1] += 6.0 * head_matmul_weights(cfg)
     for _ in range(cfg.layers - stages):
         i = min(range(stages), key=lambda j: (work[j], j))
         counts[i] += 1

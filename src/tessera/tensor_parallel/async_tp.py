@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tessera.tensor_parallel.wgrad import apply_eager, autocast_operands, weight_grad
+from tessera.tensor_parallel.wgrad import apply_linear, autocast_operands, weight_grad
 
 
 @functools.cache
@@ -124,15 +124,13 @@ def all_gather_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, group: dis
                       store=None, fuse: bool = True, backend=True) -> Tensor:
     """x: [s/tp, b, in] (this rank's sequence slice) -> [s, b, out/tp]. ``backend``: the
     layers' ``async_tp`` (True: symmetric memory; "p2p": the ring below)."""
-    args = (x, weight, bias, group, store, fuse, _backend(backend))
-    return _AllGatherMM.apply(*args) if store is None else apply_eager(_AllGatherMM, *args)
+    return apply_linear(_AllGatherMM, store, x, weight, bias, group, store, fuse, _backend(backend))
 
 
 def matmul_reduce_scatter(y: Tensor, weight: Tensor, group: dist.ProcessGroup, store=None,
                           fuse: bool = True, backend=True) -> Tensor:
     """y: [s, b, in/tp] -> [s/tp, b, out], summed over the group."""
-    args = (y, weight, group, store, fuse, _backend(backend))
-    return _MMReduceScatter.apply(*args) if store is None else apply_eager(_MMReduceScatter, *args)
+    return apply_linear(_MMReduceScatter, store, y, weight, group, store, fuse, _backend(backend))
 
 
 # -- the same two ops as a ring of point-to-point messages (``parallel.tp_async=p2p``) ---------

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tessera.tensor_parallel.wgrad import apply_eager, autocast_operands, weight_grad
+from tessera.tensor_parallel.wgrad import apply_linear, autocast_operands, weight_grad
 
 Group = dist.ProcessGroup | None
 
@@ -257,6 +257,4 @@ def column_parallel_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, group
     tp > 1): the input gradient's all-reduce or reduce-scatter overlaps the weight-gradient GEMM."""
     if group_size(group) == 1:
         raise ValueError("column_parallel_matmul is for tp > 1")
-    if store is None:
-        return _ColumnParallelMatmul.apply(x, weight, bias, group, sequence_parallel, store, fuse)
-    return apply_eager(_ColumnParallelMatmul, x, weight, bias, group, sequence_parallel, store, fuse)
+    return apply_linear(_ColumnParallelMatmul, store, x, weight, bias, group, sequence_parallel, store, fuse)

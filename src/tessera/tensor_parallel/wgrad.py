@@ -96,8 +96,9 @@ def wgrad_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool, fused: bool 
     """``out (+)= a @ b`` where ``out`` may be fp32 and ``a``, ``b`` 16-bit.
 
     Fused (CUDA): one GEMM that writes (or, accumulating, reads and writes) ``out`` in its own
-    dtype, so the 16-bit product is never rounded nor stored. Reference (16-bit inputs off CUDA, or a torch without
-    that GEMM): the product in the inputs' dtype, then added (or copied) into ``out``.
+    dtype, so the 16-bit product is never rounded nor stored. Reference (16-bit inputs off CUDA,
+    or a torch without that GEMM): the product in the inputs' dtype, then added (or copied) into
+    ``out``.
     ``fused=None`` chooses by device and torch; tests force either."""
     if fused is None:
         fused = fused_supported(out, a, accumulate)
@@ -160,8 +161,14 @@ class _DeferrableLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+def apply_linear(function: type[torch.autograd.Function], store: WeightGradStore | None, *args):
+    """``function.apply(*args)`` for a linear layer's autograd function; with a ``store`` (one of
+    ``args`` too), run eagerly even inside a compiled layer (:func:`_apply_eager`)."""
+    return function.apply(*args) if store is None else _apply_eager(function, *args)
+
+
 @torch.compiler.disable
-def apply_eager(function: type[torch.autograd.Function], *args):
+def _apply_eager(function: type[torch.autograd.Function], *args):
     """``function.apply(*args)``, run eagerly even inside a compiled layer.
 
     The autograd functions that take a :class:`WeightGradStore` file their weight-gradient GEMM
@@ -180,4 +187,4 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStor
     embedding used as the output layer): autograd must sum those before the gradient hook."""
     if store is None:
         return F.linear(x, weight, bias)
-    return apply_eager(_DeferrableLinear, x, weight, bias, store, fuse)
+    return apply_linear(_DeferrableLinear, store, x, weight, bias, store, fuse)

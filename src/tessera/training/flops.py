@@ -27,13 +27,14 @@ def layer_matmul_weights(cfg: ModelConfig) -> int:
     return attention + mlp
 
 
+def head_matmul_weights(cfg: ModelConfig) -> int:
+    """Weights of the output head (hidden x vocabulary)."""
+    return cfg.hidden * cfg.vocab_size
+
+
 def matmul_weights(cfg: ModelConfig) -> int:
     """Weights every token passes through a matmul: attention, MLP and the output head."""
     return cfg.layers * layer_matmul_weights(cfg) + head_matmul_weights(cfg)
-
-
-def head_matmul_weights(cfg: ModelConfig) -> int:
-    return cfg.hidden * cfg.vocab_size
 
 
 def layer_flops_per_token(cfg: ModelConfig) -> float:

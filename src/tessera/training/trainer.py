@@ -109,9 +109,8 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     """(compiled layers, gradient-accumulation fusion): train.compile and train.grad_accum_fusion
     resolved. Explicit choices stand (both together: the fused linear layers run eagerly between
     compiled pieces). auto picks what measured fastest on H100 (BENCHMARKS.md, session 4):
-    compiled layers for the llama family at tp=1 (RMSNorm, RoPE
-    and SwiGLU run as many small kernels in eager mode: +10% on Llama-1B over fused eager layers),
-    fused weight gradients in eager layers elsewhere (+2% over compiled layers on GPT-1.3B).
+    compiled layers for the llama family at tp=1 (RMSNorm, RoPE and SwiGLU run as many small
+    kernels in eager mode: +10% on Llama-1B over fused eager layers), fused weight gradients in eager layers elsewhere (+2% over compiled layers on GPT-1.3B).
     Compiled layers at tp > 1 measured +15% on GPT-1.3B but stay opt-in (train.compile=true)
     until the NCCL tp=2 GPU test passes with them. Never compiled layers around a zb-h1 schedule's
     deferred weight gradients (graph breaks cost more CPU time than compiling saves). Nothing on
@@ -138,8 +137,7 @@ class Stage:
         self.schedule = choose_schedule(p.schedule, p.pp, p.vpp, self.microbatches(cfg.train.global_batch, topo.dp),
                                         p.zero)
         self.compiled, self.fuse_wgrad = fast_paths(cfg, self.schedule, topo.device)
-        fuse = self.fuse_wgrad
-        self.wgrad_store = WeightGradStore() if self.schedule == "zb-h1" or fuse else None
+        self.wgrad_store = WeightGradStore() if self.schedule == "zb-h1" or self.fuse_wgrad else None
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
                        comm_overlap=p.tp_comm_overlap,
