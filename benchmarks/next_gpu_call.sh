@@ -1,18 +1,33 @@
 #!/usr/bin/env bash
 # What the next GPU calls run first (2 GPUs, repository root, .whl/ and .peers/ carried), each
 # well under the 600 s per command:
-#   bash benchmarks/next_gpu_call.sh tests  -- the whole GPU test file under the current defaults,
-#       its log kept under $OUT (the last call's tp=2 failure was cut off with its output); every
-#       tp=2 variant of the NCCL test runs and is named
+#   bash benchmarks/next_gpu_call.sh tests [K]  -- the GPU tests (those pytest -k K selects), each
+#       in its own pytest run with its log under $OUT, stopping before BUDGET (540) seconds; the
+#       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
+#       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor" then
+#       K="pipeline or curve" then K="zero"
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split
 #       against the even one (pp=2), and the ring (p2p) async TP against plain SP (tp=2)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name --format=csv,noheader | head -1
+nvidia-smi --query-gpu=name --format=csv,noheader | head -1; nvidia-smi topo -m | head -3; nproc
 q() { NPROC=2 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b "$@" 2>&1 | grep -E "RESULT|Error" | tail -2; }
 case "${1:-tests}" in
-  tests) timeout 560 python3 -m pytest -q -rs tests/test_gpu.py 2>&1 | tee "${OUT:-/tmp}/gpu_tests.log" | tail -40 ;;
+  tests)  # each GPU test in its own pytest run, its log kept at once: a timeout loses one test's message only
+    shift; deadline=$((SECONDS + ${BUDGET:-540}))
+    for node in $(python3 -m pytest -q --collect-only tests/test_gpu.py ${1:+-k "$1"} | grep "::"); do
+      left=$((deadline - SECONDS)); [ "$left" -lt 30 ] && { echo "SKIPPED (no time left): $node"; continue; }
+      log="${OUT:-/tmp}/gpu_$(echo "$node" | tr -c 'A-Za-z0-9_\n-' _).log"
+      timeout "$left" python3 -m pytest -q -rsx "$node" > "$log" 2>&1; echo "rc=$? $node: $(tail -1 "$log")"
+    done ;;
+  diag) timeout 270 python3 benchmarks/gpu_tp_diag.py 2>&1 | tee "${OUT:-/tmp}/diag.log" ;;
   ab)
-    for layout in "" balanced; do q parallel.pp=2 parallel.schedule=zb-h1 "parallel.pp_layout=$layout"; done
-    for v in false p2p; do q parallel.tp=2 parallel.sequence_parallel=true "parallel.tp_async=$v"; done ;;
-  *) echo "usage: $0 tests|ab" >&2; exit 2 ;;
+    for v in false p2p; do q parallel.tp=2 parallel.sequence_parallel=true "parallel.tp_async=$v"; done
+    for layout in "" balanced; do q parallel.pp=2 parallel.schedule=zb-h1 "parallel.pp_layout=$layout"; done ;;
+  session5)  # compiled numerics at one GPU vs tp=2; tp=2 weight-gradient fusion on/off; short GPU tests
+    timeout 160 python3 benchmarks/gpu_tp_diag.py one-compiled tp2-compiled 2>&1 | tee "${OUT:-/tmp}/diag.log"
+    for s in "train.grad_accum_fusion=false" "train.grad_accum_fusion=true" "train.compile=true"; do
+      q parallel.tp=2 parallel.sequence_parallel=true "$s"; done
+    timeout 90 python3 -m pytest -q -rs tests/test_gpu.py -k "adamw or varlen or cross_entropy or exact_to_fp32" 2>&1 | tail -5 ;;
+  diag-ab) bash "$0" diag; bash "$0" ab ;;
+  *) echo "usage: $0 tests|diag|ab|diag-ab" >&2; exit 2 ;;
 esac

@@ -198,7 +198,10 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     assert resolved(["model.family=llama"]) == (True, False)  # llama at tp=1: compiled layers
     assert resolved(["model.family=llama"], "1f1b") == (True, False)
     assert resolved(["model.family=llama"], "zb-h1") == (False, True)  # no graph breaks around deferred W
-    assert resolved(["parallel.tp=2"]) == (False, True)  # compiled at tp>1: opt-in for now
+    assert resolved(["parallel.tp=2"]) == (False, False)  # tp>1: fusion measured slower, compiled opt-in
+    assert resolved(["parallel.tp=2", "train.grad_accum_fusion=true"]) == (False, True)
+    assert resolved(["parallel.dp=2"]) == (False, True)
+    assert resolved(["parallel.pp=2"], "zb-h1") == (False, True)
     assert resolved(["parallel.zero=3"]) == (False, False)
     assert resolved(["model.family=llama", "train.grad_accum_fusion=true"]) == (False, True)
     assert resolved(["train.compile=true"]) == (True, False)

@@ -45,28 +45,45 @@ def _train(tmp_path, name, nproc, extra):
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
+def _follows(one, curve, rel=1e-4):
+    assert len(curve) == len(one), f"{len(curve)} steps logged, not {len(one)}"
+    for a, b in zip(one, curve):
+        assert b["loss"] == pytest.approx(a["loss"], rel=rel), (a["step"], a["loss"], b["loss"])
+
+
+@pytest.mark.timeout(540)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_tensor_parallel_matches_one_gpu(tmp_path):
-    """tp=2 with SP (eager, TP communication overlap, async TP, compiled layers, compiled async
-    TP) and dp=2 on NCCL follow one GPU (fp32; fused weight gradients where auto picks them)."""
+    """tp=2 with SP (eager, TP communication overlap, async TP both ways, compiled async TP) and
+    dp=2 on NCCL follow one GPU (fp32; fused weight gradients where auto picks them)."""
     sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
     one = _train(tmp_path, "one", 1, [])
     runs = {"tp2": sp, "tp2-overlap": sp + ["parallel.tp_comm_overlap=true"],
-            "tp2-async": sp + ["parallel.tp_async=true"], "tp2-compiled": sp + ["train.compile=true"],
+            "tp2-async": sp + ["parallel.tp_async=true"],
             "tp2-async-compiled": sp + ["parallel.tp_async=true", "train.compile=true"],
             "tp2-async-p2p": sp + ["parallel.tp_async=p2p"], "dp2": []}
     failed = []
     for name, sets in runs.items():  # every variant runs, so one GPU call names every failure
         try:
-            curve = _train(tmp_path, name, 2, sets)
-            assert len(curve) == len(one), f"{len(curve)} steps logged, not {len(one)}"
-            for a, b in zip(one, curve):
-                assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
+            _follows(one, _train(tmp_path, name, 2, sets))
         except Exception as e:  # noqa: BLE001 -- a timeout too: the other variants still run and are named
             failed.append(f"{name}: {type(e).__name__}: {str(e)[-500:]}")
     assert not failed, "\n".join(failed)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason="known: on 2x H100 (torch 2.11, NCCL) compiled layers at tp=2 with SP "
+                   "drift from one GPU from step 2 on (5.2e-4 relative by step 8, deterministic) while one GPU "
+                   "compiled, tp=2 eager and tp=2 compiled async TP agree to 1e-7; on CPU/gloo it agrees. "
+                   "So train.compile=auto never compiles at tp > 1. strict: a pass here says the cause is gone")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_compiled_tensor_parallel_matches_one_gpu(tmp_path):
+    one = _train(tmp_path, "one", 1, ["train.compile=true"])
+    _follows(one, _train(tmp_path, "tp2", 2, ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                                 "train.compile=true"]))
+
+
+@pytest.mark.timeout(400)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_pipeline_schedules_match_one_gpu(tmp_path):
     base = ["model.layers=4"]
@@ -77,6 +94,7 @@ def test_nccl_pipeline_schedules_match_one_gpu(tmp_path):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), kind
 
 
+@pytest.mark.timeout(540)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_zero_matches_one_gpu(tmp_path):
     one = _train(tmp_path, "one", 1, [])
@@ -187,6 +205,7 @@ def test_fused_weight_gradient_accumulation_is_exact_to_fp32():
         assert errors[0].max().item() < 1e-5 * exact.abs().max().item(), mean
 
 
+@pytest.mark.timeout(400)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_fast_paths_follow_the_reference_loss_curve(tmp_path):
     """200 bf16 steps follow the all-off curve within bf16 tolerance with each combination of

@@ -196,14 +196,17 @@ class TrainConfig:
     costs more CPU time per step than the compiled pieces save (measured, BENCHMARKS.md). auto:
     on for CUDA runs of the llama family at tp=1 whose schedule is not zb-h1 and where
     train.grad_accum_fusion is not true (+10% on Llama-1B); off elsewhere (on GPT-1.3B at tp=1
-    fused weight gradients in eager layers measured 2% faster). true at tp=2 measured +15% on
-    GPT-1.3B, opt-in until its NCCL GPU test passes."""
+    fused weight gradients in eager layers measured 2% faster). true at tp=2 measured +13-15% on
+    GPT-1.3B, but opt-in: on H100 with NCCL its losses drift from one GPU's (5e-4 after 8 fp32
+    steps, where every other layout agrees to 1e-7; BENCHMARKS.md, session 5)."""
     grad_accum_fusion: Literal["auto", "true", "false"] = "auto"
     """Gradient-accumulation fusion: a linear layer's weight-gradient GEMM adds straight into the
     fp32 main gradient (one cuBLAS call with an fp32 accumulator on CUDA; for 16-bit inputs off
     CUDA, the reference matmul-then-add), so no 16-bit weight gradient is stored and added. With
-    parallel.zero 0-2. auto: on for CUDA runs with zero 0-2 whose layers are not compiled
-    (measured +2% on GPT-1.3B against compiled layers, BENCHMARKS.md); off on CPU."""
+    parallel.zero 0-2. auto: on for CUDA runs at tp=1 with zero 0-2 whose layers are not
+    compiled (measured +2% on GPT-1.3B against compiled layers, BENCHMARKS.md); off at tp > 1
+    (measured 15% slower at tp=2, where the smaller GEMMs leave the step bound by the CPU time per
+    layer that the fused path adds to) and on CPU."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""

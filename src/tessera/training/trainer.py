@@ -110,11 +110,14 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     resolved. Explicit choices stand (both together: the fused linear layers run eagerly between
     compiled pieces). auto picks what measured fastest on H100 (BENCHMARKS.md, session 4):
     compiled layers for the llama family at tp=1 (RMSNorm, RoPE and SwiGLU run as many small
-    kernels in eager mode: +10% on Llama-1B over fused eager layers), fused weight gradients in eager layers elsewhere (+2% over compiled layers on GPT-1.3B).
-    Compiled layers at tp > 1 measured +15% on GPT-1.3B but stay opt-in (train.compile=true)
-    until the NCCL tp=2 GPU test passes with them. Never compiled layers around a zb-h1 schedule's
-    deferred weight gradients (graph breaks cost more CPU time than compiling saves). Nothing on
-    CPU."""
+    kernels in eager mode: +10% on Llama-1B over fused eager layers), fused weight gradients in
+    eager layers elsewhere at tp=1 (+2% over compiled layers on GPT-1.3B). At tp > 1 neither:
+    fused weight gradients measured 15% slower at tp=2 (17,805 against 20,869 tokens/s; the
+    halved GEMMs leave the step CPU-bound, and the fused path adds Python work per linear
+    layer), and compiled layers, though 13% faster, stay opt-in (train.compile=true) because
+    their NCCL losses drift from one GPU's (BENCHMARKS.md, session 5). Never compiled layers
+    around a zb-h1 schedule's deferred weight gradients (graph breaks cost more CPU time than
+    compiling saves). Nothing on CPU."""
     t, p, cuda = cfg.train, cfg.parallel, device.type == "cuda"
     if t.compile == "auto":
         compiled = (cuda and p.tp == 1 and cfg.model.family == "llama" and schedule != "zb-h1"
@@ -122,7 +125,7 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     else:
         compiled = t.compile == "true"
     if t.grad_accum_fusion == "auto":
-        fuse = cuda and p.zero < 3 and not compiled
+        fuse = cuda and p.tp == 1 and p.zero < 3 and not compiled
     else:
         fuse = t.grad_accum_fusion == "true"
     return compiled, fuse
