@@ -229,3 +229,49 @@ def test_none_group_is_identity():
         y = fn(y, None)
     (y * up).sum().backward()
     assert torch.equal(x.grad, up)
+
+
+def _compiled_rank(rank: int, tp: int) -> list:
+    """A column-parallel linear between the SP (or plain TP) collectives, compiled: the traced
+    forward and backward graphs hold tessera's opaque collective ops, not torch's functional
+    collectives, and give the eager results exactly."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from tessera.tensor_parallel.layers import column_parallel_linear
+
+    group, out = dist.group.WORLD, []
+    for sp in (True, False):
+        gen = torch.Generator().manual_seed(0)
+        x, w = torch.randn(S, B, H, generator=gen), torch.randn(6, H, generator=gen)
+        x, w = (x.chunk(tp)[rank] if sp else x).requires_grad_(), w.requires_grad_()
+
+        def f(x, w):
+            y = column_parallel_linear(torch.nn.functional.layer_norm(x, (H,)), w, None, group, sequence_parallel=sp)
+            z = y @ torch.ones(6, H) * (rank + 1)
+            return reduce_scatter_to_sequence_region(z, group) if sp else reduce_from_tp_region(z, group)
+
+        graphs = []
+
+        def capture(gm, _):
+            graphs.append(str(gm.graph))
+            return make_boxed_func(gm)
+
+        eager = f(x, w)
+        eager.square().sum().backward()
+        expected = (eager.detach(), x.grad.clone(), w.grad.clone())
+        x.grad = w.grad = None
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True)(x, w)
+        compiled.square().sum().backward()
+        out.append((sp, [g.count("tessera.") for g in graphs], [g.count("_c10d_functional") for g in graphs],
+                    all(torch.equal(a, b) for a, b in zip((compiled.detach(), x.grad, w.grad), expected))))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_compiled_tp_collectives_are_opaque_synchronous_ops():
+    """Under torch.compile the TP collectives are tessera's custom ops (one synchronous call each,
+    as eager runs them), never functional collectives that the compiler schedules around."""
+    for per_rank in run_ranks(_compiled_rank, 2, timeout=TIMEOUT):
+        assert per_rank == [(True, [2, 2], [0, 0], True), (False, [1, 1], [0, 0], True)]

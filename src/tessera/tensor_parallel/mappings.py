@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tessera.tensor_parallel.wgrad import apply_linear, autocast_operands, weight_grad
 
@@ -42,10 +43,56 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+# -- the collectives as opaque ops for compiled code ----------------------------------------------
+# Inside torch.compile, dynamo would rewrite the in-place c10d calls below into functional
+# collectives that inductor schedules as asynchronous work with separate waits. On 2x H100 with
+# NCCL, compiled layers at tp=2 with SP drifted from one GPU (BENCHMARKS.md, session 5) while the
+# same code agreed eagerly and on gloo. These ops keep each collective one opaque, synchronous
+# call in the graph (as eager runs it: the compute stream waits for NCCL before going on), so the
+# compiler can neither reorder around it nor reuse its buffers early. The group travels by name,
+# as torch's functional collectives pass it.
+@torch.library.custom_op("tessera::all_gather_first", mutates_args=())
+def _all_gather_first_op(x: Tensor, group_name: str, n: int) -> Tensor:
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_single(out, x.contiguous(), group=_resolve_process_group(group_name))
+    return out
+
+
+@_all_gather_first_op.register_fake
+def _(x: Tensor, group_name: str, n: int) -> Tensor:
+    return x.new_empty((n * x.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op("tessera::reduce_scatter_first", mutates_args=())
+def _reduce_scatter_first_op(x: Tensor, group_name: str, n: int) -> Tensor:
+    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_single(out, x.contiguous(), group=_resolve_process_group(group_name))
+    return out
+
+
+@_reduce_scatter_first_op.register_fake
+def _(x: Tensor, group_name: str, n: int) -> Tensor:
+    return x.new_empty((x.shape[0] // n, *x.shape[1:]))
+
+
+@torch.library.custom_op("tessera::all_reduce", mutates_args=())
+def _all_reduce_op(x: Tensor, group_name: str) -> Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=_resolve_process_group(group_name))
+    return out
+
+
+@_all_reduce_op.register_fake
+def _(x: Tensor, group_name: str) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 # -- plain (non-autograd) collectives -----------------------------------------------------------
 def _all_reduce(x: Tensor, group: Group) -> Tensor:
     if group_size(group) == 1:
         return x
+    if torch.compiler.is_compiling():
+        return _all_reduce_op(x, group.group_name)
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
@@ -82,6 +129,8 @@ def _gather_first(x: Tensor, group: Group) -> Tensor:
     n = group_size(group)
     if n == 1:
         return x
+    if torch.compiler.is_compiling():
+        return _all_gather_first_op(x, group.group_name, n)
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_single(out, x.contiguous(), group=group)
     return out
@@ -93,6 +142,8 @@ def _reduce_scatter_first(x: Tensor, group: Group) -> Tensor:
         return x
     if x.shape[0] % n:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by the TP size {n}")
+    if torch.compiler.is_compiling():
+        return _reduce_scatter_first_op(x, group.group_name, n)
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_single(out, x.contiguous(), group=group)
     return out
