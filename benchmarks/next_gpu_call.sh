@@ -4,8 +4,10 @@
 #   bash benchmarks/next_gpu_call.sh tests [K]  -- the GPU tests (those pytest -k K selects), each
 #       in its own pytest run with its log under $OUT, stopping before BUDGET (540) seconds; the
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
-#       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor" then
+#       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
+#   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
+#       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split
 #       against the even one (pp=2), and the ring (p2p) async TP against plain SP (tp=2)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -28,6 +30,14 @@ case "${1:-tests}" in
     for s in "train.grad_accum_fusion=false" "train.grad_accum_fusion=true" "train.compile=true"; do
       q parallel.tp=2 parallel.sequence_parallel=true "$s"; done
     timeout 90 python3 -m pytest -q -rs tests/test_gpu.py -k "adamw or varlen or cross_entropy or exact_to_fp32" 2>&1 | tail -5 ;;
+  tp2)  # next session's tp=2 call: the new opt-in paths against plain SP, the peer in the same call
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+    sp="parallel.tp=2 parallel.sequence_parallel=true train.grad_accum_fusion=false"
+    q $sp train.compile=false
+    q $sp train.compile=false train.cuda_graphs=true
+    q $sp train.compile=true
+    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --tp 2 2>&1 \
+      | grep -E "^RESULT|Error" | tail -2 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests|diag|ab|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|diag|session5|tp2|ab|diag-ab" >&2; exit 2 ;;
 esac

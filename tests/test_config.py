@@ -61,7 +61,31 @@ BAD = [
     (["model.dropout=1.5"], 1, "model.dropout", "not in [0, 1)"),
     (["optim.min_lr=1", "optim.lr=0.1"], 1, "optim.min_lr", "not in [0, optim.lr]"),
     (["model.hidden=100", "model.heads=3"], 1, "model.hidden", "not divisible by model.heads"),
+    (["train.cuda_graphs=true", "parallel.pp=2"], 2, "train.cuda_graphs", "pp=2 keeps several in flight"),
+    (["train.cuda_graphs=true", "model.dropout=0.1"], 1, "train.cuda_graphs", "dropout"),
+    (["train.cuda_graphs=true", "data.reset_attention_mask=true", "data.eod_id=0"], 1, "train.cuda_graphs", "packed sequences"),
+    (["train.cuda_graphs=true", "train.compile=true"], 1, "train.cuda_graphs", "run eagerly"),
+    (["train.cuda_graphs=true", "train.grad_accum_fusion=true"], 1, "train.cuda_graphs", "run eagerly"),
+    (["train.cuda_graphs=true", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=p2p"], 2,
+     "train.cuda_graphs", "async TP"),
+    (["train.cuda_graphs=true", "parallel.tp=2", "parallel.tp_comm_overlap=true"], 2, "train.cuda_graphs",
+     "comm overlap"),
+    (["train.cuda_graphs=true", "parallel.zero=3"], 2, "train.cuda_graphs", "forward hooks"),
+    (["train.cuda_graphs=true", "parallel.zero=1"], 2, "train.cuda_graphs", "forward hooks"),
 ]
+
+
+def test_cuda_graphs_accepts_what_it_can_capture():
+    for sets, world in ((["parallel.tp=2", "parallel.sequence_parallel=true"], 2), ([], 2),
+                        (["parallel.zero=1", "parallel.overlap_param_gather=false"], 2), (["parallel.zero=1"], 1)):
+        validate(load_config(None, ["train.cuda_graphs=true", *sets]), world)
+
+
+def test_cuda_graphs_on_cpu_is_refused_before_any_work(monkeypatch):
+    from tessera.training.trainer import train
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="CUDA graphs need a CUDA device"):
+        train(load_config(None, ["train.cuda_graphs=true", "train.device=cpu", "data.source=synthetic"]))
 
 
 @pytest.mark.parametrize("overrides,world,key,words", BAD, ids=[b[2] + ":" + b[3][:20] for b in BAD])
@@ -207,6 +231,8 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     assert resolved(["train.compile=true"]) == (True, False)
     assert resolved(["train.compile=true", "train.grad_accum_fusion=true"]) == (True, True)
     assert resolved(["train.compile=false", "train.grad_accum_fusion=false"]) == (False, False)
+    assert resolved(["train.cuda_graphs=true"]) == (False, False)  # graphed layers: eager, autograd weight grads
+    assert resolved(["train.cuda_graphs=true", "model.family=llama"]) == (False, False)
     for sets in ([], ["parallel.tp=2"], ["model.family=llama"]):
         assert resolved(sets, device=cpu) == (False, False)
     assert resolved(["train.compile=true", "train.grad_accum_fusion=true"], device=cpu) == (True, True)

@@ -85,6 +85,17 @@ def test_nccl_compiled_tensor_parallel_matches_one_gpu(tmp_path):
                                                  "train.compile=true"]))
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_graphed_layers_follow_eager_layers(tmp_path):
+    """train.cuda_graphs replays the eager layers' kernels: the same fp32 curve on one GPU and at
+    tp=2 with SP over NCCL (the collectives captured in the graphs)."""
+    one = _train(tmp_path, "one", 1, [])
+    _follows(one, _train(tmp_path, "one-graphs", 1, ["train.cuda_graphs=true"]), rel=1e-5)
+    _follows(one, _train(tmp_path, "tp2-graphs", 2, ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                                        "train.cuda_graphs=true"]))
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_pipeline_schedules_match_one_gpu(tmp_path):

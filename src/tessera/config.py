@@ -207,6 +207,12 @@ class TrainConfig:
     compiled (measured +2% on GPT-1.3B against compiled layers, BENCHMARKS.md); off at tp > 1
     (measured 15% slower at tp=2, where the smaller GEMMs leave the step bound by the CPU time per
     layer that the fused path adds to) and on CPU."""
+    cuda_graphs: bool = False
+    """Capture each transformer layer's forward and backward as CUDA graphs and replay them
+    (training/cuda_graphs.py): far fewer kernel launches per step, for layouts bound by the
+    host's launch time (tp > 1). CUDA only, with pp=1, no dropout, no packed sequences, eager
+    layers with autograd weight gradients, no async TP or TP comm overlap, and not zero 1/2 with
+    an overlapped parameter gather at dp > 1 nor zero=3. Opt-in, not yet measured."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""
@@ -515,8 +521,31 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(t.grad_dtype == "fp32" or p.zero < 3, "train.grad_dtype",
            "bf16 gradients are a bucket option (zero 0-2); FSDP reduces in fp32",
            "set train.grad_dtype=fp32 with parallel.zero=3")
+    if t.cuda_graphs:
+        _check_cuda_graphs(cfg, dp)
     p.dp = dp
     return cfg
+
+
+def _check_cuda_graphs(cfg: Config, dp: int) -> None:
+    """What per-layer CUDA graphs cannot capture (training/cuda_graphs.py says why)."""
+    p, m, t, d = cfg.parallel, cfg.model, cfg.train, cfg.data
+    fix = "or set train.cuda_graphs=false"
+    _check(p.pp == 1, "train.cuda_graphs", "a layer's graph holds one micro-batch's activations; "
+           f"pp={p.pp} keeps several in flight", f"use parallel.pp=1 {fix}")
+    _check(m.dropout == 0, "train.cuda_graphs", "dropout's random streams are not captured",
+           f"set model.dropout=0 {fix}")
+    _check(not (d.reset_position_ids or d.reset_attention_mask), "train.cuda_graphs",
+           "packed sequences give every micro-batch its own positions and document layout",
+           f"turn data.reset_position_ids and data.reset_attention_mask off {fix}")
+    _check(t.compile != "true" and t.grad_accum_fusion != "true", "train.cuda_graphs",
+           "graphed layers run eagerly with weight gradients left to autograd",
+           f"leave train.compile and train.grad_accum_fusion at auto or false {fix}")
+    _check(p.tp_async == "false" and not p.tp_comm_overlap, "train.cuda_graphs",
+           "async TP and TP comm overlap are not captured", f"turn parallel.tp_async and tp_comm_overlap off {fix}")
+    _check(p.zero < 3 and not (p.zero > 0 and dp > 1 and p.overlap_param_gather), "train.cuda_graphs",
+           "zero=3 and zero 1/2's overlapped parameter gather wait in forward hooks on the layers",
+           f"use parallel.zero=0, or parallel.overlap_param_gather=false {fix}")
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

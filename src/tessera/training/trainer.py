@@ -34,6 +34,7 @@ from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.topology import Topology
 from tessera.training.data_feed import DataFeed
 from tessera.training.flops import flops_per_token, peak_flops
+from tessera.training.cuda_graphs import graph_layers
 from tessera.training.launch import init_distributed, pick_device, world_from_env
 from tessera.training.metrics import JsonlLogger, NullLogger
 from tessera.training.step import DTYPES, train_step
@@ -117,15 +118,15 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     layer), and compiled layers, though 13% faster, stay opt-in (train.compile=true) because
     their NCCL losses drift from one GPU's (BENCHMARKS.md, session 5). Never compiled layers
     around a zb-h1 schedule's deferred weight gradients (graph breaks cost more CPU time than
-    compiling saves). Nothing on CPU."""
+    compiling saves). Neither with train.cuda_graphs. Nothing on CPU."""
     t, p, cuda = cfg.train, cfg.parallel, device.type == "cuda"
     if t.compile == "auto":
         compiled = (cuda and p.tp == 1 and cfg.model.family == "llama" and schedule != "zb-h1"
-                    and t.grad_accum_fusion != "true")
+                    and t.grad_accum_fusion != "true" and not t.cuda_graphs)
     else:
         compiled = t.compile == "true"
     if t.grad_accum_fusion == "auto":
-        fuse = cuda and p.tp == 1 and p.zero < 3 and not compiled
+        fuse = cuda and p.tp == 1 and p.zero < 3 and not compiled and not t.cuda_graphs
     else:
         fuse = t.grad_accum_fusion == "true"
     return compiled, fuse
@@ -190,6 +191,9 @@ def train(cfg: Config) -> list[dict]:
     rank, local_rank, world = world_from_env()
     check_runnable(cfg, world)
     device = pick_device(cfg.train.device, local_rank)
+    if cfg.train.cuda_graphs and device.type != "cuda":
+        raise ConfigError("train.cuda_graphs", f"CUDA graphs need a CUDA device, this run is on {device}",
+                          "set train.cuda_graphs=false on CPU")
     init_distributed(device, cfg.train.timeout_s)
     p, t = cfg.parallel, cfg.train
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device,
@@ -206,13 +210,16 @@ def train(cfg: Config) -> list[dict]:
     n_params = sum(p.numel() for p in model.parameters())
     logger.print(f"tessera: {cfg.model.family} with {n_params:,} parameters on this rank, "
                  f"{topo!r}, schedule {stage.schedule}, zero={p.zero}, device {device}, {t.dtype}, "
-                 f"layers {'compiled' if stage.compiled else 'eager'}, "
+                 f"layers {'compiled' if stage.compiled else 'eager'}{' in CUDA graphs' if t.cuda_graphs else ''}, "
                  f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
                  f"{' (deferred, zb-h1)' if stage.schedule == 'zb-h1' else ''}")
     logger.print(str(memory_report(data_parallel, optimizer)))
 
     history = []
     model.train()
+    if t.cuda_graphs:  # after data parallelism placed the parameters in their buffers
+        for chunk in stage.chunks:
+            graph_layers(chunk, t.micro_batch, cfg.model.seq_len // (p.tp if p.sequence_parallel else 1))
     per_token, peak = flops_per_token(cfg.model), peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
     def speed(tokens: int, elapsed: float) -> dict:

@@ -1,0 +1,58 @@
+"""Per-layer CUDA graphs (``train.cuda_graphs``): each transformer layer's forward and backward
+replayed from a captured graph, so a step launches two graph replays per layer and micro-batch
+instead of the layer's dozens of kernels one Python call at a time.
+
+Why: at tp=2 each GEMM is half as long as on one GPU, and the step measured bound by the host's
+launch time (BENCHMARKS.md, session 5). torch's ``make_graphed_callables`` does the capture
+(warm-up on a side stream, one shared memory pool, static input and output buffers, autograd
+wired to the backward graph); this module only chooses the sample shapes and keeps the model's
+layer call ``layer(x, seq)`` working. The TP collectives inside a layer are captured with it
+(NCCL supports graph capture), so the trainer captures after data parallelism has moved the
+parameters into their buffers: a graph reads the storage it was captured with.
+
+What it needs (config.validate refuses the rest, the trainer refuses a non-CUDA device): one
+micro-batch's activations live in each layer's static buffers, so pp=1 (no micro-batches in
+flight together); static shapes and no packed sequences; no dropout (the RNG tracker's streams
+are not graph-safe); eager layers with weight gradients left to autograd; no forward hooks on
+the layers (zero 1/2's overlapped parameter gather at dp > 1, FSDP). In eval mode a layer runs
+its ordinary forward (``make_graphed_callables`` switches on ``module.training``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmup: int = 3) -> None:
+    """Capture every transformer layer of ``chunk`` (``chunk.layers``) for inputs of
+    ``[sequence_length, micro_batch, hidden]`` (sequence_length is this rank's: divided by tp
+    under sequence parallelism), in the parameters' dtype and device. Layers are captured in
+    forward order, the order they then run."""
+    layers = list(chunk.layers.values())
+    if not layers:
+        return
+    weight = next(layers[0].parameters())
+    if weight.device.type != "cuda":
+        raise ValueError(f"CUDA graphs need the layers on a CUDA device, not {weight.device}")
+    hidden = chunk.cfg.hidden
+    samples = tuple((torch.randn(sequence_length, micro_batch, hidden, dtype=weight.dtype, device=weight.device,
+                                 requires_grad=True),) for _ in layers)
+    torch.cuda.synchronize(weight.device)
+    torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup)
+    for layer in layers:
+        _accept_unpacked_sequence(layer)
+
+
+def _accept_unpacked_sequence(layer: nn.Module) -> None:
+    """The graphed forward takes exactly the captured tensors; the model calls ``layer(x, seq)``
+    with an empty ``PackedSequence``: accept that, refuse packed positions or documents."""
+    graphed = layer.forward
+
+    def forward(x: Tensor, seq=None) -> Tensor:
+        if seq is not None and (seq.position_ids is not None or seq.document_ids is not None):
+            raise ValueError("a CUDA-graphed layer runs unpacked sequences only: turn train.cuda_graphs off "
+                             "for data.reset_position_ids / data.reset_attention_mask")
+        return graphed(x)
+
+    layer.forward = forward
