@@ -62,6 +62,7 @@ BAD = [
     (["optim.min_lr=1", "optim.lr=0.1"], 1, "optim.min_lr", "not in [0, optim.lr]"),
     (["model.hidden=100", "model.heads=3"], 1, "model.hidden", "not divisible by model.heads"),
     (["train.cuda_graphs=true", "parallel.pp=2"], 2, "train.cuda_graphs", "pp=2 keeps several in flight"),
+    (["train.cuda_graphs=true", "parallel.schedule=gpipe"], 1, "train.cuda_graphs", "several forwards"),
     (["train.cuda_graphs=true", "model.dropout=0.1"], 1, "train.cuda_graphs", "dropout"),
     (["train.cuda_graphs=true", "data.reset_attention_mask=true", "data.eod_id=0"], 1, "train.cuda_graphs", "packed sequences"),
     (["train.cuda_graphs=true", "train.compile=true"], 1, "train.cuda_graphs", "run eagerly"),
@@ -236,3 +237,30 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     for sets in ([], ["parallel.tp=2"], ["model.family=llama"]):
         assert resolved(sets, device=cpu) == (False, False)
     assert resolved(["train.compile=true", "train.grad_accum_fusion=true"], device=cpu) == (True, True)
+
+
+def test_graphed_layer_call_refuses_what_its_graph_cannot_replay():
+    """The wrapper around a graphed layer (no CUDA needed to check it): the model's empty
+    PackedSequence passes, packed positions and, in training, another input shape or dtype are
+    refused (the graph would broadcast or cast into its static input); eval runs any shape."""
+    import torch
+
+    from tessera.models.packed import PackedSequence
+    from tessera.training.cuda_graphs import _accept_unpacked_sequence
+
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            return 2 * x
+
+    layer = Twice()
+    _accept_unpacked_sequence(layer, torch.Size([4, 2, 8]), torch.float32)
+    x = torch.ones(4, 2, 8)
+    assert torch.equal(layer(x, PackedSequence()), 2 * x) and torch.equal(layer(x), 2 * x)
+    with pytest.raises(ValueError, match="unpacked sequences only"):
+        layer(x, PackedSequence(position_ids=torch.zeros(2, 4, dtype=torch.long)))
+    with pytest.raises(ValueError, match=r"captured for \(4, 2, 8\) torch.float32 inputs, got \(4, 1, 8\)"):
+        layer(torch.ones(4, 1, 8))
+    with pytest.raises(ValueError, match="got \\(4, 2, 8\\) torch.bfloat16"):
+        layer(x.bfloat16())
+    layer.eval()
+    assert layer(torch.ones(3, 1, 8)).shape == (3, 1, 8)

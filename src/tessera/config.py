@@ -533,6 +533,9 @@ def _check_cuda_graphs(cfg: Config, dp: int) -> None:
     fix = "or set train.cuda_graphs=false"
     _check(p.pp == 1, "train.cuda_graphs", "a layer's graph holds one micro-batch's activations; "
            f"pp={p.pp} keeps several in flight", f"use parallel.pp=1 {fix}")
+    _check(p.schedule in ("auto", "none", "1f1b"), "train.cuda_graphs",
+           f"schedule {p.schedule} runs several forwards before their backwards, and each graphed layer "
+           "keeps one micro-batch's activations", f"use parallel.schedule=auto (none at pp=1) {fix}")
     _check(m.dropout == 0, "train.cuda_graphs", "dropout's random streams are not captured",
            f"set model.dropout=0 {fix}")
     _check(not (d.reset_position_ids or d.reset_attention_mask), "train.cuda_graphs",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tessera.tensor_parallel.wgrad import apply_linear, autocast_operands, weight_grad
 
@@ -50,7 +49,15 @@ def group_rank(group: Group) -> int:
 # same code agreed eagerly and on gloo. These ops keep each collective one opaque, synchronous
 # call in the graph (as eager runs it: the compute stream waits for NCCL before going on), so the
 # compiler can neither reorder around it nor reuse its buffers early. The group travels by name,
-# as torch's functional collectives pass it.
+# as torch's functional collectives pass it. (Only these plain collectives: the comm-overlap and
+# async-TP functions still issue asynchronous c10d calls, which compiled code turns into
+# functional collectives.)
+def _resolve_process_group(name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group as resolve  # private: late
+
+    return resolve(name)
+
+
 @torch.library.custom_op("tessera::all_gather_first", mutates_args=())
 def _all_gather_first_op(x: Tensor, group_name: str, n: int) -> Tensor:
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -158,14 +165,15 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # Clone: autograd may hand the same gradient tensor to another branch as well.
-        return _all_reduce(grad.clone(), ctx.group), None
+        # Clone: autograd may hand the same gradient tensor to another branch as well (compiled,
+        # the opaque all-reduce returns a new tensor anyway).
+        return _all_reduce(grad if torch.compiler.is_compiling() else grad.clone(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone() if group_size(group) > 1 else x, group)
+        return _all_reduce(x.clone() if group_size(group) > 1 and not torch.compiler.is_compiling() else x, group)
 
     @staticmethod
     def backward(ctx, grad):
