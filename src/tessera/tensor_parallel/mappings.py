@@ -43,7 +43,7 @@ def group_rank(group: Group) -> int:
 
 
 # -- the collectives as opaque ops for compiled code ----------------------------------------------
-# Inside torch.compile, dynamo would rewrite the in-place c10d calls below into functional
+# Inside torch.compile, dynamo would rewrite the in-place c10d calls of the eager path into functional
 # collectives that inductor schedules as asynchronous work with separate waits. On 2x H100 with
 # NCCL, compiled layers at tp=2 with SP drifted from one GPU (BENCHMARKS.md, session 5) while the
 # same code agreed eagerly and on gloo. These ops keep each collective one opaque, synchronous
@@ -58,11 +58,27 @@ def _resolve_process_group(name: str) -> dist.ProcessGroup:
     return resolve(name)
 
 
+def _all_gather_new(x: Tensor, group: dist.ProcessGroup, n: int) -> Tensor:
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_new(x: Tensor, group: dist.ProcessGroup, n: int) -> Tensor:
+    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _all_reduce_new(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)  # x is left alone: autograd may share it
+    dist.all_reduce(out, group=group)
+    return out
+
+
 @torch.library.custom_op("tessera::all_gather_first", mutates_args=())
 def _all_gather_first_op(x: Tensor, group_name: str, n: int) -> Tensor:
-    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_single(out, x.contiguous(), group=_resolve_process_group(group_name))
-    return out
+    return _all_gather_new(x, _resolve_process_group(group_name), n)
 
 
 @_all_gather_first_op.register_fake
@@ -72,9 +88,7 @@ def _(x: Tensor, group_name: str, n: int) -> Tensor:
 
 @torch.library.custom_op("tessera::reduce_scatter_first", mutates_args=())
 def _reduce_scatter_first_op(x: Tensor, group_name: str, n: int) -> Tensor:
-    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_single(out, x.contiguous(), group=_resolve_process_group(group_name))
-    return out
+    return _reduce_scatter_new(x, _resolve_process_group(group_name), n)
 
 
 @_reduce_scatter_first_op.register_fake
@@ -84,9 +98,7 @@ def _(x: Tensor, group_name: str, n: int) -> Tensor:
 
 @torch.library.custom_op("tessera::all_reduce", mutates_args=())
 def _all_reduce_op(x: Tensor, group_name: str) -> Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=_resolve_process_group(group_name))
-    return out
+    return _all_reduce_new(x, _resolve_process_group(group_name))
 
 
 @_all_reduce_op.register_fake
@@ -94,15 +106,14 @@ def _(x: Tensor, group_name: str) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-# -- plain (non-autograd) collectives -----------------------------------------------------------
+# -- plain (non-autograd) collectives: eager c10d calls, or the ops above when compiling ----------
 def _all_reduce(x: Tensor, group: Group) -> Tensor:
+    """The sum over the group, in a new tensor."""
     if group_size(group) == 1:
         return x
     if torch.compiler.is_compiling():
         return _all_reduce_op(x, group.group_name)
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+    return _all_reduce_new(x, group)
 
 
 def _split_last(x: Tensor, group: Group) -> Tensor:
@@ -138,9 +149,7 @@ def _gather_first(x: Tensor, group: Group) -> Tensor:
         return x
     if torch.compiler.is_compiling():
         return _all_gather_first_op(x, group.group_name, n)
-    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_single(out, x.contiguous(), group=group)
-    return out
+    return _all_gather_new(x, group, n)
 
 
 def _reduce_scatter_first(x: Tensor, group: Group) -> Tensor:
@@ -151,9 +160,7 @@ def _reduce_scatter_first(x: Tensor, group: Group) -> Tensor:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by the TP size {n}")
     if torch.compiler.is_compiling():
         return _reduce_scatter_first_op(x, group.group_name, n)
-    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_single(out, x.contiguous(), group=group)
-    return out
+    return _reduce_scatter_new(x, group, n)
 
 
 # -- autograd functions -------------------------------------------------------------------------
@@ -165,15 +172,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # Clone: autograd may hand the same gradient tensor to another branch as well (compiled,
-        # the opaque all-reduce returns a new tensor anyway).
-        return _all_reduce(grad if torch.compiler.is_compiling() else grad.clone(), ctx.group), None
+        return _all_reduce(grad, ctx.group), None  # a new tensor: autograd may share grad with another branch
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone() if group_size(group) > 1 and not torch.compiler.is_compiling() else x, group)
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
