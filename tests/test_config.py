@@ -264,3 +264,32 @@ def test_graphed_layer_call_refuses_what_its_graph_cannot_replay():
         layer(x.bfloat16())
     layer.eval()
     assert layer(torch.ones(3, 1, 8)).shape == (3, 1, 8)
+
+
+def test_released_layer_graphs_restore_the_eager_forward_and_free_each_graph_once():
+    """LayerGraphs.release (run by the trainer before the process group goes: a live graph with
+    captured NCCL work hangs destroy_process_group) puts the layer's own forward back and resets
+    every graph it was given, once."""
+    import torch
+
+    from tessera.training.cuda_graphs import LayerGraphs, _accept_unpacked_sequence
+
+    class Twice(torch.nn.Module):
+        def forward(self, x, seq=None):
+            return 2 * x
+
+    class Graph:
+        resets = 0
+
+        def reset(self):
+            self.resets += 1
+
+    layer, graphs = Twice(), [Graph(), Graph()]
+    _accept_unpacked_sequence(layer, torch.Size([4, 2, 8]), torch.float32)
+    with pytest.raises(ValueError, match="captured for"):
+        layer(torch.ones(3, 2, 8))
+    handle = LayerGraphs([layer], graphs)
+    handle.release()
+    handle.release()
+    assert [g.resets for g in graphs] == [1, 1]
+    assert layer(torch.ones(3, 2, 8)).shape == (3, 2, 8) and "forward" not in layer.__dict__

@@ -6,7 +6,10 @@ Why: at tp=2 each GEMM is half as long as on one GPU, and the step measured boun
 launch time (BENCHMARKS.md, session 5). torch's ``make_graphed_callables`` does the capture
 (warm-up on a side stream, one shared memory pool, static input and output buffers, autograd
 wired to the backward graph); this module only chooses the sample shapes and keeps the model's
-layer call ``layer(x, seq)`` working. The TP collectives inside a layer are captured with it
+layer call ``layer(x, seq)`` working, and hands back a ``LayerGraphs`` whose ``release()`` frees
+the graphs before the process group is destroyed: ``destroy_process_group`` hangs while a graph
+that captured NCCL work is alive (pytorch/pytorch#115388; seen here at tp=2 after a finished
+run). The TP collectives inside a layer are captured with it
 (NCCL supports graph capture), so the trainer captures after data parallelism has moved the
 parameters into their buffers: a graph reads the storage it was captured with.
 
@@ -20,18 +23,41 @@ its ordinary forward (``make_graphed_callables`` switches on ``module.training``
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import Tensor, nn
 
 
-def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmup: int = 3) -> None:
+class LayerGraphs:
+    """The CUDA graphs of some graphed layers. ``release()`` puts the layers' own forward back
+    and frees the graphs (idempotent)."""
+
+    def __init__(self, layers: list[nn.Module], graphs: list) -> None:
+        self.layers, self.graphs = layers, graphs
+
+    def release(self) -> None:
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)  # the instance attribute the graphing set
+        if self.graphs and torch.cuda.is_available():
+            torch.cuda.synchronize()  # no replay still running when its graph goes
+        for graph in self.graphs:
+            graph.reset()
+        self.layers, self.graphs = [], []
+
+
+def _live_graphs() -> list:
+    return [o for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)]
+
+
+def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmup: int = 3) -> LayerGraphs:
     """Capture every transformer layer of ``chunk`` (``chunk.layers``) for inputs of
     ``[sequence_length, micro_batch, hidden]`` (sequence_length is this rank's: divided by tp
     under sequence parallelism), in the parameters' dtype and device. Layers are captured in
-    forward order, the order they then run."""
+    forward order, the order they then run. Call ``release()`` on the result when done."""
     layers = list(chunk.layers.values())
     if not layers:
-        return
+        return LayerGraphs([], [])
     weight = next(layers[0].parameters())
     if weight.device.type != "cuda":
         raise ValueError(f"CUDA graphs need the layers on a CUDA device, not {weight.device}")
@@ -39,9 +65,13 @@ def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmu
     samples = tuple((torch.randn(sequence_length, micro_batch, hidden, dtype=weight.dtype, device=weight.device,
                                  requires_grad=True),) for _ in layers)
     torch.cuda.synchronize(weight.device)
+    # make_graphed_callables keeps its graphs in closures only: find the ones it made
+    before = {id(g) for g in _live_graphs()}
     torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup)
+    graphs = [g for g in _live_graphs() if id(g) not in before]
     for layer, (sample,) in zip(layers, samples):
         _accept_unpacked_sequence(layer, sample.shape, sample.dtype)
+    return LayerGraphs(layers, graphs)
 
 
 def _accept_unpacked_sequence(layer: nn.Module, shape: torch.Size, dtype: torch.dtype) -> None:

@@ -202,9 +202,6 @@ def train(cfg: Config) -> list[dict]:
     stage = Stage(cfg, topo, rng)
     model = stage.model
     data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
-    scheduler = LRScheduler(cfg.optim, t.steps)
-    scaler = DynamicLossScaler() if t.dtype == "fp16" else None
-    data = DataFeed(cfg, topo)
     logs = topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0
     logger = JsonlLogger(t.out_dir, t.log_every) if logs else NullLogger()
     n_params = sum(p.numel() for p in model.parameters())
@@ -215,11 +212,25 @@ def train(cfg: Config) -> list[dict]:
                  f"{' (deferred, zb-h1)' if stage.schedule == 'zb-h1' else ''}")
     logger.print(str(memory_report(data_parallel, optimizer)))
 
-    history = []
     model.train()
+    graphs = []
     if t.cuda_graphs:  # after data parallelism placed the parameters in their buffers
-        for chunk in stage.chunks:
-            graph_layers(chunk, t.micro_batch, cfg.model.seq_len // (p.tp if p.sequence_parallel else 1))
+        graphs = [graph_layers(chunk, t.micro_batch, cfg.model.seq_len // (p.tp if p.sequence_parallel else 1))
+                  for chunk in stage.chunks]
+    try:
+        return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device)
+    finally:  # a graph holding NCCL work would hang destroy_process_group
+        for g in graphs:
+            g.release()
+
+
+def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, logger, logs: bool, world: int,
+         device: torch.device) -> list[dict]:
+    """The training loop, then the sample."""
+    t, model, history = cfg.train, stage.model, []
+    scheduler = LRScheduler(cfg.optim, t.steps)
+    scaler = DynamicLossScaler() if t.dtype == "fp16" else None
+    data = DataFeed(cfg, topo)
     per_token, peak = flops_per_token(cfg.model), peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
     def speed(tokens: int, elapsed: float) -> dict:
