@@ -58,6 +58,14 @@ case "${1:-tests}" in
     q $sp; q $sp train.cuda_graphs=true
     PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --tp 2 2>&1 \
       | grep -E "^RESULT|Error" | tail -2 ;;
+  llama)  # Llama-1B at tp=2 + SP with the auto choice (graphed layers) and eager, one GPU, megatron-core tp=2
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+    l() { NPROC=$1 timeout $2 python3 benchmarks/quick_train.py llama-1b "${@:3}" 2>&1 | grep -E "RESULT|Error|tessera: llama" | tail -3; }
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    l 2 80 $sp
+    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 70 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --tp 2 \
+      --llama 1 --kv-heads 8 --ffn 8192 --heads 32 --layers 16 --vocab 128256 2>&1 | grep -E "^RESULT|Error" | tail -2
+    l 1 90; l 2 75 $sp train.cuda_graphs=false ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
   *) echo "usage: $0 tests [K]|diag|session5|tp2|ab|diag-ab" >&2; exit 2 ;;
 esac

@@ -211,32 +211,46 @@ def test_compile_takes_what_a_bool_takes(given, expected):
 
 
 def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
+    """(compiled, fused weight gradients, CUDA-graphed layers) as trainer.fast_paths resolves
+    them for a validated configuration."""
     import torch
     from tessera.config import load_config
     from tessera.training.trainer import fast_paths
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
     def resolved(sets, schedule="none", device=cuda):
-        return fast_paths(load_config(None, sets), schedule, device)
+        cfg = load_config(None, sets)
+        p = cfg.parallel
+        return fast_paths(validate(cfg, p.tp * p.pp * max(p.dp, 1)), schedule, device)
 
-    assert resolved([]) == (False, True)  # GPT at tp=1: fused weight gradients, eager layers
-    assert resolved(["model.family=llama"]) == (True, False)  # llama at tp=1: compiled layers
-    assert resolved(["model.family=llama"], "1f1b") == (True, False)
-    assert resolved(["model.family=llama"], "zb-h1") == (False, True)  # no graph breaks around deferred W
-    assert resolved(["parallel.tp=2"]) == (False, False)  # tp>1: fusion measured slower, compiled opt-in
-    assert resolved(["parallel.tp=2", "train.grad_accum_fusion=true"]) == (False, True)
-    assert resolved(["parallel.dp=2"]) == (False, True)
-    assert resolved(["parallel.pp=2"], "zb-h1") == (False, True)
-    assert resolved(["parallel.zero=3"]) == (False, False)
-    assert resolved(["model.family=llama", "train.grad_accum_fusion=true"]) == (False, True)
-    assert resolved(["train.compile=true"]) == (True, False)
-    assert resolved(["train.compile=true", "train.grad_accum_fusion=true"]) == (True, True)
-    assert resolved(["train.compile=false", "train.grad_accum_fusion=false"]) == (False, False)
-    assert resolved(["train.cuda_graphs=true"]) == (False, False)  # graphed layers: eager, autograd weight grads
-    assert resolved(["train.cuda_graphs=true", "model.family=llama"]) == (False, False)
+    assert resolved([]) == (False, True, False)  # GPT at tp=1: fused weight gradients, eager layers
+    assert resolved(["model.family=llama"]) == (True, False, False)  # llama at tp=1: compiled layers
+    assert resolved(["model.family=llama"], "1f1b") == (True, False, False)
+    assert resolved(["model.family=llama", "parallel.pp=2"], "zb-h1") == (False, True, False)  # no graph breaks around deferred W
+    # tp > 1: graphed eager layers where they can be captured; fusion measured slower, compiled slower
+    assert resolved(["parallel.tp=2"]) == (False, False, True)
+    assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "model.family=llama"]) == (False, False, True)
+    assert resolved(["parallel.tp=2", "model.dropout=0.1"]) == (False, False, False)  # not capturable: eager
+    assert resolved(["parallel.tp=2", "parallel.pp=2"], "1f1b") == (False, False, False)
+    assert resolved(["parallel.tp=2", "parallel.dp=2", "parallel.zero=1"]) == (False, False, False)  # gather hooks
+    assert resolved(["parallel.tp=2", "parallel.dp=2", "parallel.zero=1", "parallel.overlap_param_gather=false"]) \
+        == (False, False, True)
+    assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=p2p"]) == (False, False, False)
+    assert resolved(["parallel.tp=2", "train.cuda_graphs=false"]) == (False, False, False)
+    assert resolved(["parallel.tp=2", "train.grad_accum_fusion=true"]) == (False, True, False)
+    assert resolved(["parallel.tp=2", "train.compile=true"]) == (True, False, False)
+    assert resolved(["parallel.dp=2"]) == (False, True, False)
+    assert resolved(["parallel.pp=2"], "zb-h1") == (False, True, False)
+    assert resolved(["parallel.zero=3"]) == (False, False, False)
+    assert resolved(["model.family=llama", "train.grad_accum_fusion=true"]) == (False, True, False)
+    assert resolved(["train.compile=true"]) == (True, False, False)
+    assert resolved(["train.compile=true", "train.grad_accum_fusion=true"]) == (True, True, False)
+    assert resolved(["train.compile=false", "train.grad_accum_fusion=false"]) == (False, False, False)
+    assert resolved(["train.cuda_graphs=true"]) == (False, False, True)  # graphed layers: eager, autograd weight grads
+    assert resolved(["train.cuda_graphs=true", "model.family=llama"]) == (False, False, True)
     for sets in ([], ["parallel.tp=2"], ["model.family=llama"]):
-        assert resolved(sets, device=cpu) == (False, False)
-    assert resolved(["train.compile=true", "train.grad_accum_fusion=true"], device=cpu) == (True, True)
+        assert resolved(sets, device=cpu) == (False, False, False)
+    assert resolved(["train.compile=true", "train.grad_accum_fusion=true"], device=cpu) == (True, True, False)
 
 
 def test_graphed_layer_call_refuses_what_its_graph_cannot_replay():

@@ -196,9 +196,10 @@ class TrainConfig:
     costs more CPU time per step than the compiled pieces save (measured, BENCHMARKS.md). auto:
     on for CUDA runs of the llama family at tp=1 whose schedule is not zb-h1 and where
     train.grad_accum_fusion is not true (+10% on Llama-1B); off elsewhere (on GPT-1.3B at tp=1
-    fused weight gradients in eager layers measured 2% faster). true at tp=2 measured +13-15% on
-    GPT-1.3B, but opt-in: on H100 with NCCL its losses drift from one GPU's (5e-4 after 8 fp32
-    steps, where every other layout agrees to 1e-7; BENCHMARKS.md, session 5)."""
+    fused weight gradients in eager layers measured 2% faster). Off at tp > 1: compiled layers
+    follow one GPU there (the TP collectives run as opaque ops in compiled code; the GPU test
+    passes since session 6) but measured slower than eager layers at tp=2 (19,184 against 21,686
+    tokens/s, same call), and CUDA-graphed eager layers are faster still (train.cuda_graphs)."""
     grad_accum_fusion: Literal["auto", "true", "false"] = "auto"
     """Gradient-accumulation fusion: a linear layer's weight-gradient GEMM adds straight into the
     fp32 main gradient (one cuBLAS call with an fp32 accumulator on CUDA; for 16-bit inputs off
@@ -207,12 +208,15 @@ class TrainConfig:
     compiled (measured +2% on GPT-1.3B against compiled layers, BENCHMARKS.md); off at tp > 1
     (measured 15% slower at tp=2, where the smaller GEMMs leave the step bound by the CPU time per
     layer that the fused path adds to) and on CPU."""
-    cuda_graphs: bool = False
+    cuda_graphs: Literal["auto", "true", "false"] = "auto"
     """Capture each transformer layer's forward and backward as CUDA graphs and replay them
-    (training/cuda_graphs.py): far fewer kernel launches per step, for layouts bound by the
-    host's launch time (tp > 1). CUDA only, with pp=1, no dropout, no packed sequences, eager
-    layers with autograd weight gradients, no async TP or TP comm overlap, and not zero 1/2 with
-    an overlapped parameter gather at dp > 1 nor zero=3. Opt-in, not yet measured."""
+    (training/cuda_graphs.py): two graph launches per layer and micro-batch instead of dozens of
+    kernels, for layouts bound by the host's launch time. Capturable: CUDA, pp=1, no dropout, no
+    packed sequences, eager layers with autograd weight gradients, no async TP or TP comm
+    overlap, and neither zero=3 nor zero 1/2 with an overlapped parameter gather at dp > 1
+    (true refuses the rest with the reason). auto: on for capturable CUDA runs at tp > 1
+    (GPT-1.3B at tp=2 + SP: 40,370 against 24,223 tokens/s eager on 2x H100, same call,
+    BENCHMARKS.md session 6); off at tp=1, where fused weight gradients are faster."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""
@@ -521,16 +525,26 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(t.grad_dtype == "fp32" or p.zero < 3, "train.grad_dtype",
            "bf16 gradients are a bucket option (zero 0-2); FSDP reduces in fp32",
            "set train.grad_dtype=fp32 with parallel.zero=3")
-    if t.cuda_graphs:
+    if t.cuda_graphs == "true":
         _check_cuda_graphs(cfg, dp)
     p.dp = dp
     return cfg
 
 
+def can_graph_layers(cfg: Config) -> bool:
+    """Whether per-layer CUDA graphs can capture this (validated) configuration's layers; the
+    device is the trainer's to check."""
+    try:
+        _check_cuda_graphs(cfg, cfg.parallel.dp)
+    except ConfigError:
+        return False
+    return True
+
+
 def _check_cuda_graphs(cfg: Config, dp: int) -> None:
     """What per-layer CUDA graphs cannot capture (training/cuda_graphs.py says why)."""
     p, m, t, d = cfg.parallel, cfg.model, cfg.train, cfg.data
-    fix = "or set train.cuda_graphs=false"
+    fix = "or set train.cuda_graphs=auto (off where it cannot capture) or false"
     _check(p.pp == 1, "train.cuda_graphs", "a layer's graph holds one micro-batch's activations; "
            f"pp={p.pp} keeps several in flight", f"use parallel.pp=1 {fix}")
     _check(p.schedule in ("auto", "none", "1f1b"), "train.cuda_graphs",

@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from tessera.config import Config, ConfigError, to_dict, validate
+from tessera.config import Config, ConfigError, can_graph_layers, to_dict, validate
 from tessera.data import ByteTokenizer, microbatch_counts
 from tessera.inference.generate import generate
 from tessera.models import TPContext
@@ -106,30 +106,38 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     return cfg
 
 
-def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, bool]:
-    """(compiled layers, gradient-accumulation fusion): train.compile and train.grad_accum_fusion
-    resolved. Explicit choices stand (both together: the fused linear layers run eagerly between
-    compiled pieces). auto picks what measured fastest on H100 (BENCHMARKS.md, session 4):
-    compiled layers for the llama family at tp=1 (RMSNorm, RoPE and SwiGLU run as many small
-    kernels in eager mode: +10% on Llama-1B over fused eager layers), fused weight gradients in
-    eager layers elsewhere at tp=1 (+2% over compiled layers on GPT-1.3B). At tp > 1 neither:
-    fused weight gradients measured 15% slower at tp=2 (17,805 against 20,869 tokens/s; the
-    halved GEMMs leave the step CPU-bound, and the fused path adds Python work per linear
-    layer), and compiled layers, though 13% faster, stay opt-in (train.compile=true) because
-    their NCCL losses drift from one GPU's (BENCHMARKS.md, session 5). Never compiled layers
-    around a zb-h1 schedule's deferred weight gradients (graph breaks cost more CPU time than
-    compiling saves). Neither with train.cuda_graphs. Nothing on CPU."""
+def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, bool, bool]:
+    """(compiled layers, gradient-accumulation fusion, CUDA-graphed layers): train.compile,
+    train.grad_accum_fusion and train.cuda_graphs resolved. Explicit choices stand (compile and
+    fusion together: the fused linear layers run eagerly between compiled pieces). auto picks
+    what measured fastest on H100 (BENCHMARKS.md, sessions 4-6):
+    - tp=1: compiled layers for the llama family (RMSNorm, RoPE and SwiGLU run as many small
+      kernels in eager mode: +10% on Llama-1B over fused eager layers), fused weight gradients in
+      eager layers elsewhere (+2% over compiled layers on GPT-1.3B); never compiled layers around
+      a zb-h1 schedule's deferred weight gradients (graph breaks cost more CPU time than
+      compiling saves).
+    - tp > 1: CUDA-graphed eager layers where they can be captured (config.can_graph_layers):
+      the halved GEMMs leave the step bound by the host's launch time, and graphs measured +67%
+      at tp=2 (40,370 against 24,223 tokens/s). Neither fusion (15% slower at tp=2: it adds
+      Python work per linear layer) nor compiled layers (correct since the collectives became
+      opaque ops, but slower than eager at tp=2: 19,184 against 21,686).
+    Nothing on CPU."""
     t, p, cuda = cfg.train, cfg.parallel, device.type == "cuda"
+    if t.cuda_graphs == "auto":
+        graphs = (cuda and p.tp > 1 and t.compile != "true" and t.grad_accum_fusion != "true"
+                  and can_graph_layers(cfg))
+    else:
+        graphs = t.cuda_graphs == "true"
     if t.compile == "auto":
         compiled = (cuda and p.tp == 1 and cfg.model.family == "llama" and schedule != "zb-h1"
-                    and t.grad_accum_fusion != "true" and not t.cuda_graphs)
+                    and t.grad_accum_fusion != "true" and not graphs)
     else:
         compiled = t.compile == "true"
     if t.grad_accum_fusion == "auto":
-        fuse = cuda and p.tp == 1 and p.zero < 3 and not compiled and not t.cuda_graphs
+        fuse = cuda and p.tp == 1 and p.zero < 3 and not compiled and not graphs
     else:
         fuse = t.grad_accum_fusion == "true"
-    return compiled, fuse
+    return compiled, fuse, graphs
 
 
 class Stage:
@@ -140,7 +148,7 @@ class Stage:
         self.cfg, self.pp, self.pp_rank = cfg, p.pp, topo.pp_rank
         self.schedule = choose_schedule(p.schedule, p.pp, p.vpp, self.microbatches(cfg.train.global_batch, topo.dp),
                                         p.zero)
-        self.compiled, self.fuse_wgrad = fast_paths(cfg, self.schedule, topo.device)
+        self.compiled, self.fuse_wgrad, self.graphed = fast_paths(cfg, self.schedule, topo.device)
         self.wgrad_store = WeightGradStore() if self.schedule == "zb-h1" or self.fuse_wgrad else None
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
@@ -191,7 +199,7 @@ def train(cfg: Config) -> list[dict]:
     rank, local_rank, world = world_from_env()
     check_runnable(cfg, world)
     device = pick_device(cfg.train.device, local_rank)
-    if cfg.train.cuda_graphs and device.type != "cuda":
+    if cfg.train.cuda_graphs == "true" and device.type != "cuda":
         raise ConfigError("train.cuda_graphs", f"CUDA graphs need a CUDA device, this run is on {device}",
                           "set train.cuda_graphs=false on CPU")
     init_distributed(device, cfg.train.timeout_s)
@@ -207,14 +215,14 @@ def train(cfg: Config) -> list[dict]:
     n_params = sum(p.numel() for p in model.parameters())
     logger.print(f"tessera: {cfg.model.family} with {n_params:,} parameters on this rank, "
                  f"{topo!r}, schedule {stage.schedule}, zero={p.zero}, device {device}, {t.dtype}, "
-                 f"layers {'compiled' if stage.compiled else 'eager'}{' in CUDA graphs' if t.cuda_graphs else ''}, "
+                 f"layers {'compiled' if stage.compiled else 'eager'}{' in CUDA graphs' if stage.graphed else ''}, "
                  f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
                  f"{' (deferred, zb-h1)' if stage.schedule == 'zb-h1' else ''}")
     logger.print(str(memory_report(data_parallel, optimizer)))
 
     model.train()
     graphs = []
-    if t.cuda_graphs:  # after data parallelism placed the parameters in their buffers
+    if stage.graphed:  # after data parallelism placed the parameters in their buffers
         graphs = [graph_layers(chunk, t.micro_batch, cfg.model.seq_len // (p.tp if p.sequence_parallel else 1))
                   for chunk in stage.chunks]
     try:
