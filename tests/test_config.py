@@ -254,17 +254,17 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
 
 
 def test_graphed_layer_call_refuses_what_its_graph_cannot_replay():
-    """The wrapper around a graphed layer (no CUDA needed to check it): the model's empty
-    PackedSequence passes, packed positions and, in training, another input shape or dtype are
-    refused (the graph would broadcast or cast into its static input); eval runs any shape."""
+    """The wrapper around a graphed layer (no CUDA needed to check it): in training the model's
+    empty PackedSequence passes, packed positions and another input shape or dtype are refused
+    (the graph would broadcast or cast into its static input); eval runs the layer's own forward."""
     import torch
 
     from tessera.models.packed import PackedSequence
     from tessera.training.cuda_graphs import _accept_unpacked_sequence
 
     class Twice(torch.nn.Module):
-        def forward(self, x):
-            return 2 * x
+        def forward(self, x, seq=None):
+            return 2 * x if seq is None or seq.position_ids is None else 3 * x
 
     layer = Twice()
     _accept_unpacked_sequence(layer, torch.Size([4, 2, 8]), torch.float32)
@@ -276,8 +276,9 @@ def test_graphed_layer_call_refuses_what_its_graph_cannot_replay():
         layer(torch.ones(4, 1, 8))
     with pytest.raises(ValueError, match="got \\(4, 2, 8\\) torch.bfloat16"):
         layer(x.bfloat16())
-    layer.eval()
+    layer.eval()  # the layer's own forward, packed sequences included
     assert layer(torch.ones(3, 1, 8)).shape == (3, 1, 8)
+    assert torch.equal(layer(x, PackedSequence(position_ids=torch.zeros(2, 4, dtype=torch.long))), 3 * x)
 
 
 def test_released_layer_graphs_restore_the_eager_forward_and_free_each_graph_once():

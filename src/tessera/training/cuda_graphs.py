@@ -76,18 +76,20 @@ def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmu
 
 def _accept_unpacked_sequence(layer: nn.Module, shape: torch.Size, dtype: torch.dtype) -> None:
     """The graphed forward takes exactly the captured tensors; the model calls ``layer(x, seq)``
-    with an empty ``PackedSequence``: accept that, refuse packed positions or documents, and in
-    training refuse an input of another shape or dtype than captured."""
+    with an empty ``PackedSequence``: in training accept that, refuse packed positions or
+    documents and an input of another shape or dtype than captured (the graph would broadcast or
+    cast into its static input). In eval mode the layer's own forward runs, with any input."""
     graphed = layer.forward
 
     def forward(x: Tensor, seq=None) -> Tensor:
+        if not layer.training:
+            return type(layer).forward(layer, x, seq)
         if seq is not None and (seq.position_ids is not None or seq.document_ids is not None):
             raise ValueError("a CUDA-graphed layer runs unpacked sequences only: turn train.cuda_graphs off "
                              "for data.reset_position_ids / data.reset_attention_mask")
-        if layer.training:  # the graph copies x into its static input, which would broadcast or cast
-            if x.shape != shape or x.dtype != dtype:
-                raise ValueError(f"a CUDA-graphed layer was captured for {tuple(shape)} {dtype} inputs, "
-                                 f"got {tuple(x.shape)} {x.dtype}")
+        if x.shape != shape or x.dtype != dtype:
+            raise ValueError(f"a CUDA-graphed layer was captured for {tuple(shape)} {dtype} inputs, "
+                             f"got {tuple(x.shape)} {x.dtype}")
         return graphed(x)
 
     layer.forward = forward
