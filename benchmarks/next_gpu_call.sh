@@ -6,6 +6,8 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
+#   bash benchmarks/next_gpu_call.sh tests graphed, then overlap -- session 7's first two calls: the
+#       graphed-layer GPU tests (plain, p2p ring, comm overlap), then their tokens/s at tp=2
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split
@@ -66,6 +68,14 @@ case "${1:-tests}" in
     PYTHONPATH=/tmp/site:$PYTHONPATH timeout 70 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --tp 2 \
       --llama 1 --kv-heads 8 --ffn 8192 --heads 32 --layers 16 --vocab 128256 2>&1 | grep -E "^RESULT|Error" | tail -2
     l 1 90; l 2 75 $sp train.cuda_graphs=false ;;
+  overlap)  # GPT-1.3B tp=2 + SP graphed layers: plain SP (the auto), with the p2p ring, with the
+    # backward comm overlap; one GPU and megatron-core tp=2 in the same call (run `tests graphed` first)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+    NPROC=1 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    q $sp; q $sp train.cuda_graphs=true parallel.tp_async=p2p; q $sp train.cuda_graphs=true parallel.tp_comm_overlap=true
+    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --tp 2 2>&1 \
+      | grep -E "^RESULT|Error" | tail -2 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
   *) echo "usage: $0 tests [K]|diag|session5|tp2|ab|diag-ab" >&2; exit 2 ;;
 esac

@@ -212,11 +212,13 @@ class TrainConfig:
     """Capture each transformer layer's forward and backward as CUDA graphs and replay them
     (training/cuda_graphs.py): two graph launches per layer and micro-batch instead of dozens of
     kernels, for layouts bound by the host's launch time. Capturable: CUDA, pp=1, no dropout, no
-    packed sequences, eager layers with autograd weight gradients, no async TP or TP comm
-    overlap, and neither zero=3 nor zero 1/2 with an overlapped parameter gather at dp > 1
-    (true refuses the rest with the reason). auto: on for capturable CUDA runs at tp > 1
-    (GPT-1.3B at tp=2 + SP: 40,370 against 24,223 tokens/s eager on 2x H100, same call,
-    BENCHMARKS.md session 6); off at tp=1, where fused weight gradients are faster."""
+    packed sequences, eager layers with autograd weight gradients, no symmetric-memory async TP
+    (parallel.tp_async=true), and neither zero=3 nor zero 1/2 with an overlapped parameter
+    gather at dp > 1 (true refuses the rest with the reason). auto: on for capturable CUDA runs
+    at tp > 1 without parallel.tp_async or tp_comm_overlap (GPT-1.3B at tp=2 + SP: 40,370
+    against 24,223 tokens/s eager on 2x H100, same call, BENCHMARKS.md session 6); off at tp=1,
+    where fused weight gradients are faster. Graphs with the overlapped TP paths (tp_async=p2p,
+    tp_comm_overlap) are opt-in with true: not yet run on a GPU."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""
@@ -558,8 +560,9 @@ def _check_cuda_graphs(cfg: Config, dp: int) -> None:
     _check(t.compile != "true" and t.grad_accum_fusion != "true", "train.cuda_graphs",
            "graphed layers run eagerly with weight gradients left to autograd",
            f"leave train.compile and train.grad_accum_fusion at auto or false {fix}")
-    _check(p.tp_async == "false" and not p.tp_comm_overlap, "train.cuda_graphs",
-           "async TP and TP comm overlap are not captured", f"turn parallel.tp_async and tp_comm_overlap off {fix}")
+    _check(p.tp_async != "true", "train.cuda_graphs",
+           "torch's symmetric-memory async TP (parallel.tp_async=true) is not captured",
+           f"use parallel.tp_async=p2p (a ring of NCCL sends) or false {fix}")
     _check(p.zero < 3 and not (p.zero > 0 and dp > 1 and p.overlap_param_gather), "train.cuda_graphs",
            "zero=3 and zero 1/2's overlapped parameter gather wait in forward hooks on the layers",
            f"use parallel.zero=0, or parallel.overlap_param_gather=false {fix}")
