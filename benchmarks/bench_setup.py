@@ -12,6 +12,7 @@ from tessera.tensor_parallel import RNGTracker
 from tessera.topology import Topology
 from tessera.training.data_feed import DataFeed
 from tessera.training.launch import init_distributed, pick_device, world_from_env
+from tessera.training.cuda_graphs import graph_layers
 from tessera.training.trainer import Stage, build_data_parallel, check_runnable
 
 MODEL = MODELS["gpt-1.3b"] + ["train.micro_batch=2", "train.global_batch=16", "train.dtype=bf16",
@@ -19,7 +20,9 @@ MODEL = MODELS["gpt-1.3b"] + ["train.micro_batch=2", "train.global_batch=16", "t
 
 
 def build(sets: list[str]) -> SimpleNamespace:
-    """cfg, rank, world, topo, stage, dp (data parallel), opt (optimizer), data (DataFeed)."""
+    """cfg, rank, world, topo, stage, dp (data parallel), opt (optimizer), data (DataFeed), graphs
+    (the layers' CUDA graphs where train.cuda_graphs resolves on, as the trainer captures them:
+    call ``release()`` on each before destroying the process group)."""
     cfg = load_config(None, MODEL + sets)
     rank, local_rank, world = world_from_env()
     check_runnable(cfg, world)
@@ -29,5 +32,7 @@ def build(sets: list[str]) -> SimpleNamespace:
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device, timeout=datetime.timedelta(seconds=300))
     stage = Stage(cfg, topo, RNGTracker.for_rank(1, topo.tp_rank, topo.pp_rank, device))
     dp, opt = build_data_parallel(stage, topo, cfg)
+    seq = cfg.model.seq_len // (p.tp if p.sequence_parallel else 1)
+    graphs = [graph_layers(chunk, cfg.train.micro_batch, seq) for chunk in stage.chunks] if stage.graphed else []
     return SimpleNamespace(cfg=cfg, rank=rank, world=world, topo=topo, stage=stage, dp=dp, opt=opt,
-                           data=DataFeed(cfg, topo))
+                           data=DataFeed(cfg, topo), graphs=graphs)

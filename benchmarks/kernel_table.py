@@ -44,4 +44,6 @@ if rank == 0:
     # wall is with the profiler on (slower host side); busy counts overlapping streams twice
     print(f"SUMMARY {' '.join(sys.argv[1:])}: wall {plain * 1e3:.0f} ms/step ({wall * 1e3:.0f} profiled), kernel time "
           f"{busy * 1e3:.0f} ms/step of which NCCL {nccl * 1e3:.0f} ms, {launches} kernels/step")
+for g in b.graphs:  # graphs holding NCCL work would hang the destroy
+    g.release()
 torch.distributed.destroy_process_group()

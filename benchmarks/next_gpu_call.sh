@@ -14,7 +14,7 @@
 #       against the even one (pp=2), and the ring (p2p) async TP against plain SP (tp=2)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1; nvidia-smi topo -m | head -3; nproc
-q() { NPROC=2 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b "$@" 2>&1 | grep -E "RESULT|Error" | tail -2; }
+q() { NPROC=2 timeout ${QT:-100} python3 benchmarks/quick_train.py gpt-1.3b "$@" 2>&1 | grep -E "RESULT|Error" | tail -2; }
 case "${1:-tests}" in
   tests)  # each GPU test in its own pytest run, its log kept at once: a timeout loses one test's message only
     shift; deadline=$((SECONDS + ${BUDGET:-540}))
@@ -25,17 +25,17 @@ case "${1:-tests}" in
     done ;;
   diag) timeout 270 python3 benchmarks/gpu_tp_diag.py 2>&1 | tee "${OUT:-/tmp}/diag.log" ;;
   ab)
-    for v in false p2p; do q parallel.tp=2 parallel.sequence_parallel=true "parallel.tp_async=$v"; done
+    for v in false p2p; do q parallel.tp=2 parallel.sequence_parallel=true "parallel.tp_async=$v" train.cuda_graphs=false; done
     for layout in "" balanced; do q parallel.pp=2 parallel.schedule=zb-h1 "parallel.pp_layout=$layout"; done ;;
   session5)  # compiled numerics at one GPU vs tp=2; tp=2 weight-gradient fusion on/off; short GPU tests
     timeout 160 python3 benchmarks/gpu_tp_diag.py one-compiled tp2-compiled 2>&1 | tee "${OUT:-/tmp}/diag.log"
     for s in "train.grad_accum_fusion=false" "train.grad_accum_fusion=true" "train.compile=true"; do
-      q parallel.tp=2 parallel.sequence_parallel=true "$s"; done
+      q parallel.tp=2 parallel.sequence_parallel=true train.cuda_graphs=false "$s"; done
     timeout 90 python3 -m pytest -q -rs tests/test_gpu.py -k "adamw or varlen or cross_entropy or exact_to_fp32" 2>&1 | tail -5 ;;
   tp2)  # next session's tp=2 call: the new opt-in paths against plain SP, the peer in the same call
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
     sp="parallel.tp=2 parallel.sequence_parallel=true train.grad_accum_fusion=false"
-    q $sp train.compile=false
+    q $sp train.compile=false train.cuda_graphs=false
     q $sp train.compile=false train.cuda_graphs=true
     q $sp train.compile=true
     PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --tp 2 2>&1 \
@@ -57,7 +57,7 @@ case "${1:-tests}" in
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
     NPROC=1 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
     sp="parallel.tp=2 parallel.sequence_parallel=true"
-    q $sp; q $sp train.cuda_graphs=true
+    q $sp train.cuda_graphs=false; q $sp train.cuda_graphs=true
     PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --tp 2 2>&1 \
       | grep -E "^RESULT|Error" | tail -2 ;;
   llama)  # Llama-1B at tp=2 + SP with the auto choice (graphed layers) and eager, one GPU, megatron-core tp=2
@@ -76,6 +76,16 @@ case "${1:-tests}" in
     q $sp; q $sp train.cuda_graphs=true parallel.tp_async=p2p; q $sp train.cuda_graphs=true parallel.tp_comm_overlap=true
     PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --tp 2 2>&1 \
       | grep -E "^RESULT|Error" | tail -2 ;;
+  dp2)  # issue 4's target in one call: one GPU, dp=2 zero=1 (the default layout), torch DDP and megatron-core dp=2
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+    NPROC=1 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    q parallel.zero=1
+    timeout 120 torchrun --nproc-per-node 2 .peers/torch_gpt_bench.py --mbs 2 --gbs 16 2>&1 | grep -E "^RESULT|Error" | tail -2
+    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py 2>&1 \
+      | grep -E "^RESULT|Error" | tail -2 ;;
+  nccl)  # tp=2 + SP graphed layers under NCCL's protocols (the in-step collectives ran RING_LL, session 6)
+    env | grep ^NCCL; sp="parallel.tp=2 parallel.sequence_parallel=true"
+    q $sp; NCCL_PROTO=Simple q $sp; NCCL_PROTO=LL128 q $sp ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
   *) echo "usage: $0 tests [K]|diag|session5|tp2|ab|diag-ab" >&2; exit 2 ;;
 esac

@@ -50,4 +50,6 @@ if rank == 0:
     tok = cfg.train.global_batch * cfg.model.seq_len / world
     print(f"PROFILE world={world} {' '.join(sets)}: " + ", ".join(f"{n} {v * 1e3:.1f} ms" for n, v in zip(names, med))
           + f" -> {tok / med[0]:,.0f} tokens/s per GPU", flush=True)
+for g in b.graphs:  # graphs holding NCCL work would hang the destroy
+    g.release()
 torch.distributed.destroy_process_group()

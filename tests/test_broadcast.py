@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tessera.tensor_parallel import broadcast_batch
+from tessera.tensor_parallel.data import batch_header
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
@@ -42,11 +43,19 @@ def _broadcast_rank(rank: int, world_size: int) -> dict:
             pass
         else:
             raise AssertionError("TP rank 0 passed None and broadcast_batch did not refuse")
+        wrong = [(k, (3, *shape[1:]) if shape else shape, dtype) for k, shape, dtype in batch_header(make_batch(0, 1))]
+        try:  # a batch that is not what the others expect is refused before communicating
+            broadcast_batch(make_batch(topo.dp_rank, 1), group, src, CPU, header=wrong)
+        except ValueError as e:
+            assert "the other TP ranks expect" in str(e), e
+        else:
+            raise AssertionError("a batch unlike the given header was broadcast")
     received = []
-    for step in range(2):
-        batch = make_batch(topo.dp_rank, step) if is_src else None
-        out = broadcast_batch(batch, group, src, CPU)
-        expected = make_batch(topo.dp_rank, step)
+    for step in range(3):  # step 0 broadcasts the header; steps 1, 2 are given it, as the data feed does
+        batch = make_batch(topo.dp_rank, min(step, 1)) if is_src else None
+        header = batch_header(make_batch(0, 1)) if step else None
+        out = broadcast_batch(batch, group, src, CPU, header)
+        expected = make_batch(topo.dp_rank, min(step, 1))
         assert list(out) == list(expected), f"keys {list(out)} != {list(expected)}"
         for k, v in expected.items():
             assert out[k].device == CPU and out[k].dtype == v.dtype and out[k].shape == v.shape, k
@@ -62,7 +71,7 @@ def test_broadcast_batch_within_tp_groups(world_size):
     for o in out:
         for step, batch in enumerate(o["batches"]):
             src = out[2 * o["dp_rank"]]["batches"][step]  # what this rank's TP source holds
-            expected = make_batch(o["dp_rank"], step)
+            expected = make_batch(o["dp_rank"], min(step, 1))
             assert list(batch) == list(expected)
             for k in expected:
                 assert torch.equal(batch[k], src[k]) and torch.equal(batch[k], expected[k])

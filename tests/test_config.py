@@ -310,3 +310,57 @@ def test_released_layer_graphs_restore_the_eager_forward_and_free_each_graph_onc
     handle.release()
     assert [g.resets for g in graphs] == [1, 1]
     assert layer(torch.ones(3, 2, 8)).shape == (3, 2, 8) and "forward" not in layer.__dict__
+
+
+
+def test_layer_graphs_are_freed_even_when_the_device_sync_fails(monkeypatch):
+    """A sticky CUDA error in release's synchronize must not leave the graphs alive."""
+    import torch
+
+    from tessera.training.cuda_graphs import LayerGraphs
+
+    class Graph:
+        resets = 0
+
+        def reset(self):
+            self.resets += 1
+
+    def failing_sync():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", failing_sync)
+    graphs = [Graph(), Graph()]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        LayerGraphs([], graphs).release()
+    assert [g.resets for g in graphs] == [1, 1]
+
+
+def test_trainer_releases_the_layer_graphs_after_training_and_after_an_error(monkeypatch, tmp_path):
+    """Whatever ends the run, the trainer frees the captured graphs before returning (the CLI
+    then destroys the process group, which hangs while graphs with NCCL work live). Capture is
+    stood in for on CPU; the GPU tests run the real one."""
+    from tessera.training import trainer
+
+    class Recorded:
+        released = 0
+
+        def release(self):
+            Recorded.released += 1
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(trainer, "fast_paths", lambda cfg, schedule, device: (False, False, True))
+    monkeypatch.setattr(trainer, "graph_layers", lambda chunk, micro_batch, seq_len: Recorded())
+    sets = ["train.device=cpu", "data.source=synthetic", "model.layers=2", "model.hidden=32", "model.heads=2",
+            "model.seq_len=16", "model.vocab_size=64", "train.steps=2", "train.micro_batch=1",
+            "train.global_batch=2", "train.sample_tokens=0", f"train.out_dir={tmp_path}"]
+    history = trainer.train(load_config(None, sets))
+    assert len(history) == 2 and Recorded.released == 1
+
+    def broken(*args):
+        raise RuntimeError("a step failed")
+
+    monkeypatch.setattr(trainer, "_run", broken)
+    with pytest.raises(RuntimeError, match="a step failed"):
+        trainer.train(load_config(None, sets))
+    assert Recorded.released == 2

@@ -1,6 +1,8 @@
 """GPU paths (skipped without CUDA; run on the GPU machine): SDPA's CUDA kernels, NCCL, bf16."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -34,15 +36,36 @@ def test_cuda_model_matches_cpu(family):
     assert (bf16.mean() - ref.mean()).abs().item() < 2e-2
 
 
-def _train(tmp_path, name, nproc, extra):
+def _train(tmp_path, name, nproc, extra, timeout=150):
+    """One `tessera train` run's metrics. On a timeout the whole process group (launcher,
+    torchrun, workers) is killed, so the GPUs are free for the next run, and the failure carries
+    the tail of what the run printed."""
     sets = ["model.hidden=128", "model.layers=2", "model.heads=4", "model.seq_len=64", "train.steps=8",
             "train.micro_batch=2", "train.global_batch=8", "data.source=synthetic", f"train.out_dir={tmp_path / name}",
             *extra]
     command = [sys.executable, "-m", "tessera", "train", "--nproc-per-node", str(nproc)]
-    proc = subprocess.run(command + [a for s in sets for a in ("--set", s)], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.Popen(command + [a for s in sets for a in ("--set", s)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{name}: no result in {timeout} s:\n{out[-3000:]}") from None
+    assert proc.returncode == 0, out[-3000:]
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _all_follow(tmp_path, one, runs: dict, timeout=150):
+    """Every 2-GPU variant in ``runs`` ({name: overrides}) follows ``one``; each runs even after
+    another failed or timed out, so one GPU call names every failure."""
+    failed = []
+    for name, sets in runs.items():
+        try:
+            _follows(one, _train(tmp_path, name, 2, sets, timeout=timeout))
+        except Exception as e:  # noqa: BLE001 -- a timeout too
+            failed.append(f"{name}: {type(e).__name__}: {str(e)[-500:]}")
+    assert not failed, "\n".join(failed)
 
 
 def _follows(one, curve, rel=1e-4):
@@ -55,20 +78,15 @@ def _follows(one, curve, rel=1e-4):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_tensor_parallel_matches_one_gpu(tmp_path):
     """tp=2 with SP (eager, TP communication overlap, async TP both ways, compiled async TP) and
-    dp=2 on NCCL follow one GPU (fp32; fused weight gradients where auto picks them)."""
+    dp=2 on NCCL follow one GPU (fp32; fused weight gradients where auto picks them; eager
+    layers: graphed ones have their own tests)."""
     sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
     one = _train(tmp_path, "one", 1, [])
-    runs = {"tp2": sp, "tp2-overlap": sp + ["parallel.tp_comm_overlap=true"],
+    runs = {"tp2": sp + ["train.cuda_graphs=false"], "tp2-overlap": sp + ["parallel.tp_comm_overlap=true"],
             "tp2-async": sp + ["parallel.tp_async=true"],
             "tp2-async-compiled": sp + ["parallel.tp_async=true", "train.compile=true"],
             "tp2-async-p2p": sp + ["parallel.tp_async=p2p"], "dp2": []}
-    failed = []
-    for name, sets in runs.items():  # every variant runs, so one GPU call names every failure
-        try:
-            _follows(one, _train(tmp_path, name, 2, sets))
-        except Exception as e:  # noqa: BLE001 -- a timeout too: the other variants still run and are named
-            failed.append(f"{name}: {type(e).__name__}: {str(e)[-500:]}")
-    assert not failed, "\n".join(failed)
+    _all_follow(tmp_path, one, runs, timeout=80)
 
 
 @pytest.mark.timeout(300)
@@ -95,19 +113,25 @@ def test_cuda_graphed_layers_follow_eager_layers(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_graphed_layers_without_sp_and_at_dp2_follow_one_gpu(tmp_path):
+    """The other layouts auto may graph: tp=2 without SP (all-reduces captured) and, with the
+    graphs asked for, dp=2 (the data-parallel gradient hooks and bucket reductions fed by the
+    graphs' weight gradients)."""
+    one = _train(tmp_path, "one", 1, [])
+    _all_follow(tmp_path, one, {"tp2-nosp-graphs": ["parallel.tp=2"],
+                                "dp2-graphs": ["train.cuda_graphs=true", "parallel.zero=1",
+                                               "parallel.overlap_param_gather=false"]}, timeout=110)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cuda_graphed_overlapped_tp_paths_follow_one_gpu(tmp_path):
     """The overlapped TP paths captured in the layers' graphs (the ring's NCCL sends and
     receives, the backward's asynchronous reduce-scatter) follow one GPU at tp=2 + SP."""
     one = _train(tmp_path, "one", 1, [])
     sp = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.cuda_graphs=true"]
-    failed = []
-    for name, sets in {"graphs-p2p": sp + ["parallel.tp_async=p2p"],
-                       "graphs-overlap": sp + ["parallel.tp_comm_overlap=true"]}.items():
-        try:
-            _follows(one, _train(tmp_path, name, 2, sets))
-        except Exception as e:  # noqa: BLE001 -- a timeout too: the other variant still runs and is named
-            failed.append(f"{name}: {type(e).__name__}: {str(e)[-500:]}")
-    assert not failed, "\n".join(failed)
+    _all_follow(tmp_path, one, {"graphs-p2p": sp + ["parallel.tp_async=p2p"],
+                                "graphs-overlap": sp + ["parallel.tp_comm_overlap=true"]}, timeout=110)
 
 
 @pytest.mark.timeout(400)

@@ -534,8 +534,10 @@ def validate(cfg: Config, world_size: int) -> Config:
 
 
 def can_graph_layers(cfg: Config) -> bool:
-    """Whether per-layer CUDA graphs can capture this (validated) configuration's layers; the
-    device is the trainer's to check."""
+    """Whether per-layer CUDA graphs can capture this validated configuration's layers (its
+    parallel.dp resolved); the device is the trainer's to check."""
+    if cfg.parallel.dp < 1:
+        raise ValueError("can_graph_layers needs a validated config (parallel.dp resolved): call validate first")
     try:
         _check_cuda_graphs(cfg, cfg.parallel.dp)
     except ConfigError:

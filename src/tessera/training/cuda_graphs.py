@@ -16,8 +16,9 @@ parameters into their buffers: a graph reads the storage it was captured with.
 What it needs (config.validate refuses the rest, the trainer refuses a non-CUDA device): one
 micro-batch's activations live in each layer's static buffers, so pp=1 (no micro-batches in
 flight together); static shapes and no packed sequences; no dropout (the RNG tracker's streams
-are not graph-safe); eager layers with weight gradients left to autograd; no forward hooks on
-the layers (zero 1/2's overlapped parameter gather at dp > 1, FSDP). In eval mode a layer runs
+are not graph-safe); eager layers with weight gradients left to autograd; not torch's
+symmetric-memory async TP (``parallel.tp_async=true``); no forward hooks on the layers (zero
+1/2's overlapped parameter gather at dp > 1, FSDP). In eval mode a layer runs
 its ordinary forward (``make_graphed_callables`` switches on ``module.training``).
 """
 
@@ -37,13 +38,19 @@ class LayerGraphs:
         self.layers, self.graphs = layers, graphs
 
     def release(self) -> None:
-        for layer in self.layers:
+        layers, graphs, self.layers, self.graphs = self.layers, self.graphs, [], []
+        for layer in layers:
             layer.__dict__.pop("forward", None)  # the instance attribute the graphing set
-        if self.graphs and torch.cuda.is_available():
-            torch.cuda.synchronize()  # no replay still running when its graph goes
-        for graph in self.graphs:
-            graph.reset()
-        self.layers, self.graphs = [], []
+        try:
+            if graphs and torch.cuda.is_available():
+                torch.cuda.synchronize()  # no replay still running when its graph goes
+        finally:  # freed even after a CUDA error, or destroying the process group would hang
+            _reset(graphs)
+
+
+def _reset(graphs: list) -> None:
+    for graph in graphs:
+        graph.reset()
 
 
 def _live_graphs() -> list:
@@ -67,11 +74,23 @@ def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmu
     torch.cuda.synchronize(weight.device)
     # make_graphed_callables keeps its graphs in closures only: find the ones it made
     before = {id(g) for g in _live_graphs()}
-    torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup)
+    try:
+        torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup)
+    except BaseException:  # the graphs captured so far would hang destroy_process_group
+        _reset([g for g in _live_graphs() if id(g) not in before])
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+        raise
     graphs = [g for g in _live_graphs() if id(g) not in before]
+    handle = LayerGraphs(layers, graphs)
+    if len(graphs) != 2 * len(layers):  # a forward and a backward graph per layer
+        handle.release()
+        raise RuntimeError(f"found {len(graphs)} CUDA graphs after capturing {len(layers)} layers, not "
+                           f"{2 * len(layers)}: this torch keeps make_graphed_callables' graphs elsewhere, "
+                           "so they could not be freed before the process group; set train.cuda_graphs=false")
     for layer, (sample,) in zip(layers, samples):
         _accept_unpacked_sequence(layer, sample.shape, sample.dtype)
-    return LayerGraphs(layers, graphs)
+    return handle
 
 
 def _accept_unpacked_sequence(layer: nn.Module, shape: torch.Size, dtype: torch.dtype) -> None:

@@ -54,6 +54,7 @@ class DataFeed:
         self.reads = topo.is_first_stage or topo.is_last_stage or self.packing
         self.batches = MicroBatchCalculator.from_config(cfg.train, topo.dp)
         self.loader = None
+        self.header = None  # each field's key, per-micro-batch shape and dtype, after the first step
         source = build_source(cfg)  # on every rank: index building waits for rank 0
         if self.reads and topo.tp_rank == 0:
             self.loader = MicroBatches(source, batches=self.batches, dp_rank=topo.dp_rank)
@@ -64,13 +65,17 @@ class DataFeed:
             count = self.batches.num_micro_batches(self.batches.consumed_samples)
             self.batches.advance()
             return [{} for _ in range(count)]
-        stacked = None
+        stacked, count = None, self.batches.num_micro_batches(self.batches.consumed_samples)
         if self.loader is not None:
             batches = next(self.loader)  # advances self.batches
             stacked = {k: torch.stack([mb[k] for mb in batches]) for k in batches[0]}
         else:
             self.batches.advance()
-        stacked = broadcast_batch(stacked, self.topo.group("tp"), self.topo.tp_src_rank, self.topo.device)
+        # after the first step every TP rank knows the header: the keys and dtypes stay, the
+        # micro-batch count follows the calculator (no host round trip in the broadcast)
+        header = None if self.header is None else [(k, (count, *shape), dtype) for k, shape, dtype in self.header]
+        stacked = broadcast_batch(stacked, self.topo.group("tp"), self.topo.tp_src_rank, self.topo.device, header)
+        self.header = [(k, tuple(v.shape[1:]), v.dtype) for k, v in stacked.items()]
         if self.packing:
             stacked = self._add_document_fields(stacked)
         count = next(iter(stacked.values())).shape[0]

@@ -17,14 +17,20 @@ Communication plan of a step:
    the gradients (inside the fused kernel on CUDA) (then, zero >= 1, the
    parameter all-gather, overlapped with the next step's forward);
 6. the reported loss: one all-reduce over dp (meaningful on the last pipeline stage).
+
+The step never waits for the GPU (except fp16's inf/nan check): the loss, gradient norm and
+token count come back as device tensors in a ``StepResult`` and are read, in one copy, when
+first asked for. The trainer reads step k after it has launched step k+1, so the GPU goes
+from one step to the next without waiting for the host.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from tessera.distributed.finalize import finalize_model_grads
 from tessera.optim import DynamicLossScaler, clip_coefficient, global_grad_norm
@@ -36,10 +42,32 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class StepResult:
-    loss: float
-    grad_norm: float
-    tokens: int
+    """A step's reported loss (mean over the global batch's tokens), global gradient norm and
+    token count, still on the device: reading any of them waits for the step's GPU work."""
+
+    loss_t: Tensor
+    grad_norm_t: Tensor
+    tokens_t: Tensor
     skipped: bool = False
+    _read: tuple[float, float, float] | None = field(default=None, init=False, repr=False)
+
+    def _values(self) -> tuple[float, float, float]:
+        if self._read is None:  # one device-to-host copy for the three
+            both = torch.stack([self.loss_t.double(), self.grad_norm_t.double(), self.tokens_t.double()])
+            self._read = tuple(both.tolist())
+        return self._read
+
+    @property
+    def loss(self) -> float:
+        return self._values()[0]
+
+    @property
+    def grad_norm(self) -> float:
+        return self._values()[1]
+
+    @property
+    def tokens(self) -> int:
+        return int(self._values()[2])
 
 
 def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
@@ -67,10 +95,9 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
     if scaler is not None:
         finite = scaler.unscale_and_check([g for g, _ in grads], None, device)
         scaler.update(finite)
-    grad_norm = global_grad_norm(grads, topo, optimizer.sharded) if finite else torch.tensor(float("nan"))
+    grad_norm = global_grad_norm(grads, topo, optimizer.sharded) if finite else torch.tensor(float("nan"), device=device)
     if finite:
         optimizer.step(clip_coefficient(grad_norm, clip_grad))
     optimizer.zero_grad()
     loss = _sum_over(loss_sum, topo.group("dp"))
-    return StepResult(loss=loss.item(), grad_norm=float(grad_norm), tokens=int(global_tokens.item()),
-                      skipped=not finite)
+    return StepResult(loss, grad_norm.detach(), global_tokens, skipped=not finite)

@@ -225,10 +225,11 @@ def train(cfg: Config) -> list[dict]:
 
     model.train()
     graphs = []
-    if stage.graphed:  # after data parallelism placed the parameters in their buffers
-        graphs = [graph_layers(chunk, t.micro_batch, cfg.model.seq_len // (p.tp if p.sequence_parallel else 1))
-                  for chunk in stage.chunks]
     try:
+        if stage.graphed:  # after data parallelism placed the parameters in their buffers
+            for chunk in stage.chunks:
+                graphs.append(graph_layers(chunk, t.micro_batch,
+                                           cfg.model.seq_len // (p.tp if p.sequence_parallel else 1)))
         return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device)
     finally:  # a graph holding NCCL work would hang destroy_process_group
         for g in graphs:
@@ -255,19 +256,28 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         return out
 
-    for step in range(t.steps):
-        start = time.perf_counter()
-        lr = scheduler.apply(optimizer, step)
-        micro_batches = data.next()
-        result = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)), data_parallel,
-                            clip_grad=cfg.optim.clip_grad, scaler=scaler)
-        elapsed = time.perf_counter() - start
-        metrics = {"step": step + 1, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
-                   "weight_decay": scheduler.weight_decay(step),
-                   "tokens_per_s": result.tokens / elapsed, "tokens": result.tokens,
-                   "step_time_s": elapsed, **speed(result.tokens, elapsed)}
+    # Step k's figures are read after step k+1 is launched (training/step.py), so the host never
+    # leaves the GPU idle between steps; a step's time runs from reading the previous one's.
+    launched, mark = None, time.perf_counter()
+    for step in range(t.steps + 1):
+        previous = launched
+        if step < t.steps:
+            lr = scheduler.apply(optimizer, step)
+            micro_batches = data.next()
+            result = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)), data_parallel,
+                                clip_grad=cfg.optim.clip_grad, scaler=scaler)
+            launched = (step, lr, scheduler.weight_decay(step), scaler.scale if scaler is not None else None, result)
+        if previous is None:
+            continue
+        done, lr_done, decay, scale, result = previous
+        tokens = result.tokens  # waits for that step's GPU work
+        now = time.perf_counter()
+        elapsed, mark = now - mark, now
+        metrics = {"step": done + 1, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr_done,
+                   "weight_decay": decay, "tokens_per_s": tokens / elapsed, "tokens": tokens,
+                   "step_time_s": elapsed, **speed(tokens, elapsed)}
         if scaler is not None:
-            metrics.update(loss_scale=scaler.scale, skipped=result.skipped)
+            metrics.update(loss_scale=scale, skipped=result.skipped)
         logger.log(metrics)
         if logs:
             history.append(metrics)
