@@ -1,5 +1,6 @@
-"""The top GPU kernels of a few training steps (torch.profiler), rank 0, for finding what a layout
-spends its time on. Run like the trainer:
+"""The top GPU kernels of a few training steps (torch.profiler) on rank 0, and on every rank how
+much of a step its GPU is busy (and with NCCL) against the wall time, for finding what a layout
+spends its time on (a pipeline stage that idles shows there). Run like the trainer:
 `torchrun --nproc-per-node N benchmarks/kernel_table.py [k=v ...]` (GPT-1.3B benchmark model)."""
 
 import sys
@@ -7,6 +8,7 @@ import time
 
 import torch
 from bench_setup import build
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from tessera.training.step import train_step
@@ -35,15 +37,26 @@ with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
     torch.cuda.synchronize()
 wall = (time.perf_counter() - t0) / 2
 if rank == 0:
-    table = prof.key_averages()
-    print(table.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70))
-    kernels = [e for e in table if e.self_device_time_total > 0]
-    busy = sum(e.self_device_time_total for e in kernels) / 2e6
-    nccl = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower()) / 2e6
-    launches = sum(e.count for e in kernels) // 2
-    # wall is with the profiler on (slower host side); busy counts overlapping streams twice
-    print(f"SUMMARY {' '.join(sys.argv[1:])}: wall {plain * 1e3:.0f} ms/step ({wall * 1e3:.0f} profiled), kernel time "
-          f"{busy * 1e3:.0f} ms/step of which NCCL {nccl * 1e3:.0f} ms, {launches} kernels/step")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70))
+
+
+def union_ms(spans: list[tuple[float, float]]) -> float:
+    """Time covered by the (start, end) spans in µs, overlaps counted once, in ms."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
+
+
+kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+nccl = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
+# every rank: how much of the step its GPU computes, communicates, and idles (wall is unprofiled)
+print(f"SUMMARY rank {rank} {' '.join(sys.argv[1:])}: wall {plain * 1e3:.0f} ms/step ({wall * 1e3:.0f} profiled), "
+      f"GPU busy {union_ms(spans) / 2:.0f} ms/step (kernels on any stream), of which NCCL {union_ms(nccl) / 2:.0f} ms, "
+      f"{len(kernels) // 2} kernels/step", flush=True)
 for g in b.graphs:  # graphs holding NCCL work would hang the destroy
     g.release()
 torch.distributed.destroy_process_group()

@@ -86,6 +86,10 @@ case "${1:-tests}" in
   nccl)  # tp=2 + SP graphed layers under NCCL's protocols (the in-step collectives ran RING_LL, session 6)
     env | grep ^NCCL; sp="parallel.tp=2 parallel.sequence_parallel=true"
     q $sp; NCCL_PROTO=Simple q $sp; NCCL_PROTO=LL128 q $sp ;;
+  profile)  # per rank: GPU busy / NCCL / wall per step, for pp=2 (which stage idles), dp=2 and graphed tp=2
+    for l in "parallel.pp=2 parallel.schedule=zb-h1" "parallel.zero=1" "parallel.tp=2 parallel.sequence_parallel=true"; do
+      timeout 120 torchrun --nproc-per-node 2 benchmarks/kernel_table.py $l > "${OUT:-/tmp}/kernels_$(echo $l | tr -c 'a-z0-9\n' _).log" 2>&1
+      grep -h SUMMARY "${OUT:-/tmp}"/kernels_$(echo $l | tr -c 'a-z0-9\n' _).log; done ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
   *) echo "usage: $0 tests [K]|diag|session5|tp2|ab|diag-ab" >&2; exit 2 ;;
 esac
