@@ -83,13 +83,22 @@ case "${1:-tests}" in
     timeout 120 torchrun --nproc-per-node 2 .peers/torch_gpt_bench.py --mbs 2 --gbs 16 2>&1 | grep -E "^RESULT|Error" | tail -2
     PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py 2>&1 \
       | grep -E "^RESULT|Error" | tail -2 ;;
-  nccl)  # tp=2 + SP graphed layers under NCCL's protocols (the in-step collectives ran RING_LL, session 6)
+  nccl)  # tp=2 + SP graphed layers under NCCL settings: the in-step collectives ran RING_LL (session 6);
+    # the TP collectives are not overlapped, so more CTAs for them cost no compute (a win here
+    # would become a per-group ProcessGroupNCCL config in Topology)
     env | grep ^NCCL; sp="parallel.tp=2 parallel.sequence_parallel=true"
-    q $sp; NCCL_PROTO=Simple q $sp; NCCL_PROTO=LL128 q $sp ;;
+    q $sp; NCCL_PROTO=Simple q $sp; NCCL_MIN_CTAS=32 q $sp; NCCL_MIN_CTAS=32 NCCL_PROTO=Simple q $sp ;;
   profile)  # per rank: GPU busy / NCCL / wall per step, for pp=2 (which stage idles), dp=2 and graphed tp=2
     for l in "parallel.pp=2 parallel.schedule=zb-h1" "parallel.zero=1" "parallel.tp=2 parallel.sequence_parallel=true"; do
       timeout 120 torchrun --nproc-per-node 2 benchmarks/kernel_table.py $l > "${OUT:-/tmp}/kernels_$(echo $l | tr -c 'a-z0-9\n' _).log" 2>&1
       grep -h SUMMARY "${OUT:-/tmp}"/kernels_$(echo $l | tr -c 'a-z0-9\n' _).log; done ;;
+  pp2)  # issue 6's pp=2 target: one GPU, pp=2 (auto: ZB-H1 with W's deferred behind the I's, session 6), the
+    # session-5 layout A/B, megatron-core pp=2 in the same call
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+    NPROC=1 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    q parallel.pp=2; q parallel.pp=2 parallel.pp_layout=balanced
+    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --pp 2 2>&1 \
+      | grep -E "^RESULT|Error" | tail -2 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
   *) echo "usage: $0 tests [K]|diag|session5|tp2|ab|diag-ab" >&2; exit 2 ;;
 esac

@@ -104,7 +104,9 @@ def test_bubble_and_step_time_by_hand():
     one_f_one_b = simulate(_built("1f1b", 4, 1, 8))
     assert one_f_one_b.step_time == 33 and one_f_one_b.bubble_fraction == pytest.approx(3 / 8)
     assert simulate(_built("interleaved", 4, 2, 8), 2).bubble_fraction == pytest.approx(3 / 16)
-    assert simulate(_built("zb-h1", 4, 1, 6)).bubble_fraction == pytest.approx(1 / 3)
+    # ZB-H1 p=4 m=6 (unit F, I, W): 3m + p - 1 = 21 against 18 busy, the paper's (p - 1)(F + I - W)
+    zb = simulate(_built("zb-h1", 4, 1, 6))
+    assert zb.step_time == 21 and zb.bubble_fraction == pytest.approx(3 / 18)
     # Latency adds to every hop of the fill and drain: 1F1B pp=2 m=1 is F, comm, F, B, comm, B.
     slow = simulate(_built("1f1b", 2, 1, 1), costs=Costs(F=1, B=2, comm=0.5))
     assert slow.step_time == pytest.approx(1 + 0.5 + 1 + 2 + 0.5 + 2)
@@ -117,6 +119,8 @@ def test_peak_in_flight(pp):
             timeline = simulate(_built(kind, pp, 1, m))
             assert timeline.peak_in_flight(0) == min(m, pp) <= pp, (kind, m)
             assert all(timeline.peak_in_flight(r) <= pp - r for r in range(pp)), (kind, m)
+            deferred = [timeline.peak_weight_grads_pending(r) for r in range(pp)]
+            assert all(d <= (min(m, pp) if kind == "zb-h1" else 0) for d in deferred), (kind, m, deferred)
         assert simulate(_built("gpipe", pp, 1, m)).peak_in_flight(0) == m
     for m in (pp, 2 * pp, 3 * pp):  # interleaved holds (micro-batch, chunk) pairs: Megatron's warm-up + 1
         timeline = simulate(_built("interleaved", pp, 2, m), 2)
@@ -211,6 +215,10 @@ def test_cli_prints_one_line_with_the_bubble(capsys):
     assert "analytic" not in line and "step time" in line
     expected = simulate(_built("zb-h1", 2, 1, 3), costs=Costs(F=2, B=4, I=2, W=2, comm=1))
     assert f"step time {expected.step_time:g}, bubble {expected.bubble_fraction:.3f}" in line
+    assert cli.main(["schedule", "--kind", "zb-h1", "--pp", "2", "--microbatches", "8"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        "zb-h1 pp=2 vpp=1 microbatches=8: step time 25, bubble 0.042 (analytic 0.042), "
+        "peak in-flight micro-batches per rank [2, 1], peak deferred weight gradients per rank [2, 2]")
 
 
 def test_cli_writes_the_svg(tmp_path, capsys):
@@ -275,3 +283,14 @@ def test_png_picture_from_the_cli(tmp_path, capsys):
     assert "bubble 0.188 (analytic 0.188)" in capsys.readouterr().out
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_zero_bubble_h1_reaches_the_papers_step_time(pp):
+    """With unit F, I, W and at least pp micro-batches, ZB-H1 takes 3m + p - 1: a bubble of
+    (p - 1)(F + I - W), a third of 1F1B's (Qi et al., 2023), while holding 1F1B's activations
+    and deferring at most pp W's."""
+    for m in range(pp, 3 * pp + 2):
+        timeline = simulate(_built("zb-h1", pp, 1, m))
+        assert timeline.step_time == 3 * m + pp - 1, m
+        assert max(timeline.peak_weight_grads_pending(r) for r in range(pp)) <= pp, m

@@ -47,7 +47,8 @@ class PipelineExecutor:
         self.chunks, self.actions, self.p2p = chunks, actions, p2p
         self.pp, self.pp_rank, self.wgrad_store = pp, pp_rank, wgrad_store
         self.vpp = len(chunks)
-        self.peak_in_flight = 0  # most micro-batches holding activations at once (last run)
+        self.peak_in_flight = 0  # most micro-batches holding activations at once (F done, B or I not; last run)
+        self.peak_weight_grads_pending = 0  # most deferred W's at once (I done, W not; last run)
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.pp + self.pp_rank
@@ -64,10 +65,11 @@ class PipelineExecutor:
         recvs: dict[tuple, PendingRecv] = {}
         state: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}  # F done, backward not yet
         input_grads: dict[tuple[int, int], Tensor] = {}  # backward done, SEND_B not yet
-        holding: set[tuple[int, int]] = set()  # activations alive: F done, B (or W) not yet
+        holding: set[tuple[int, int]] = set()  # activations alive: F done, B or I not yet
+        deferred: set[tuple[int, int]] = set()  # I done, W not yet: the weight-gradient store holds its inputs
         if self.p2p is not None:
             self.p2p.new_step()
-        self.peak_in_flight = 0
+        self.peak_in_flight = self.peak_weight_grads_pending = 0
         for action in self.actions:
             mb, c, op = action.microbatch, action.chunk, action.op
             key = (mb, c)
@@ -99,13 +101,15 @@ class PipelineExecutor:
                     _backward(out, grad)
                 if x is not None:
                     input_grads[key] = x.grad
-                if op == Op.B:
-                    holding.discard(key)
+                holding.discard(key)
+                if op == Op.I:
+                    deferred.add(key)
+                    self.peak_weight_grads_pending = max(self.peak_weight_grads_pending, len(deferred))
             elif op == Op.SEND_B:
                 self.p2p.send("B", action.peer, self._tag(mb, c), input_grads.pop(key))
             elif op == Op.W:
                 self.wgrad_store.run(key)
-                holding.discard(key)
+                deferred.discard(key)
             if self.p2p is not None:
                 self.p2p.reap()
         if self.p2p is not None:

@@ -19,8 +19,13 @@ Kinds:
   of the backwards: at most ``pp - rank`` micro-batches in flight;
 - ``interleaved``: 1F1B over virtual stages (Megatron's order: rounds of ``pp`` micro-batches
   through every chunk), any number of micro-batches (a last, partial round is allowed);
-- ``zb-h1``: zero-bubble H1: backward split into I and W; the W's fill what would be bubbles,
-  the number of micro-batches holding activations bounded as in 1F1B (``pp - rank``).
+- ``zb-h1``: zero-bubble H1 (Qi et al., 2023): backward split into I (input gradient, on the
+  critical path back through the pipeline) and W (weight gradient, needed only by the optimizer
+  step); the micro-batches holding activations (forward done, I not yet) bounded as in 1F1B
+  (``pp - rank``), and up to ``pp`` W's deferred to fill what would be bubbles. With unit costs
+  F = I = W the step takes ``3m + p - 1``: a bubble of ``(p - 1)(F + I - W)``, the paper's
+  ZB-H1 figure and a third of 1F1B's. A deferred W keeps only its linear layers' inputs and
+  output gradients (the weight-gradient store), not the micro-batch's other activations.
 
 Communication is overlapped: the receive a rank needs for its next compute is posted before its
 current compute (Megatron's overlap_p2p_comm), so it arrives while the rank works.
@@ -123,9 +128,12 @@ def _list_schedule(pp: int, vpp: int, forwards: list[tuple[int, int]], backwards
 
     Every rank walks the same forward and backward sequences of (micro-batch, chunk). A free
     rank takes, in priority order: the next backward (B, or I when split) whose gradient has
-    arrived; the next forward whose input has arrived, while fewer than ``limits[rank]``
-    micro-batches hold activations (forward done, backward not); then (split only) its oldest
-    pending W. The result is deterministic, and as a completed simulation it cannot deadlock.
+    arrived; (split only) its oldest pending W once ``pp`` are pending; the next forward whose
+    input has arrived, while fewer than ``limits[rank]`` micro-batches hold activations
+    (forward done, B or I not); then (split only) its oldest pending W. Deferring W's behind
+    the next I and F keeps the I's, the pipeline's critical path, moving (a W done at once
+    would hold the last stage's next forward back, and every rank's I behind it). The result
+    is deterministic, and as a completed simulation it cannot deadlock.
     """
     last = pp * vpp - 1
     back_op = Op.I if split_backward else Op.B
@@ -152,7 +160,10 @@ def _list_schedule(pp: int, vpp: int, forwards: list[tuple[int, int]], backwards
                 key = (Op.F, mb, stage) if stage == last else (back_op, mb, stage + 1)
                 if ready(key, t) and (Op.F, mb, stage) in done:
                     choice = (back_op, mb, c)
-            held = nf[r] - (nw[r] if split_backward else nb[r])  # micro-batches holding activations
+            if choice is None and split_backward and nb[r] - nw[r] >= pp:
+                mb, c = backwards[nw[r]]
+                choice = (Op.W, mb, c)
+            held = nf[r] - nb[r]  # micro-batches holding activations
             if choice is None and nf[r] < total and held < limits[r]:
                 mb, c = forwards[nf[r]]
                 stage = c * pp + r

@@ -6,7 +6,7 @@ and its input is ready (the producer's finish time plus ``comm`` latency). Sends
 progress before all are done, the lists would hang a real run: :class:`ScheduleError` says where.
 
 Bubble fraction = (step time - busy time) / busy time, for the busiest rank; with uniform costs
-it is (p - 1) / m for 1F1B, (p - 1) / (v * m) for interleaved and 2 (p - 1) / (3 m) for ZB-H1
+it is (p - 1) / m for 1F1B, (p - 1) / (v * m) for interleaved and (p - 1) / (3 m) for ZB-H1
 (with F = I = W), the analytic values.
 """
 
@@ -50,14 +50,22 @@ class Timeline:
         return (self.step_time - busy) / busy if busy else 0.0
 
     def peak_in_flight(self, rank: int) -> int:
-        """Most micro-batches whose activations this rank holds at once (F done, backward not)."""
+        """Most micro-batches whose activations this rank holds at once (F done, B or I not)."""
+        return self._peak(rank, Op.F, (Op.B, Op.I))
+
+    def peak_weight_grads_pending(self, rank: int) -> int:
+        """Most micro-batches whose W this rank has deferred at once (I done, W not): each keeps
+        only its linear layers' inputs and output gradients."""
+        return self._peak(rank, Op.I, (Op.W,))
+
+    def _peak(self, rank: int, opens: Op, closes: tuple[Op, ...]) -> int:
         held, peak = set(), 0
         for action, _, _ in self.spans[rank]:
             key = (action.microbatch, action.chunk)
-            if action.op == Op.F:
+            if action.op == opens:
                 held.add(key)
                 peak = max(peak, len(held))
-            elif action.op in (Op.B, Op.W):
+            elif action.op in closes:
                 held.discard(key)
         return peak
 
@@ -121,8 +129,8 @@ def analytic_bubble(kind: str, pp: int, vpp: int, microbatches: int) -> float:
         return (pp - 1) / microbatches
     if kind == "interleaved":
         return (pp - 1) / (vpp * microbatches)
-    if kind == "zb-h1":  # (p - 1)(F + B - W) / (m (F + B)) with F = I = W: two thirds of 1F1B's
-        return 2 * (pp - 1) / (3 * microbatches)
+    if kind == "zb-h1":  # (p - 1)(F + I - W) / (m (F + I + W)) with F = I = W: a third of 1F1B's
+        return (pp - 1) / (3 * microbatches)
     return 0.0  # none
 
 
