@@ -364,3 +364,41 @@ def test_trainer_releases_the_layer_graphs_after_training_and_after_an_error(mon
     with pytest.raises(RuntimeError, match="a step failed"):
         trainer.train(load_config(None, sets))
     assert Recorded.released == 2
+
+
+def test_trainer_reads_each_step_after_launching_the_next(monkeypatch, tmp_path):
+    """The host never waits for step k before step k+1 is queued: the trainer reads a step's
+    figures (which waits for its GPU work) only after launching the next, and still logs every
+    step with its own learning rate."""
+    from tessera.training import trainer
+
+    events = []
+
+    class Result:
+        skipped = False
+
+        def __init__(self, step):
+            self.step = step
+
+        @property
+        def tokens(self):
+            events.append(f"read {self.step}")
+            return 4
+
+        loss = 1.0
+        grad_norm = 0.5
+
+    def fake_step(optimizer, micro_batches, *args, **kwargs):
+        step = sum(e.startswith("launch") for e in events)
+        events.append(f"launch {step}")
+        return Result(step)
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(trainer, "train_step", fake_step)
+    sets = ["train.device=cpu", "data.source=synthetic", "model.layers=1", "model.hidden=32", "model.heads=2",
+            "model.seq_len=16", "model.vocab_size=64", "train.steps=3", "train.micro_batch=1",
+            "train.global_batch=2", "train.sample_tokens=0", "optim.warmup=3", f"train.out_dir={tmp_path}"]
+    history = trainer.train(load_config(None, sets))
+    assert events == ["launch 0", "launch 1", "read 0", "launch 2", "read 1", "read 2"]
+    assert [m["step"] for m in history] == [1, 2, 3]
+    assert history[0]["lr"] < history[1]["lr"] < history[2]["lr"]  # warm-up: each step logs its own

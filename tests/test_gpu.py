@@ -163,6 +163,21 @@ def test_nccl_zero_matches_one_gpu(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_step_result_is_read_without_waiting_for_later_work():
+    """A step's figures are copied to the host behind its own work: reading them returns while
+    work queued after the step (the next step, here a second of spinning) still runs."""
+    from tessera.training.step import StepResult
+
+    x = torch.ones((), device="cuda")
+    result = StepResult.launch(x * 2, x * 3, x * 4, skipped=False)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles, queued after the copy
+    assert (result.loss, result.grad_norm, result.tokens) == (2.0, 3.0, 4)
+    still_running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_running, "reading the step waited for the work launched after it"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_fused_adamw_applies_the_clip_factor_like_foreach():
     """On CUDA the clipping factor goes into the fused AdamW kernel (grad_scale); on CPU it
     multiplies the gradients first. Both must give the same update."""

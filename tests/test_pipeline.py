@@ -188,7 +188,7 @@ def _run_case(topo: Topology, case: Case, steps: list[dict]) -> list[dict]:
                 assert name not in grads, f"{name} held by two chunks of one rank"
                 grads[name] = None if p.grad is None else p.grad.detach().clone()
         out.append(dict(loss=loss.detach().clone(), grads=grads, peak=executor.peak_in_flight,
-                        peak_w=executor.peak_weight_grads_pending,
+                        peak_w=executor.peak_weight_grads_pending, peak_held=executor.peak_held,
                         pending_w=len(store) if store is not None else 0, pp_rank=topo.pp_rank,
                         tp_rank=topo.tp_rank, stage_layers=[list(c.layer_range) for c in chunks]))
     return out
@@ -361,8 +361,8 @@ def test_uneven_layout_places_layers_as_given():
 
 def test_peak_in_flight_is_bounded_by_the_schedule():
     """1f1b and zb-h1 hold at most pp - rank micro-batches' activations (exactly pp on rank 0);
-    zb-h1 defers at most pp W's besides; gpipe holds all m; as counted by the executor itself,
-    and as the simulator predicts."""
+    zb-h1 holds at most pp micro-batches from F to W (deferred W's included); gpipe holds all m;
+    as counted by the executor itself, and as the simulator predicts."""
     seen = set()
     for world in (2, 4, 8):
         for case, per_rank in results(world)["cases"]:
@@ -373,7 +373,10 @@ def test_peak_in_flight_is_bounded_by_the_schedule():
                 assert 1 <= peak <= case.m * case.vpp, what
                 assert peak == timeline.peak_in_flight(p), f"{what}, simulated {timeline.peak_in_flight(p)}"
                 assert r["peak_w"] == timeline.peak_weight_grads_pending(p), what
+                assert r["peak_held"] == timeline.peak_held(p), what
                 assert r["peak_w"] <= (case.pp if case.kind == "zb-h1" else 0), what
+                if case.kind == "zb-h1":  # from F to W: within 1F1B's bound of rank 0
+                    assert r["peak_held"] <= case.pp, what
                 if case.kind in ("1f1b", "zb-h1"):
                     assert peak <= case.pp - p, what
                     if p == 0 and case.m >= case.pp:

@@ -49,6 +49,7 @@ class PipelineExecutor:
         self.vpp = len(chunks)
         self.peak_in_flight = 0  # most micro-batches holding activations at once (F done, B or I not; last run)
         self.peak_weight_grads_pending = 0  # most deferred W's at once (I done, W not; last run)
+        self.peak_held = 0  # most micro-batches holding anything at once (F done, B or W not; last run)
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.pp + self.pp_rank
@@ -69,7 +70,7 @@ class PipelineExecutor:
         deferred: set[tuple[int, int]] = set()  # I done, W not yet: the weight-gradient store holds its inputs
         if self.p2p is not None:
             self.p2p.new_step()
-        self.peak_in_flight = self.peak_weight_grads_pending = 0
+        self.peak_in_flight = self.peak_weight_grads_pending = self.peak_held = 0
         for action in self.actions:
             mb, c, op = action.microbatch, action.chunk, action.op
             key = (mb, c)
@@ -90,6 +91,7 @@ class PipelineExecutor:
                 state[key] = (x, out)
                 holding.add(key)
                 self.peak_in_flight = max(self.peak_in_flight, len(holding))
+                self.peak_held = max(self.peak_held, len(holding) + len(deferred))
             elif op == Op.SEND_F:
                 out = state[key][1]
                 self.p2p.send("F", action.peer, self._tag(mb, c), out.detach())

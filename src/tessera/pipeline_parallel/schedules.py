@@ -21,11 +21,9 @@ Kinds:
   through every chunk), any number of micro-batches (a last, partial round is allowed);
 - ``zb-h1``: zero-bubble H1 (Qi et al., 2023): backward split into I (input gradient, on the
   critical path back through the pipeline) and W (weight gradient, needed only by the optimizer
-  step); the micro-batches holding activations (forward done, I not yet) bounded as in 1F1B
-  (``pp - rank``), and up to ``pp`` W's deferred to fill what would be bubbles. With unit costs
-  F = I = W the step takes ``3m + p - 1``: a bubble of ``(p - 1)(F + I - W)``, the paper's
-  ZB-H1 figure and a third of 1F1B's. A deferred W keeps only its linear layers' inputs and
-  output gradients (the weight-gradient store), not the micro-batch's other activations.
+  step); rank r defers each W by r micro-batches, so the W's fill what would be bubbles, and
+  holds at most ``pp`` micro-batches from F to W. With unit costs F = I = W and m >= pp the
+  step takes ``3m + p - 1``: a bubble of ``(p - 1)(F + I - W)``, a third of 1F1B's.
 
 Communication is overlapped: the receive a rank needs for its next compute is posted before its
 current compute (Megatron's overlap_p2p_comm), so it arrives while the rank works.
@@ -123,23 +121,19 @@ def _interleaved_sequence(pp: int, vpp: int, m: int, reverse_chunks: bool) -> li
 
 
 def _list_schedule(pp: int, vpp: int, forwards: list[tuple[int, int]], backwards: list[tuple[int, int]],
-                   limits: list[int], split_backward: bool) -> list[list[Action]]:
-    """Per-rank orders by list scheduling on a unit-cost clock (F = 1, B = 2, I = W = 1).
+                   limits: list[int]) -> list[list[Action]]:
+    """Per-rank orders by list scheduling on a unit-cost clock (F = 1, B = 2).
 
     Every rank walks the same forward and backward sequences of (micro-batch, chunk). A free
-    rank takes, in priority order: the next backward (B, or I when split) whose gradient has
-    arrived; (split only) its oldest pending W once ``pp`` are pending; the next forward whose
-    input has arrived, while fewer than ``limits[rank]`` micro-batches hold activations
-    (forward done, B or I not); then (split only) its oldest pending W. Deferring W's behind
-    the next I and F keeps the I's, the pipeline's critical path, moving (a W done at once
-    would hold the last stage's next forward back, and every rank's I behind it). The result
-    is deterministic, and as a completed simulation it cannot deadlock.
+    rank takes, in priority order: the next backward whose gradient has arrived; the next
+    forward whose input has arrived, while fewer than ``limits[rank]`` micro-batches hold
+    activations (forward done, backward not). The result is deterministic, and as a completed
+    simulation it cannot deadlock.
     """
     last = pp * vpp - 1
-    back_op = Op.I if split_backward else Op.B
-    cost = {Op.F: 1, Op.B: 2, Op.I: 1, Op.W: 1}
+    cost = {Op.F: 1, Op.B: 2}
     done: dict[tuple, int] = {}  # (op, mb, stage) -> finish time
-    nf, nb, nw = [0] * pp, [0] * pp, [0] * pp
+    nf, nb = [0] * pp, [0] * pp
     free = [0] * pp
     orders: list[list[Action]] = [[] for _ in range(pp)]
     total = len(forwards)
@@ -148,7 +142,7 @@ def _list_schedule(pp: int, vpp: int, forwards: list[tuple[int, int]], backwards
         return done.get(key, t + 1) <= t
 
     t = 0
-    while any(n < total for n in (nw if split_backward else nb)):
+    while any(n < total for n in nb):
         progressed = any(f > t for f in free)
         for r in range(pp):
             if free[r] > t:
@@ -157,26 +151,18 @@ def _list_schedule(pp: int, vpp: int, forwards: list[tuple[int, int]], backwards
             if nb[r] < nf[r]:
                 mb, c = backwards[nb[r]]
                 stage = c * pp + r
-                key = (Op.F, mb, stage) if stage == last else (back_op, mb, stage + 1)
+                key = (Op.F, mb, stage) if stage == last else (Op.B, mb, stage + 1)
                 if ready(key, t) and (Op.F, mb, stage) in done:
-                    choice = (back_op, mb, c)
-            if choice is None and split_backward and nb[r] - nw[r] >= pp:
-                mb, c = backwards[nw[r]]
-                choice = (Op.W, mb, c)
-            held = nf[r] - nb[r]  # micro-batches holding activations
-            if choice is None and nf[r] < total and held < limits[r]:
+                    choice = (Op.B, mb, c)
+            if choice is None and nf[r] < total and nf[r] - nb[r] < limits[r]:
                 mb, c = forwards[nf[r]]
                 stage = c * pp + r
                 if stage == 0 or ready((Op.F, mb, stage - 1), t):
                     choice = (Op.F, mb, c)
-            if choice is None and split_backward and nw[r] < nb[r]:
-                mb, c = backwards[nw[r]]
-                choice = (Op.W, mb, c)
             if choice is None:
                 continue
             op, mb, c = choice
-            counter = {Op.F: nf, Op.W: nw}.get(op, nb)
-            counter[r] += 1
+            (nf if op == Op.F else nb)[r] += 1
             orders[r].append(Action(op, mb, c))
             done[(op, mb, c * pp + r)] = t + cost[op]
             free[r] = t + cost[op]
@@ -202,31 +188,47 @@ def compute_order(kind: str, pp: int, vpp: int, microbatches: int, rank: int) ->
         forwards = _interleaved_sequence(pp, vpp, m, reverse_chunks=False)
         backwards = _interleaved_sequence(pp, vpp, m, reverse_chunks=True)
         return _one_f_one_b(forwards, backwards, (pp - rank - 1) * 2 + (vpp - 1) * pp)
-    return list(_clocked_orders(kind, pp, vpp, m)[rank])
+    if kind == "zb-h1":
+        return _zero_bubble_h1(pp, m, rank)
+    return list(_clocked_interleaved(pp, vpp, m)[rank])
+
+
+def _zero_bubble_h1(pp: int, m: int, rank: int) -> list[Action]:
+    """ZB-H1 (Qi et al., 2023): ``pp - rank`` warm-up forwards, then for each micro-batch ``k``
+    its I, the W of micro-batch ``k - rank`` and the next forward, then the W's left. Rank r
+    defers each W by r micro-batches, so the I's, the pipeline's critical path back to rank 0,
+    never wait behind a W on the later ranks, and the deferred W's fill the drain; every rank
+    holds at most ``pp`` micro-batches from F to W, 1F1B's bound on rank 0."""
+    warmup = min(pp - rank, m)
+    order = [Action(Op.F, mb) for mb in range(warmup)]
+    weights = 0
+    for mb in range(m):
+        order.append(Action(Op.I, mb))
+        if mb >= rank:
+            order.append(Action(Op.W, mb - rank))
+            weights += 1
+        if mb + warmup < m:
+            order.append(Action(Op.F, mb + warmup))
+    return order + [Action(Op.W, mb) for mb in range(weights, m)]
 
 
 @functools.lru_cache(maxsize=32)
-def _clocked_orders(kind: str, pp: int, vpp: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    """Every rank's order from one list-scheduling run (cached: build_all asks once per rank).
-
+def _clocked_interleaved(pp: int, vpp: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's order from one list-scheduling run (cached: build_all asks once per rank):
     interleaved with a partial last round (m % pp != 0), where Megatron's fixed warm-up can
-    deadlock, and zb-h1."""
-    if kind == "interleaved":
-        forwards = _interleaved_sequence(pp, vpp, m, reverse_chunks=False)
-        backwards = _interleaved_sequence(pp, vpp, m, reverse_chunks=True)
-        # Megatron's warm-up for rounds of this size, plus one (the 1F1B step's forward)
-        warmup = [(pp - r - 1) * 2 + (vpp - 1) * max(_round_sizes(pp, m)) + 1 for r in range(pp)]
-        for slack in range(pp * vpp + 1):  # widen only if that is too tight to make progress
-            try:
-                orders = _list_schedule(pp, vpp, forwards, backwards, [w + slack for w in warmup], False)
-                break
-            except ScheduleError:
-                continue
-        else:
-            raise ScheduleError(f"no interleaved order found for pp={pp}, vpp={vpp}, {m} micro-batches")
+    deadlock."""
+    forwards = _interleaved_sequence(pp, vpp, m, reverse_chunks=False)
+    backwards = _interleaved_sequence(pp, vpp, m, reverse_chunks=True)
+    # Megatron's warm-up for rounds of this size, plus one (the 1F1B step's forward)
+    warmup = [(pp - r - 1) * 2 + (vpp - 1) * max(_round_sizes(pp, m)) + 1 for r in range(pp)]
+    for slack in range(pp * vpp + 1):  # widen only if that is too tight to make progress
+        try:
+            orders = _list_schedule(pp, vpp, forwards, backwards, [w + slack for w in warmup])
+            break
+        except ScheduleError:
+            continue
     else:
-        seq = [(mb, 0) for mb in range(m)]
-        orders = _list_schedule(pp, 1, seq, seq, [pp - r for r in range(pp)], True)
+        raise ScheduleError(f"no interleaved order found for pp={pp}, vpp={vpp}, {m} micro-batches")
     return tuple(tuple(order) for order in orders)
 
 

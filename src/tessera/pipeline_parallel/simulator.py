@@ -58,6 +58,10 @@ class Timeline:
         only its linear layers' inputs and output gradients."""
         return self._peak(rank, Op.I, (Op.W,))
 
+    def peak_held(self, rank: int) -> int:
+        """Most micro-batches this rank holds anything of at once (F done, B or W not)."""
+        return self._peak(rank, Op.F, (Op.B, Op.W))
+
     def _peak(self, rank: int, opens: Op, closes: tuple[Op, ...]) -> int:
         held, peak = set(), 0
         for action, _, _ in self.spans[rank]:

@@ -19,9 +19,10 @@ Communication plan of a step:
 6. the reported loss: one all-reduce over dp (meaningful on the last pipeline stage).
 
 The step never waits for the GPU (except fp16's inf/nan check): the loss, gradient norm and
-token count come back as device tensors in a ``StepResult`` and are read, in one copy, when
-first asked for. The trainer reads step k after it has launched step k+1, so the GPU goes
-from one step to the next without waiting for the host.
+token count are copied to pinned host memory behind the step's work, with an event, and a
+``StepResult`` reads them when first asked for, waiting for that event only. The trainer reads
+step k after it has launched step k+1, so the GPU goes from one step to the next without
+waiting for the host.
 """
 
 from __future__ import annotations
@@ -43,18 +44,31 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass
 class StepResult:
     """A step's reported loss (mean over the global batch's tokens), global gradient norm and
-    token count, still on the device: reading any of them waits for the step's GPU work."""
+    token count. On CUDA they are on their way to the host when the step returns (one copy,
+    into pinned memory, queued right after the step's work, with an event): reading them waits
+    for this step's work only, not for whatever was launched after it."""
 
-    loss_t: Tensor
-    grad_norm_t: Tensor
-    tokens_t: Tensor
+    values: Tensor  # [loss, grad norm, tokens], float64, on the host (pinned on CUDA)
+    ready: torch.cuda.Event | None = None
     skipped: bool = False
-    _read: tuple[float, float, float] | None = field(default=None, init=False, repr=False)
+    _read: list[float] | None = field(default=None, init=False, repr=False)
 
-    def _values(self) -> tuple[float, float, float]:
-        if self._read is None:  # one device-to-host copy for the three
-            both = torch.stack([self.loss_t.double(), self.grad_norm_t.double(), self.tokens_t.double()])
-            self._read = tuple(both.tolist())
+    @staticmethod
+    def launch(loss: Tensor, grad_norm: Tensor, tokens: Tensor, skipped: bool) -> "StepResult":
+        values = torch.stack([loss.detach().double(), grad_norm.detach().double(), tokens.double()])
+        if values.device.type != "cuda":
+            return StepResult(values, None, skipped)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return StepResult(host, ready, skipped)
+
+    def _values(self) -> list[float]:
+        if self._read is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self._read = self.values.tolist()
         return self._read
 
     @property
@@ -84,7 +98,7 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
     device = topo.device
     # (pipeline middle stages hold no loss mask: their count is unused, the loss is on the last stage)
     local_tokens = sum((mb["loss_mask"].sum() for mb in micro_batches if "loss_mask" in mb),
-                       torch.zeros(())).to(device, torch.float32)
+                       torch.zeros((), device=device)).to(torch.float32)  # on the device: no host wait
     global_tokens = _sum_over(local_tokens.clone(), topo.group("dp"))
     data_parallel.start_step(len(micro_batches))
     loss_sum = executor.run(micro_batches, global_tokens, loss_scale=scaler.scale if scaler is not None else 1.0)
@@ -100,4 +114,4 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
         optimizer.step(clip_coefficient(grad_norm, clip_grad))
     optimizer.zero_grad()
     loss = _sum_over(loss_sum, topo.group("dp"))
-    return StepResult(loss, grad_norm.detach(), global_tokens, skipped=not finite)
+    return StepResult.launch(loss, grad_norm, global_tokens, skipped=not finite)
