@@ -375,10 +375,10 @@ def test_trainer_reads_each_step_after_launching_the_next(monkeypatch, tmp_path)
     events = []
 
     class Result:
-        skipped = False
+        skipped, ready = False, None
 
         def __init__(self, step):
-            self.step = step
+            self.step, self.finished_at = step, float(step + 1)  # each step "took" one second
 
         @property
         def tokens(self):
@@ -401,4 +401,5 @@ def test_trainer_reads_each_step_after_launching_the_next(monkeypatch, tmp_path)
     history = trainer.train(load_config(None, sets))
     assert events == ["launch 0", "launch 1", "read 0", "launch 2", "read 1", "read 2"]
     assert [m["step"] for m in history] == [1, 2, 3]
+    assert [m["step_time_s"] for m in history[1:]] == [1.0, 1.0]  # from one step's end to the next's
     assert history[0]["lr"] < history[1]["lr"] < history[2]["lr"]  # warm-up: each step logs its own

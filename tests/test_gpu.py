@@ -175,6 +175,12 @@ def test_step_result_is_read_without_waiting_for_later_work():
     still_running = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
     assert still_running, "reading the step waited for the work launched after it"
+    # the step's time is where its work ran: between CUDA events, not the host's launch times
+    from tessera.training.step import StepClock
+    clock = StepClock(torch.device("cuda"))
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU work in "the step"
+    elapsed = clock.lap(StepResult.launch(x, x, x, skipped=False))
+    assert 0.05 < elapsed < 5, elapsed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

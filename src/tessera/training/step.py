@@ -27,6 +27,7 @@ waiting for the host.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -49,18 +50,19 @@ class StepResult:
     for this step's work only, not for whatever was launched after it."""
 
     values: Tensor  # [loss, grad norm, tokens], float64, on the host (pinned on CUDA)
-    ready: torch.cuda.Event | None = None
+    ready: torch.cuda.Event | None = None  # CUDA: recorded behind the step's work (timing on)
     skipped: bool = False
+    finished_at: float = 0.0  # off CUDA: the host clock when the (synchronous) step returned
     _read: list[float] | None = field(default=None, init=False, repr=False)
 
     @staticmethod
     def launch(loss: Tensor, grad_norm: Tensor, tokens: Tensor, skipped: bool) -> "StepResult":
         values = torch.stack([loss.detach().double(), grad_norm.detach().double(), tokens.double()])
         if values.device.type != "cuda":
-            return StepResult(values, None, skipped)
+            return StepResult(values, None, skipped, time.perf_counter())
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event(enable_timing=True)
         ready.record()
         return StepResult(host, ready, skipped)
 
@@ -82,6 +84,26 @@ class StepResult:
     @property
     def tokens(self) -> int:
         return int(self._values()[2])
+
+
+class StepClock:
+    """Time per step where the step's work runs: between CUDA events on a GPU (the host runs a
+    step ahead, so its clock would time the launches), on the host clock elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.last_time, self.last_event = time.perf_counter(), None
+        if device.type == "cuda":
+            self.last_event = torch.cuda.Event(enable_timing=True)
+            self.last_event.record()
+
+    def lap(self, result: StepResult) -> float:
+        """Seconds from the previous step's end (or the clock's start) to ``result``'s."""
+        if result.ready is not None and self.last_event is not None:
+            result.ready.synchronize()
+            elapsed, self.last_event = self.last_event.elapsed_time(result.ready) / 1e3, result.ready
+            return elapsed
+        elapsed, self.last_time = result.finished_at - self.last_time, result.finished_at
+        return elapsed
 
 
 def _sum_over(x: torch.Tensor, group) -> torch.Tensor:

@@ -10,7 +10,6 @@ inside the TP group; the global batch may ramp up) -> steps -> metrics -> sample
 from __future__ import annotations
 
 import datetime
-import time
 
 import torch
 from torch import nn
@@ -37,7 +36,7 @@ from tessera.training.flops import flops_per_token, peak_flops
 from tessera.training.cuda_graphs import graph_layers
 from tessera.training.launch import init_distributed, pick_device, world_from_env
 from tessera.training.metrics import JsonlLogger, NullLogger
-from tessera.training.step import DTYPES, train_step
+from tessera.training.step import DTYPES, StepClock, train_step
 
 
 def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int = 0) -> str:
@@ -257,8 +256,8 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
         return out
 
     # Step k's figures are read after step k+1 is launched (training/step.py), so the host never
-    # leaves the GPU idle between steps; a step's time runs from reading the previous one's.
-    launched, mark = None, time.perf_counter()
+    # leaves the GPU idle between steps; a step's time is where its work ran (StepClock).
+    launched, clock = None, StepClock(device)
     for step in range(t.steps + 1):
         previous = launched
         if step < t.steps:
@@ -271,8 +270,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             continue
         done, lr_done, decay, scale, result = previous
         tokens = result.tokens  # waits for that step's GPU work
-        now = time.perf_counter()
-        elapsed, mark = now - mark, now
+        elapsed = clock.lap(result)
         metrics = {"step": done + 1, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr_done,
                    "weight_decay": decay, "tokens_per_s": tokens / elapsed, "tokens": tokens,
                    "step_time_s": elapsed, **speed(tokens, elapsed)}
