@@ -403,3 +403,35 @@ def test_trainer_reads_each_step_after_launching_the_next(monkeypatch, tmp_path)
     assert [m["step"] for m in history] == [1, 2, 3]
     assert [m["step_time_s"] for m in history[1:]] == [1.0, 1.0]  # from one step's end to the next's
     assert history[0]["lr"] < history[1]["lr"] < history[2]["lr"]  # warm-up: each step logs its own
+
+
+def test_a_failing_step_still_logs_the_step_before_it(monkeypatch, tmp_path):
+    """Step k is read after step k+1 is launched; if that launch fails, step k's line is
+    written before the error goes up."""
+    import json
+
+    from tessera.training import trainer
+
+    class Result:
+        skipped, ready, loss, grad_norm, tokens = False, None, 1.0, 0.5, 4
+
+        def __init__(self, step):
+            self.finished_at = float(step + 1)
+
+    launches = []
+
+    def fake_step(*args, **kwargs):
+        launches.append(len(launches))
+        if len(launches) == 3:
+            raise RuntimeError("step 3 failed")
+        return Result(len(launches) - 1)
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(trainer, "train_step", fake_step)
+    sets = ["train.device=cpu", "data.source=synthetic", "model.layers=1", "model.hidden=32", "model.heads=2",
+            "model.seq_len=16", "model.vocab_size=64", "train.steps=5", "train.micro_batch=1",
+            "train.global_batch=2", "train.sample_tokens=0", f"train.out_dir={tmp_path}"]
+    with pytest.raises(RuntimeError, match="step 3 failed"):
+        trainer.train(load_config(None, sets))
+    logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2]

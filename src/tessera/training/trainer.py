@@ -9,6 +9,7 @@ inside the TP group; the global batch may ramp up) -> steps -> metrics -> sample
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import torch
@@ -255,23 +256,10 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         return out
 
-    # Step k's figures are read after step k+1 is launched (training/step.py), so the host never
-    # leaves the GPU idle between steps; a step's time is where its work ran (StepClock).
-    launched, clock = None, StepClock(device)
-    for step in range(t.steps + 1):
-        previous = launched
-        if step < t.steps:
-            lr = scheduler.apply(optimizer, step)
-            micro_batches = data.next()
-            result = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)), data_parallel,
-                                clip_grad=cfg.optim.clip_grad, scaler=scaler)
-            launched = (step, lr, scheduler.weight_decay(step), scaler.scale if scaler is not None else None, result)
-        if previous is None:
-            continue
-        done, lr_done, decay, scale, result = previous
+    def log(done: int, lr: float, decay: float, scale: float | None, result) -> None:
         tokens = result.tokens  # waits for that step's GPU work
         elapsed = clock.lap(result)
-        metrics = {"step": done + 1, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr_done,
+        metrics = {"step": done + 1, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
                    "weight_decay": decay, "tokens_per_s": tokens / elapsed, "tokens": tokens,
                    "step_time_s": elapsed, **speed(tokens, elapsed)}
         if scaler is not None:
@@ -279,6 +267,26 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
         logger.log(metrics)
         if logs:
             history.append(metrics)
+
+    # Step k's figures are read after step k+1 is launched (training/step.py), so the host never
+    # leaves the GPU idle between steps; a step's time is where its work ran (StepClock).
+    launched, clock = None, StepClock(device)
+    for step in range(t.steps + 1):
+        previous = launched
+        if step < t.steps:
+            try:
+                lr = scheduler.apply(optimizer, step)
+                micro_batches = data.next()
+                result = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)),
+                                    data_parallel, clip_grad=cfg.optim.clip_grad, scaler=scaler)
+            except BaseException:
+                if previous is not None:  # the last good step's line, if its figures can still be read
+                    with contextlib.suppress(Exception):
+                        log(*previous)
+                raise
+            launched = (step, lr, scheduler.weight_decay(step), scaler.scale if scaler is not None else None, result)
+        if previous is not None:
+            log(*previous)
 
     data_parallel.wait_param_gather()
     if t.sample_tokens:
