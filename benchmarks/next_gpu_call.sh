@@ -6,8 +6,13 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-#   bash benchmarks/next_gpu_call.sh tests graphed, then overlap -- session 7's first two calls: the
-#       graphed-layer GPU tests (plain, p2p ring, comm overlap), then their tokens/s at tp=2
+# Session 7's calls, in order (about 30 device minutes):
+#   1. tests "graphed or step_result"  -- graphed layers (1 GPU, tp=2 +/- SP, dp=2, p2p ring, comm
+#      overlap) and the asynchronous step read (about 8 min)
+#   2. pp2        -- one GPU, pp=2 with the paper's ZB-H1 order, balanced layout, megatron-core pp=2
+#   3. dp2        -- issue 4's target with no host wait between steps; torch DDP, megatron-core
+#   4. overlap    -- graphed tp=2: plain, p2p ring, comm overlap; one GPU, megatron-core tp=2
+#   5. tests "pipeline or zero" / nccl / profile, as time allows
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split
