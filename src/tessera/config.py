@@ -148,7 +148,9 @@ class ParallelConfig:
     (tensor_parallel/async_tp.py). true: torch's symmetric-memory fused_all_gather_matmul /
     fused_matmul_reduce_scatter on CUDA, measured slower on 2x H100 at tp=2 (18,235 against
     30,656 tokens/s eager, BENCHMARKS.md session 4). p2p: a ring of NCCL sends and receives, one
-    sequence chunk on the wire while another multiplies (not yet measured on GPU). Off by default."""
+    sequence chunk on the wire while another multiplies: with eager layers measured slower at
+    tp=2 (13,522 against 18,172 plain, session 5); inside CUDA-graphed layers
+    (train.cuda_graphs=true), where launches no longer dominate, not yet measured. Off by default."""
     overlap_param_gather: bool = True
     """zero 1-2: all-gather the updated parameters asynchronously after the optimizer step, each
     bucket waited for only by the first forward that uses it."""
