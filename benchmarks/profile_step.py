@@ -27,8 +27,8 @@ for step in range(10):
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
     ev[0].record()
     tokens = sum(mb["loss_mask"].sum() for mb in mbs if "loss_mask" in mb).to(device)
-    if topo.group("dp") is not None:
-        torch.distributed.all_reduce(tokens, group=topo.group("dp"))
+    if topo.group("dp") is not None:  # on the step's own dp communicator, as train_step does
+        torch.distributed.all_reduce(tokens, group=topo.group("dp_scalars"))
     dp.start_step(len(mbs))
     stage.executor(len(mbs)).run(mbs, tokens)
     ev[1].record()

@@ -356,6 +356,7 @@ def test_trainer_releases_the_layer_graphs_after_training_and_after_an_error(mon
             "train.global_batch=2", "train.sample_tokens=0", f"train.out_dir={tmp_path}"]
     history = trainer.train(load_config(None, sets))
     assert len(history) == 2 and Recorded.released == 1
+    assert all(m["step_time_s"] > 0 for m in history)  # the real step on the host clock
 
     def broken(*args):
         raise RuntimeError("a step failed")

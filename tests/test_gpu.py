@@ -169,11 +169,14 @@ def test_step_result_is_read_without_waiting_for_later_work():
     from tessera.training.step import StepResult
 
     x = torch.ones((), device="cuda")
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU cycles: the step's own work, still running
     result = StepResult.launch(x * 2, x * 3, x * 4, skipped=False)
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles, queued after the copy
+    launched_early = not torch.cuda.current_stream().query()  # launch did not wait for the step
+    torch.cuda._sleep(2_000_000_000)  # ~1 s more, queued after the copy: the next step
     assert (result.loss, result.grad_norm, result.tokens) == (2.0, 3.0, 4)
     still_running = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
+    assert launched_early, "StepResult.launch waited for the step's work"
     assert still_running, "reading the step waited for the work launched after it"
     # the step's time is where its work ran: between CUDA events, not the host's launch times
     from tessera.training.step import StepClock

@@ -84,6 +84,16 @@ def _check_topology(topo: Topology, rank: int, s: dict[str, int]) -> dict:
             x = torch.tensor([float(rank), 1.0])
             dist.all_reduce(x, group=group)
             assert x.tolist() == [float(sum(members)), float(len(members))], (name, x)
+    # dp_scalars: the dp ranks on a communicator of their own (not the "dp" group object)
+    scalars = topo.group("dp_scalars")
+    if s["dp"] == 1:
+        assert scalars is None
+    else:
+        assert scalars is not None and scalars is not topo.group("dp")
+        assert dist.get_process_group_ranks(scalars) == expected["dp"]
+        x = torch.tensor([float(rank)])
+        dist.all_reduce(x, group=scalars)
+        assert x.item() == float(sum(expected["dp"]))
     # The embedding group holds the first and last stage (or nothing if this rank is neither).
     if s["pp"] > 1 and me["pp"] in (0, s["pp"] - 1):
         stages = sorted({_grid(s)[r]["pp"] for r in topo.ranks_of("embedding")})

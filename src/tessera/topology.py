@@ -44,8 +44,9 @@ class Topology:
 
     ``groups[axis]`` is this rank's group along ``axis`` (``tp``, ``cp``, ``dp``, ``pp``), plus
     ``mp`` (tp x pp: the ranks holding one copy of the model), ``embedding`` (the first and
-    last pipeline stage, which both hold a tied embedding). A group is ``None`` when it would
-    contain only this rank, and collectives over ``None`` are no-ops.
+    last pipeline stage, which both hold a tied embedding), and ``dp_scalars`` (the dp ranks
+    again, on a communicator of their own, for the step's small reductions). A group is ``None``
+    when it would contain only this rank, and collectives over ``None`` are no-ops.
     """
 
     tp: int
@@ -109,6 +110,11 @@ class Topology:
         for name, members in (("mp", topo._mp_ranks()), ("embedding", topo._embedding_ranks())):
             group = topo.new_groups(members)
             topo.groups[name] = group if len(topo.ranks_of(name)) > 1 else None
+        # The step's small reductions over dp (token count, loss) on their own communicator: NCCL
+        # runs one communicator's work in order, so on "dp" they would queue behind zero 1/2's
+        # parameter all-gather, and the compute stream, waiting for them, would wait for the
+        # whole gather the next forward is meant to overlap.
+        topo.groups["dp_scalars"] = topo.new_groups(topo.all_ranks_along("dp")) if dp > 1 else None
         return topo
 
     # -- coordinates ------------------------------------------------------------------------

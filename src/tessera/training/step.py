@@ -16,9 +16,13 @@ Communication plan of a step:
    sharded), the AdamW step on the fp32 main parameters with the clipping factor applied to
    the gradients (inside the fused kernel on CUDA) (then, zero >= 1, the
    parameter all-gather, overlapped with the next step's forward);
-6. the reported loss: one all-reduce over dp (meaningful on the last pipeline stage).
+6. the reported loss: one all-reduce over dp (meaningful on the last pipeline stage), before the
+   optimizer step. It and the token count of 1 go over ``dp_scalars``, a second communicator
+   over the dp ranks: NCCL runs one communicator's work in order, and on ``dp`` they would
+   wait for the parameter all-gather of 5, and the next forward with them.
 
-The step never waits for the GPU (except fp16's inf/nan check): the loss, gradient norm and
+The step never waits for the GPU (except fp16's inf/nan check and, at pp > 1, each step's first
+message from a pipeline peer, whose shape header the host reads): the loss, gradient norm and
 token count are copied to pinned host memory behind the step's work, with an event, and a
 ``StepResult`` reads them when first asked for, waiting for that event only. The trainer reads
 step k after it has launched step k+1, so the GPU goes from one step to the next without
@@ -121,7 +125,10 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
     # (pipeline middle stages hold no loss mask: their count is unused, the loss is on the last stage)
     local_tokens = sum((mb["loss_mask"].sum() for mb in micro_batches if "loss_mask" in mb),
                        torch.zeros((), device=device)).to(torch.float32)  # on the device: no host wait
-    global_tokens = _sum_over(local_tokens.clone(), topo.group("dp"))
+    # the step's scalars travel on their own dp communicator (Topology): on "dp" they would wait
+    # for the previous step's overlapped parameter all-gather, and the forward with them
+    scalars = topo.group("dp_scalars") or topo.group("dp")
+    global_tokens = _sum_over(local_tokens.clone(), scalars)
     data_parallel.start_step(len(micro_batches))
     loss_sum = executor.run(micro_batches, global_tokens, loss_scale=scaler.scale if scaler is not None else 1.0)
     data_parallel.finish_grad_sync()
@@ -132,8 +139,8 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
         finite = scaler.unscale_and_check([g for g, _ in grads], None, device)
         scaler.update(finite)
     grad_norm = global_grad_norm(grads, topo, optimizer.sharded) if finite else torch.tensor(float("nan"), device=device)
+    loss = _sum_over(loss_sum, scalars)  # before the step starts zero 1/2's parameter all-gather
     if finite:
         optimizer.step(clip_coefficient(grad_norm, clip_grad))
     optimizer.zero_grad()
-    loss = _sum_over(loss_sum, topo.group("dp"))
     return StepResult.launch(loss, grad_norm, global_tokens, skipped=not finite)

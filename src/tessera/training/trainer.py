@@ -275,7 +275,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
         previous = launched
         if step < t.steps:
             try:
-                lr = scheduler.apply(optimizer, step)
+                lr, scale = scheduler.apply(optimizer, step), scaler.scale if scaler is not None else None
                 micro_batches = data.next()
                 result = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)),
                                     data_parallel, clip_grad=cfg.optim.clip_grad, scaler=scaler)
@@ -284,7 +284,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
                     with contextlib.suppress(Exception):
                         log(*previous)
                 raise
-            launched = (step, lr, scheduler.weight_decay(step), scaler.scale if scaler is not None else None, result)
+            launched = (step, lr, scheduler.weight_decay(step), scale, result)  # the scale the step ran with
         if previous is not None:
             log(*previous)
 
