@@ -12,7 +12,7 @@ from tessera.tensor_parallel import RNGTracker
 from tessera.topology import Topology
 from tessera.training.data_feed import DataFeed
 from tessera.training.launch import init_distributed, pick_device, world_from_env
-from tessera.training.cuda_graphs import graph_layers
+from tessera.training.cuda_graphs import graph_stage
 from tessera.training.trainer import Stage, build_data_parallel, check_runnable
 
 MODEL = MODELS["gpt-1.3b"] + ["train.micro_batch=2", "train.global_batch=16", "train.dtype=bf16",
@@ -32,7 +32,6 @@ def build(sets: list[str]) -> SimpleNamespace:
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device, timeout=datetime.timedelta(seconds=300))
     stage = Stage(cfg, topo, RNGTracker.for_rank(1, topo.tp_rank, topo.pp_rank, device))
     dp, opt = build_data_parallel(stage, topo, cfg)
-    seq = cfg.model.seq_len // (p.tp if p.sequence_parallel else 1)
-    graphs = [graph_layers(chunk, cfg.train.micro_batch, seq) for chunk in stage.chunks] if stage.graphed else []
+    graphs = graph_stage(stage.chunks, cfg) if stage.graphed else []
     return SimpleNamespace(cfg=cfg, rank=rank, world=world, topo=topo, stage=stage, dp=dp, opt=opt,
                            data=DataFeed(cfg, topo), graphs=graphs)

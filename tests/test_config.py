@@ -350,7 +350,7 @@ def test_trainer_releases_the_layer_graphs_after_training_and_after_an_error(mon
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(trainer, "fast_paths", lambda cfg, schedule, device: (False, False, True))
-    monkeypatch.setattr(trainer, "graph_layers", lambda chunk, micro_batch, seq_len: Recorded())
+    monkeypatch.setattr(trainer, "graph_stage", lambda chunks, cfg: [Recorded()])
     sets = ["train.device=cpu", "data.source=synthetic", "model.layers=2", "model.hidden=32", "model.heads=2",
             "model.seq_len=16", "model.vocab_size=64", "train.steps=2", "train.micro_batch=1",
             "train.global_batch=2", "train.sample_tokens=0", f"train.out_dir={tmp_path}"]
@@ -436,3 +436,31 @@ def test_a_failing_step_still_logs_the_step_before_it(monkeypatch, tmp_path):
         trainer.train(load_config(None, sets))
     logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert logged == [1, 2]
+
+
+def test_graph_stage_releases_what_it_captured_when_a_later_chunk_fails(monkeypatch):
+    """A capture that fails part-way frees the graphs already taken (they would hang the
+    process group's destruction) and raises."""
+    from tessera.config import load_config
+    from tessera.training import cuda_graphs
+
+    released = []
+
+    class Taken:
+        def release(self):
+            released.append(self)
+
+    calls = []
+
+    def capture(chunk, micro_batch, seq_len):
+        calls.append((micro_batch, seq_len))
+        if len(calls) == 2:
+            raise RuntimeError("capture failed")
+        return Taken()
+
+    monkeypatch.setattr(cuda_graphs, "graph_layers", capture)
+    cfg = load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=64",
+                             "train.micro_batch=2"])
+    with pytest.raises(RuntimeError, match="capture failed"):
+        cuda_graphs.graph_stage(["chunk0", "chunk1"], cfg)
+    assert calls == [(2, 32), (2, 32)] and len(released) == 1  # per-rank sequence under SP

@@ -93,6 +93,22 @@ def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmu
     return handle
 
 
+def graph_stage(chunks: list[nn.Module], cfg) -> list[LayerGraphs]:
+    """Capture the layers of this rank's model chunks for the configuration's micro-batch and
+    (under sequence parallelism, per-rank) sequence length; a failure releases what was taken."""
+    p = cfg.parallel
+    seq = cfg.model.seq_len // (p.tp if p.sequence_parallel else 1)
+    graphs: list[LayerGraphs] = []
+    try:
+        for chunk in chunks:
+            graphs.append(graph_layers(chunk, cfg.train.micro_batch, seq))
+    except BaseException:
+        for g in graphs:
+            g.release()
+        raise
+    return graphs
+
+
 def _accept_unpacked_sequence(layer: nn.Module, shape: torch.Size, dtype: torch.dtype) -> None:
     """The graphed forward takes exactly the captured tensors; the model calls ``layer(x, seq)``
     with an empty ``PackedSequence``: in training accept that, refuse packed positions or

@@ -61,11 +61,11 @@ class DataFeed:
 
     def next(self) -> list[dict]:
         """This rank's micro-batches of the next step (empty dicts on pipeline middle stages)."""
+        count = self.batches.num_micro_batches(self.batches.consumed_samples)
         if not self.reads:
-            count = self.batches.num_micro_batches(self.batches.consumed_samples)
             self.batches.advance()
             return [{} for _ in range(count)]
-        stacked, count = None, self.batches.num_micro_batches(self.batches.consumed_samples)
+        stacked = None
         if self.loader is not None:
             batches = next(self.loader)  # advances self.batches
             stacked = {k: torch.stack([mb[k] for mb in batches]) for k in batches[0]}

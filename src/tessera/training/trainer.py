@@ -34,7 +34,7 @@ from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.topology import Topology
 from tessera.training.data_feed import DataFeed
 from tessera.training.flops import flops_per_token, peak_flops
-from tessera.training.cuda_graphs import graph_layers
+from tessera.training.cuda_graphs import graph_stage
 from tessera.training.launch import init_distributed, pick_device, world_from_env
 from tessera.training.metrics import JsonlLogger, NullLogger
 from tessera.training.step import DTYPES, StepClock, train_step
@@ -224,12 +224,9 @@ def train(cfg: Config) -> list[dict]:
     logger.print(str(memory_report(data_parallel, optimizer)))
 
     model.train()
-    graphs = []
+    # captured after data parallelism placed the parameters in their buffers
+    graphs = graph_stage(stage.chunks, cfg) if stage.graphed else []
     try:
-        if stage.graphed:  # after data parallelism placed the parameters in their buffers
-            for chunk in stage.chunks:
-                graphs.append(graph_layers(chunk, t.micro_batch,
-                                           cfg.model.seq_len // (p.tp if p.sequence_parallel else 1)))
         return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device)
     finally:  # a graph holding NCCL work would hang destroy_process_group
         for g in graphs:
@@ -270,23 +267,23 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
 
     # Step k's figures are read after step k+1 is launched (training/step.py), so the host never
     # leaves the GPU idle between steps; a step's time is where its work ran (StepClock).
-    launched, clock = None, StepClock(device)
-    for step in range(t.steps + 1):
-        previous = launched
-        if step < t.steps:
-            try:
-                lr, scale = scheduler.apply(optimizer, step), scaler.scale if scaler is not None else None
-                micro_batches = data.next()
-                result = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)),
-                                    data_parallel, clip_grad=cfg.optim.clip_grad, scaler=scaler)
-            except BaseException:
-                if previous is not None:  # the last good step's line, if its figures can still be read
-                    with contextlib.suppress(Exception):
-                        log(*previous)
-                raise
-            launched = (step, lr, scheduler.weight_decay(step), scale, result)  # the scale the step ran with
-        if previous is not None:
-            log(*previous)
+    pending, clock = None, StepClock(device)
+    for step in range(t.steps):
+        try:
+            lr, scale = scheduler.apply(optimizer, step), scaler.scale if scaler is not None else None
+            micro_batches = data.next()
+            result = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)),
+                                data_parallel, clip_grad=cfg.optim.clip_grad, scaler=scaler)
+        except BaseException:
+            if pending is not None:  # the last good step's line, if its figures can still be read
+                with contextlib.suppress(Exception):
+                    log(*pending)
+            raise
+        if pending is not None:
+            log(*pending)
+        pending = (step, lr, scheduler.weight_decay(step), scale, result)  # the scale the step ran with
+    if pending is not None:
+        log(*pending)
 
     data_parallel.wait_param_gather()
     if t.sample_tokens:
