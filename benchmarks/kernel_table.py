@@ -53,9 +53,11 @@ def union_ms(spans: list[tuple[float, float]]) -> float:
 kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
 spans = [(e.time_range.start, e.time_range.end) for e in kernels]
 nccl = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
+compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
 # every rank: how much of the step its GPU computes, communicates, and idles (wall is unprofiled)
 print(f"SUMMARY rank {rank} {' '.join(sys.argv[1:])}: wall {plain * 1e3:.0f} ms/step ({wall * 1e3:.0f} profiled), "
       f"GPU busy {union_ms(spans) / 2:.0f} ms/step (kernels on any stream), of which NCCL {union_ms(nccl) / 2:.0f} ms, "
+      f"compute (non-NCCL kernels) {union_ms(compute) / 2:.0f} ms, "
       f"{len(kernels) // 2} kernels/step", flush=True)
 for g in b.graphs:  # graphs holding NCCL work would hang the destroy
     g.release()

@@ -104,6 +104,19 @@ case "${1:-tests}" in
     q parallel.pp=2; q parallel.pp=2 parallel.pp_layout=balanced
     PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --pp 2 2>&1 \
       | grep -E "^RESULT|Error" | tail -2 ;;
+  session7)  # the step-read test (first launch warmed), then where pp=2 (even and balanced) and dp=2 spend the step, per rank
+    BUDGET=60 bash "$0" tests step_result | grep "rc="
+    for l in "parallel.pp=2" "parallel.pp=2 parallel.pp_layout=balanced" "parallel.zero=1"; do
+      log="${OUT:-/tmp}/kernels_$(echo $l | tr -c 'a-z0-9\n' _).log"
+      timeout 130 torchrun --nproc-per-node 2 benchmarks/kernel_table.py $l > "$log" 2>&1; grep -h SUMMARY "$log"; done ;;
+  timeline)  # the step-read test, then pp=2 step timelines per rank (even and balanced layouts), no profiler
+    BUDGET=60 bash "$0" tests step_result | grep "rc="
+    for l in "parallel.pp=2" "parallel.pp=2 parallel.pp_layout=balanced"; do
+      log="${OUT:-/tmp}/timeline_$(echo $l | tr -c 'a-z0-9\n' _).log"
+      timeout 120 torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py $l > "$log" 2>&1; grep -h SUMMARY "$log"; done ;;
+  zbh2)  # pp=2: ZB-H1 (auto) against ZB-H2's warm-up (parallel.schedule=zb-h2), one GPU in the same call
+    NPROC=1 timeout 80 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    QT=75 q parallel.pp=2; QT=75 q parallel.pp=2 parallel.schedule=zb-h2 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
   *) echo "usage: $0 tests [K]|diag|session5|tp2|ab|diag-ab" >&2; exit 2 ;;
 esac

@@ -194,6 +194,8 @@ def test_fast_path_options_refused_where_they_cannot_act():
     from tessera.config import ConfigError, load_config, validate
     cases = [(["parallel.zero=3", "train.grad_accum_fusion=true"], "no main_grad to fuse into"),
              (["parallel.schedule=zb-h1"], "with pp=1 there are none"),
+             (["parallel.schedule=zb-h2"], "zb-h2 fills pipeline bubbles; with pp=1 there are none"),
+             (["parallel.schedule=zb-h2", "parallel.pp=2", "parallel.zero=3"], "zb-h2 defers weight gradients"),
              (["parallel.tp=2", "parallel.tp_async=true"], "async TP fuses sequence-parallel"),
              (["parallel.tp=2", "parallel.tp_async=p2p"], "async TP fuses sequence-parallel")]
     for sets, message in cases:

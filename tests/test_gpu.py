@@ -169,8 +169,14 @@ def test_step_result_is_read_without_waiting_for_later_work():
     from tessera.training.step import StepResult
 
     x = torch.ones((), device="cuda")
+    loss, norm, tokens = x * 2, x * 3, x * 4
+    # a first launch, as training's first step: it allocates the pinned block (cudaHostAlloc) and
+    # loads its kernels (lazily loaded CUDA modules), either of which may synchronise the device;
+    # later steps reuse freed blocks from torch's caching host allocator
+    assert StepResult.launch(loss, norm, tokens, skipped=False).loss == 2.0
+    torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU cycles: the step's own work, still running
-    result = StepResult.launch(x * 2, x * 3, x * 4, skipped=False)
+    result = StepResult.launch(loss, norm, tokens, skipped=False)
     launched_early = not torch.cuda.current_stream().query()  # launch did not wait for the step
     torch.cuda._sleep(2_000_000_000)  # ~1 s more, queued after the copy: the next step
     assert (result.loss, result.grad_norm, result.tokens) == (2.0, 3.0, 4)

@@ -11,7 +11,8 @@ import pytest
 
 from tessera import cli
 from tessera.pipeline_parallel.schedules import (
-    COMPUTE, KINDS, Action, Op, ScheduleError, build_all, build_schedule, check_kind, check_matched)
+    COMPUTE, KINDS, MEASURED_SPLIT, SPLIT_BACKWARD, Action, Op, ScheduleError, build_all, build_schedule, check_kind,
+    check_matched, zb_h2_deferral)
 from tessera.pipeline_parallel.simulator import Costs, analytic_bubble, simulate
 from tessera.pipeline_parallel.timeline import draw_timeline
 
@@ -51,7 +52,7 @@ def _needed_recv(action, pp, vpp, rank):
 def test_every_kind_has_layouts():
     # Guards the sweep below: a check_kind that refused everything would make it vacuous.
     assert Counter(kind for kind, _, _ in LAYOUTS) == {"none": 1, "gpipe": 5, "1f1b": 5, "interleaved": 12,
-                                                       "zb-h1": 5}
+                                                       "zb-h1": 5, "zb-h2": 5}
 
 
 @pytest.mark.parametrize("kind,pp,vpp", LAYOUTS, ids=[f"{k}-pp{p}-vpp{v}" for k, p, v in LAYOUTS])
@@ -68,7 +69,7 @@ def test_schedule_is_complete_matched_and_runs(kind, pp, vpp):
             for a in compute:
                 ops[(a.microbatch, a.chunk)].append(a.op)  # a KeyError is a stray micro-batch or chunk
             # Each forward and its backward exactly once, in this order (I before W when split).
-            expected = [Op.F, Op.I, Op.W] if kind == "zb-h1" else [Op.F, Op.B]
+            expected = [Op.F, Op.I, Op.W] if kind in SPLIT_BACKWARD else [Op.F, Op.B]
             assert all(v == expected for v in ops.values()), (m, rank, ops)
             assert all(s < e for _, s, e in timeline.spans[rank])
 
@@ -93,6 +94,7 @@ def test_receive_is_posted_before_the_preceding_compute(kind, pp, vpp):
     ("1f1b", 2, 1, 2), ("1f1b", 4, 1, 8), ("1f1b", 8, 1, 24), ("gpipe", 3, 1, 9), ("gpipe", 4, 1, 4),
     ("interleaved", 2, 2, 2), ("interleaved", 2, 2, 6), ("interleaved", 4, 2, 8), ("interleaved", 3, 3, 6),
     ("interleaved", 8, 4, 16), ("zb-h1", 2, 1, 4), ("zb-h1", 4, 1, 8), ("zb-h1", 8, 1, 16),
+    ("zb-h2", 2, 1, 4), ("zb-h2", 4, 1, 8), ("zb-h2", 8, 1, 16),
 ])
 def test_bubble_matches_analytic(kind, pp, vpp, m):
     timeline = simulate(_built(kind, pp, vpp, m), vpp)
@@ -274,7 +276,7 @@ def test_python_dash_m(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "tessera", "schedule", "--kind", "none", "--pp", "2"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr == "tessera: schedule 'none' (no pipelining) needs pp=1: " \
-                                                 "choose 1f1b, interleaved or zb-h1\n"
+                                                 "choose 1f1b, interleaved, zb-h1 or zb-h2\n"
 
 
 def test_png_picture_from_the_cli(tmp_path, capsys):
@@ -296,3 +298,24 @@ def test_zero_bubble_h1_reaches_the_papers_step_time(pp):
         timeline = simulate(_built("zb-h1", pp, 1, m))
         assert timeline.step_time == 3 * m + pp - 1, m
         assert max(timeline.peak_held(r) for r in range(pp)) <= pp, m
+
+
+def test_zb_h2_fills_the_start_where_i_costs_more_than_f():
+    """At the measured split (I = 1.35 F, W = 0.65 F) ZB-H2's extra warm-up forwards fill rank
+    0's wait for the next stage's first F and I: shorter than ZB-H1 at pp=2 with 8 micro-batches
+    (and never longer at the sizes swept), within ZB-H2's memory: rank r at most 2 (pp - r) - 1
+    micro-batches in flight and 2pp - 1 from F to W."""
+    f, i, w = MEASURED_SPLIT
+    measured = Costs(F=f, B=i + w, I=i, W=w)
+    h1, h2 = (simulate(_built(k, 2, 1, 8), costs=measured).step_time for k in ("zb-h1", "zb-h2"))
+    assert h2 < h1 - 0.5, (h1, h2)  # 25.05 against 25.7 units: rank 0 no longer idles 1.35 F at the start
+    for pp in (2, 3, 4, 8):
+        for m in range(1, 3 * pp + 3):
+            h1, h2 = (simulate(_built(k, pp, 1, m), costs=measured) for k in ("zb-h1", "zb-h2"))
+            assert h2.step_time <= h1.step_time + 1e-9, (pp, m)
+            for r in range(pp):
+                assert h2.peak_in_flight(r) <= min(m, 2 * (pp - r) - 1), (pp, m, r)
+                assert h2.peak_held(r) <= 2 * pp - 1, (pp, m, r)
+            if m >= 2 * pp:  # unit costs: ZB-H1's 3m + p - 1 (a few units behind it for pp < m < 2pp)
+                assert simulate(_built("zb-h2", pp, 1, m)).step_time == 3 * m + pp - 1, (pp, m)
+    assert zb_h2_deferral(2, 8) == 2 and zb_h2_deferral(2, 1) == 0

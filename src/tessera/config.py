@@ -119,9 +119,12 @@ class ParallelConfig:
     empty splits the layers evenly; "balanced" splits them by FLOPs, the last stage's output
     head counted as the layers it weighs (GPT-1.3B at pp=2: 13,11; it moves layers, and so
     activation memory, onto the first stages)."""
-    schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1"] = "auto"
+    schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"] = "auto"
     """Pipeline schedule. auto: the fastest valid one by the schedule simulator (no pipelining at
-    pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1; never ZB-H1 with zero >= 2)."""
+    pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1; never ZB-H1 with zero >= 2).
+    zb-h2: ZB-H1 with ZB-H2's memory (rank 0 holds up to 2pp-1 micro-batches' activations
+    instead of pp), whose extra warm-up forwards fill the start of the step where the backward's
+    input-gradient half costs more than a forward (pipeline_parallel/schedules.py)."""
     zero: Literal[0, 1, 2, 3] = 0
     """Data-parallel sharding. 0: optimizer replicated, gradients all-reduced. 1: distributed
     optimizer: fp32 main parameters and Adam states sharded over dp, gradients reduce-scattered,
@@ -193,10 +196,10 @@ class TrainConfig:
     """Prompt for the sample printed after training."""
     compile: Literal["auto", "true", "false"] = "auto"
     """torch.compile each transformer layer (inductor fuses its elementwise work; the first steps
-    pay the compile time). Linear layers whose weight gradients are deferred (zb-h1) or fused
+    pay the compile time). Linear layers whose weight gradients are deferred (zb-h1, zb-h2) or fused
     (train.grad_accum_fusion) run eagerly between compiled pieces, a graph break each, which
     costs more CPU time per step than the compiled pieces save (measured, BENCHMARKS.md). auto:
-    on for CUDA runs of the llama family at tp=1 whose schedule is not zb-h1 and where
+    on for CUDA runs of the llama family at tp=1 whose schedule is not zb-h1 or zb-h2 and where
     train.grad_accum_fusion is not true (+10% on Llama-1B); off elsewhere (on GPT-1.3B at tp=1
     fused weight gradients in eager layers measured 2% faster). Off at tp > 1: compiled layers
     follow one GPU there (the TP collectives run as opaque ops in compiled code; the GPU test
@@ -509,21 +512,22 @@ def validate(cfg: Config, world_size: int) -> Config:
            "set parallel.vpp=1 or parallel.pp >= 2")
     _check(p.pp <= m.layers, "parallel.pp", f"pp={p.pp} exceeds model.layers={m.layers}",
            "use at most one stage per layer")
-    _check(not (p.zero == 3 and p.schedule == "zb-h1"), "parallel.schedule",
-           "zb-h1 defers weight gradients past the backward that FSDP (zero=3) reduces them in",
+    zb = p.schedule in ("zb-h1", "zb-h2")
+    _check(not (p.zero == 3 and zb), "parallel.schedule",
+           f"{p.schedule} defers weight gradients past the backward that FSDP (zero=3) reduces them in",
            "use parallel.schedule=1f1b or interleaved with zero=3, or zero <= 1")
     _check(p.tp_async == "false" or (p.tp > 1 and p.sequence_parallel), "parallel.tp_async",
            "async TP fuses sequence-parallel all-gathers and reduce-scatters with the GEMMs",
            "set parallel.tp >= 2 and parallel.sequence_parallel=true, or parallel.tp_async=false")
-    _check(not (p.schedule == "zb-h1" and p.pp < 2), "parallel.schedule",
-           "zb-h1 fills pipeline bubbles; with pp=1 there are none", "use parallel.schedule=none (or auto) with pp=1")
+    _check(not (zb and p.pp < 2), "parallel.schedule",
+           f"{p.schedule} fills pipeline bubbles; with pp=1 there are none", "use parallel.schedule=none (or auto) with pp=1")
     _check(not (t.grad_accum_fusion == "true" and p.zero == 3), "train.grad_accum_fusion",
            "zero=3 (FSDP) owns the gradients; there is no main_grad to fuse into",
            "set train.grad_accum_fusion=false with parallel.zero=3")
-    _check(not (p.zero == 2 and p.schedule == "zb-h1"), "parallel.schedule",
-           "zb-h1 holds every zero=2 gradient bucket open from a micro-batch's I step to its W step, "
+    _check(not (p.zero == 2 and zb), "parallel.schedule",
+           f"{p.schedule} holds every zero=2 gradient bucket open from a micro-batch's I step to its W step, "
            "which needs more gradient memory than zero=1",
-           "use parallel.schedule=1f1b or interleaved with zero=2, or zero=1 with zb-h1")
+           f"use parallel.schedule=1f1b or interleaved with zero=2, or zero=1 with {p.schedule}")
     _check(p.grad_reduce_dtype == "fp32" or p.zero < 3, "parallel.grad_reduce_dtype",
            "FSDP (zero=3) reduces in fp32 here", "set parallel.grad_reduce_dtype=fp32 with parallel.zero=3")
     _check(t.grad_dtype == "fp32" or p.zero < 3, "train.grad_dtype",

@@ -16,6 +16,7 @@ simulator times and draws.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch import Tensor
@@ -50,6 +51,9 @@ class PipelineExecutor:
         self.peak_in_flight = 0  # most micro-batches holding activations at once (F done, B or I not; last run)
         self.peak_weight_grads_pending = 0  # most deferred W's at once (I done, W not; last run)
         self.peak_held = 0  # most micro-batches holding anything at once (F done, B or W not; last run)
+        # a list to fill (CUDA): per compute action, (op, micro-batch, chunk, host perf_counter at
+        # its launch, CUDA events at its start and end on the compute stream), for timelines
+        self.trace: list[tuple] | None = None
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.pp + self.pp_rank
@@ -74,6 +78,10 @@ class PipelineExecutor:
         for action in self.actions:
             mb, c, op = action.microbatch, action.chunk, action.op
             key = (mb, c)
+            if self.trace is not None and op in (Op.F, Op.B, Op.I, Op.W):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                self.trace.append((op.name, mb, c, time.perf_counter(), start, end))
+                start.record()
             if op in (Op.RECV_F, Op.RECV_B):
                 # tagged with the sender's chunk: the neighbouring virtual stage, which may wrap
                 sender = self._stage(c) + (-1 if op == Op.RECV_F else 1)
@@ -112,6 +120,8 @@ class PipelineExecutor:
             elif op == Op.W:
                 self.wgrad_store.run(key)
                 deferred.discard(key)
+            if self.trace is not None and op in (Op.F, Op.B, Op.I, Op.W):
+                self.trace[-1][-1].record()
             if self.p2p is not None:
                 self.p2p.reap()
         if self.p2p is not None:

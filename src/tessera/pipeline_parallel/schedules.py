@@ -23,7 +23,10 @@ Kinds:
   critical path back through the pipeline) and W (weight gradient, needed only by the optimizer
   step); rank r defers each W by r micro-batches, so the W's fill what would be bubbles, and
   holds at most ``pp`` micro-batches from F to W. With unit costs F = I = W and m >= pp the
-  step takes ``3m + p - 1``: a bubble of ``(p - 1)(F + I - W)``, a third of 1F1B's.
+  step takes ``3m + p - 1``: a bubble of ``(p - 1)(F + I - W)``, a third of 1F1B's;
+- ``zb-h2``: ZB-H1 with ZB-H2's memory: ``2 (pp - rank) - 1`` warm-up forwards (rank 0 holds up
+  to ``2pp - 1`` micro-batches), filling the wait at the start where I costs more than F (as on
+  GPUs: I ~ 1.35 F); W's deferred by a multiple of the rank that the simulator picks.
 
 Communication is overlapped: the receive a rank needs for its next compute is posted before its
 current compute (Megatron's overlap_p2p_comm), so it arrives while the rank works.
@@ -52,7 +55,8 @@ class Op(str, Enum):
 
 
 COMPUTE = (Op.F, Op.B, Op.I, Op.W)
-KINDS = ("none", "gpipe", "1f1b", "interleaved", "zb-h1")
+KINDS = ("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+SPLIT_BACKWARD = ("zb-h1", "zb-h2")  # kinds that run I and W (deferred weight gradients)
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ def check_kind(kind: str, pp: int, vpp: int, microbatches: int) -> None:
     if vpp > 1 and pp < 2:
         raise ScheduleError("vpp > 1 needs pp >= 2")
     if kind == "none" and pp > 1:
-        raise ScheduleError("schedule 'none' (no pipelining) needs pp=1: choose 1f1b, interleaved or zb-h1")
+        raise ScheduleError("schedule 'none' (no pipelining) needs pp=1: choose 1f1b, interleaved, zb-h1 or zb-h2")
     if kind == "interleaved" and vpp < 2:
         raise ScheduleError("schedule 'interleaved' needs vpp >= 2 model chunks per rank")
     if kind != "interleaved" and vpp > 1:
@@ -190,26 +194,67 @@ def compute_order(kind: str, pp: int, vpp: int, microbatches: int, rank: int) ->
         return _one_f_one_b(forwards, backwards, (pp - rank - 1) * 2 + (vpp - 1) * pp)
     if kind == "zb-h1":
         return _zero_bubble_h1(pp, m, rank)
+    if kind == "zb-h2":
+        return _zero_bubble_h2(pp, m, rank)
     return list(_clocked_interleaved(pp, vpp, m)[rank])
 
 
-def _zero_bubble_h1(pp: int, m: int, rank: int) -> list[Action]:
-    """ZB-H1 (Qi et al., 2023): ``pp - rank`` warm-up forwards, then for each micro-batch ``k``
-    its I, the W of micro-batch ``k - rank`` and the next forward, then the W's left. Rank r
-    defers each W by r micro-batches, so the I's, the pipeline's critical path back to rank 0,
-    never wait behind a W on the later ranks, and the deferred W's fill the drain; every rank
-    holds at most ``pp`` micro-batches from F to W, 1F1B's bound on rank 0."""
-    warmup = min(pp - rank, m)
+def _zero_bubble(m: int, warmup: int, defer: int) -> list[Action]:
+    """``warmup`` forwards, then for each micro-batch ``k`` its I, the W of micro-batch
+    ``k - defer`` and the next forward, then the W's left."""
+    warmup = min(warmup, m)
     order = [Action(Op.F, mb) for mb in range(warmup)]
     weights = 0
     for mb in range(m):
         order.append(Action(Op.I, mb))
-        if mb >= rank:
-            order.append(Action(Op.W, mb - rank))
+        if mb >= defer:
+            order.append(Action(Op.W, mb - defer))
             weights += 1
         if mb + warmup < m:
             order.append(Action(Op.F, mb + warmup))
     return order + [Action(Op.W, mb) for mb in range(weights, m)]
+
+
+def _zero_bubble_h1(pp: int, m: int, rank: int) -> list[Action]:
+    """ZB-H1 (Qi et al., 2023): ``pp - rank`` warm-up forwards; rank r defers each W by r
+    micro-batches, so the I's, the pipeline's critical path back to rank 0, never wait behind a
+    W on the later ranks, and the deferred W's fill the drain; every rank holds at most ``pp``
+    micro-batches from F to W, 1F1B's bound on rank 0."""
+    return _zero_bubble(m, pp - rank, rank)
+
+
+# The backward's split measured on GPT-1.3B at pp=2 on H100 (BENCHMARKS.md, session 7): per
+# micro-batch and stage F 11.8 ms, I 16 ms, W 7.6 ms.
+MEASURED_SPLIT = (1.0, 1.35, 0.65)  # F, I, W
+
+
+@functools.lru_cache(maxsize=64)
+def zb_h2_deferral(pp: int, m: int) -> int:
+    """ZB-H2's W deferral step k (rank r defers by k * r): the smallest k with the shortest step
+    on the simulator at the measured F : I : W split, among those that hold at most ``2pp - 1``
+    micro-batches from F to W on every rank (ZB-H2's bound; k = 0 always does)."""
+    from tessera.pipeline_parallel.simulator import Costs, simulate  # the simulator imports this module
+
+    f, i, w = MEASURED_SPLIT
+    costs = Costs(F=f, B=i + w, I=i, W=w)
+    best = None
+    for k in range(2 * pp):
+        t = simulate([_zero_bubble(m, 2 * (pp - r) - 1, k * r) for r in range(pp)], costs=costs)
+        if max(t.peak_held(r) for r in range(pp)) <= 2 * pp - 1:
+            candidate = (round(t.step_time, 9), k)
+            best = candidate if best is None else min(best, candidate)
+    return best[1]
+
+
+def _zero_bubble_h2(pp: int, m: int, rank: int) -> list[Action]:
+    """ZB-H2's memory (Qi et al., 2023): ``2 (pp - rank) - 1`` warm-up forwards, so rank 0 holds
+    up to ``2 pp - 1`` micro-batches' activations (ZB-H1: ``pp``). Where I costs more than F, as
+    measured, ZB-H1's rank 0 idles at the start while the next stage runs its first F and I;
+    the extra forwards fill that wait. Rank r defers each W by ``k r`` micro-batches
+    (:func:`zb_h2_deferral`), so the later ranks' W's fill the drain. With F = I = W it takes
+    ZB-H1's ``3m + p - 1`` where m >= 2pp (a few units more for pp < m < 2pp): unlike the
+    paper's ZB-H2 it does not reorder the drain, so it gains only where I costs more than F."""
+    return _zero_bubble(m, 2 * (pp - rank) - 1, zb_h2_deferral(pp, m) * rank)
 
 
 @functools.lru_cache(maxsize=32)

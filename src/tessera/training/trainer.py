@@ -26,7 +26,7 @@ from tessera.optim import DynamicLossScaler, LRScheduler, MicroBatchCalculator
 from tessera.optim.optimizers import FSDPOptimizer, MainParamOptimizer
 from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.pipeline_parallel.p2p import P2P
-from tessera.pipeline_parallel.schedules import ScheduleError, build_all, build_schedule, check_kind
+from tessera.pipeline_parallel.schedules import SPLIT_BACKWARD, ScheduleError, build_all, build_schedule, check_kind
 from tessera.pipeline_parallel.simulator import simulate
 from tessera.pipeline_parallel.stage import LayoutError, build_stage_chunks, parse_layout, stage_layer_ranges
 from tessera.tensor_parallel import RNGTracker
@@ -114,7 +114,7 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     - tp=1: compiled layers for the llama family (RMSNorm, RoPE and SwiGLU run as many small
       kernels in eager mode: +10% on Llama-1B over fused eager layers), fused weight gradients in
       eager layers elsewhere (+2% over compiled layers on GPT-1.3B); never compiled layers around
-      a zb-h1 schedule's deferred weight gradients (graph breaks cost more CPU time than
+      a zb-h1/zb-h2 schedule's deferred weight gradients (graph breaks cost more CPU time than
       compiling saves).
     - tp > 1: CUDA-graphed eager layers where they can be captured (config.can_graph_layers):
       the halved GEMMs leave the step bound by the host's launch time, and graphs measured +67%
@@ -132,7 +132,7 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     else:
         graphs = t.cuda_graphs == "true"
     if t.compile == "auto":
-        compiled = (cuda and p.tp == 1 and cfg.model.family == "llama" and schedule != "zb-h1"
+        compiled = (cuda and p.tp == 1 and cfg.model.family == "llama" and schedule not in SPLIT_BACKWARD
                     and t.grad_accum_fusion != "true" and not graphs)
     else:
         compiled = t.compile == "true"
@@ -152,7 +152,7 @@ class Stage:
         self.schedule = choose_schedule(p.schedule, p.pp, p.vpp, self.microbatches(cfg.train.global_batch, topo.dp),
                                         p.zero)
         self.compiled, self.fuse_wgrad, self.graphed = fast_paths(cfg, self.schedule, topo.device)
-        self.wgrad_store = WeightGradStore() if self.schedule == "zb-h1" or self.fuse_wgrad else None
+        self.wgrad_store = WeightGradStore() if self.schedule in SPLIT_BACKWARD or self.fuse_wgrad else None
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
                        comm_overlap=p.tp_comm_overlap,
@@ -220,7 +220,7 @@ def train(cfg: Config) -> list[dict]:
                  f"{topo!r}, schedule {stage.schedule}, zero={p.zero}, device {device}, {t.dtype}, "
                  f"layers {'compiled' if stage.compiled else 'eager'}{' in CUDA graphs' if stage.graphed else ''}, "
                  f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
-                 f"{' (deferred, zb-h1)' if stage.schedule == 'zb-h1' else ''}")
+                 f"{f' (deferred, {stage.schedule})' if stage.schedule in SPLIT_BACKWARD else ''}")
     logger.print(str(memory_report(data_parallel, optimizer)))
 
     model.train()
