@@ -118,7 +118,7 @@ case "${1:-tests}" in
     NPROC=1 timeout 80 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
     QT=75 q parallel.pp=2; QT=75 q parallel.pp=2 parallel.schedule=zb-h2 ;;
   collectives)  # the tp=2 SP collectives alone: NCCL eager / graphed against symmetric-memory copies
-    timeout 120 torchrun --nproc-per-node 2 benchmarks/tp_collectives.py 8 2>&1 | grep -A12 "^RESULT" ;;
+    timeout 120 torchrun --nproc-per-node 2 benchmarks/tp_collectives.py 8 2>&1 | grep -A20 "^RESULT" ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
   *) echo "usage: $0 tests [K]|diag|session5|tp2|ab|diag-ab" >&2; exit 2 ;;
 esac

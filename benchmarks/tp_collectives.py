@@ -2,7 +2,10 @@
 16 MB gathered), alone on the GPUs, each way tessera could run them: NCCL (what the layers use),
 eager and replayed from a CUDA graph (as graphed layers run them), and torch's symmetric-memory
 "low-contention" all-gather / reduce-scatter (copy-engine pulls between the GPUs' memories, no
-NCCL kernel), eager and, where it captures, graphed. Prints microseconds per collective.
+NCCL kernel), eager and, where it captures, graphed; then the QKV all-gather + GEMM and the fc2
+GEMM + reduce-scatter, NCCL then the GEMM against torch's fused symmetric-memory ops
+(parallel.tp_async=true, measured slow eagerly in session 4), with the GEMMs alone for scale.
+Prints microseconds per call.
 `torchrun --nproc-per-node 2 benchmarks/tp_collectives.py [shard_mb]`."""
 
 import datetime
@@ -43,6 +46,45 @@ def symm_ag():
 def symm_rs():
     out = torch.ops.symm_mem._low_contention_reduce_scatter(full, "sum", group.group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
+
+
+# the QKV projection's all-gather + GEMM and the MLP's GEMM + reduce-scatter of GPT-1.3B at tp=2 + SP
+# (4096 tokens of hidden 2048): NCCL then the GEMM, against torch's fused symmetric-memory ops
+# (parallel.tp_async=true), whose copies overlap the GEMM's chunks
+tokens = 4096
+x_shard = torch.randn(tokens // world, 2048, dtype=torch.bfloat16, device="cuda")
+w_qkv = torch.randn(2048, 3 * 2048 // world, dtype=torch.bfloat16, device="cuda") * 0.02
+y_local = torch.randn(tokens, 8192 // world, dtype=torch.bfloat16, device="cuda")
+w_fc2 = torch.randn(8192 // world, 2048, dtype=torch.bfloat16, device="cuda") * 0.02
+
+
+def gemm_qkv():
+    return torch.cat([x_shard] * world) @ w_qkv
+
+
+def nccl_ag_gemm():
+    full = torch.empty(tokens, 2048, dtype=torch.bfloat16, device="cuda")
+    dist.all_gather_into_tensor(full, x_shard, group=group)
+    return full @ w_qkv
+
+
+def symm_ag_gemm():
+    _, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(x_shard, [w_qkv], 0, group.group_name)
+    return out
+
+
+def gemm_fc2():
+    return y_local @ w_fc2
+
+
+def nccl_gemm_rs():
+    out = torch.empty(tokens // world, 2048, dtype=torch.bfloat16, device="cuda")
+    dist.reduce_scatter_tensor(out, y_local @ w_fc2, group=group)
+    return out
+
+
+def symm_gemm_rs():
+    return torch.ops.symm_mem.fused_matmul_reduce_scatter(y_local, w_fc2, "sum", 0, group.group_name)
 
 
 def timed(fn, graphed: bool) -> float:
@@ -96,7 +138,13 @@ if __name__ == "__main__":
             ("nccl all-gather", nccl_ag, True), ("nccl reduce-scatter", nccl_rs, True),
             ("symm-mem all-gather", symm_ag, False), ("symm-mem reduce-scatter", symm_rs, False),
             ("check", check, None),
-            ("symm-mem all-gather", symm_ag, True), ("symm-mem reduce-scatter", symm_rs, True)]
+            ("QKV GEMM alone", gemm_qkv, True), ("nccl all-gather + QKV GEMM", nccl_ag_gemm, True),
+            ("fc2 GEMM alone", gemm_fc2, True), ("fc2 GEMM + nccl reduce-scatter", nccl_gemm_rs, True),
+            ("fused all-gather + QKV GEMM (symm-mem)", symm_ag_gemm, False),
+            ("fc2 GEMM + reduce-scatter fused (symm-mem)", symm_gemm_rs, False),
+            ("symm-mem all-gather", symm_ag, True), ("symm-mem reduce-scatter", symm_rs, True),
+            ("fused all-gather + QKV GEMM (symm-mem)", symm_ag_gemm, True),
+            ("fc2 GEMM + reduce-scatter fused (symm-mem)", symm_gemm_rs, True)]
     for name, fn, graphed in runs:
         what = f"{name}{' (graph)' if graphed else ''}"
         try:
@@ -105,7 +153,8 @@ if __name__ == "__main__":
                 results.append("symm-mem results equal NCCL's")
             else:
                 us = timed(fn, graphed)
-                results.append(f"{what}: {us:.1f} us ({shard.numel() * 2 / us / 1e3:.0f} GB/s of shard per rank)")
+                rate = "" if "GEMM" in name else f" ({shard.numel() * 2 / us / 1e3:.0f} GB/s of shard per rank)"
+                results.append(f"{what}: {us:.1f} us{rate}")
         except Exception as e:  # noqa: BLE001 - one way failing must not hide the others
             results.append(f"{what}: FAILED {type(e).__name__}: {str(e)[:160]}")
         dist.barrier()
