@@ -6,13 +6,16 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 7's calls, in order (about 30 device minutes):
-#   1. tests "graphed or step_result"  -- graphed layers (1 GPU, tp=2 +/- SP, dp=2, p2p ring, comm
-#      overlap) and the asynchronous step read (about 8 min)
-#   2. pp2        -- one GPU, pp=2 with the paper's ZB-H1 order, balanced layout, megatron-core pp=2
-#   3. dp2        -- issue 4's target with no host wait between steps; torch DDP, megatron-core
-#   4. overlap    -- graphed tp=2: plain, p2p ring, comm overlap; one GPU, megatron-core tp=2
-#   5. tests "pipeline or zero" / nccl / profile, as time allows
+# Session 8's calls, in order (about 30 device minutes; start with kind nvidia-h100-x2 and
+# stop before the budget cannot start another machine):
+#   1. zbh2        -- pp=2: ZB-H1 (auto) against parallel.schedule=zb-h2, one GPU (issue 6's 0.90)
+#   2. collectives -- the tp=2 SP collectives alone: NCCL eager / graphed, symmetric-memory copies,
+#      and torch's fused all-gather+GEMM / GEMM+reduce-scatter graphed (decides the next tp=2 step)
+#   3. overlap     -- repeat graphed tp=2 plain against tp_comm_overlap (+2.6 % in session 7) before
+#      making it the auto
+#   4. tests "pipeline or zero" (the zb-h2 NCCL schedule test; zero has not run on GPU since session 4)
+#   5. dp=2: `torchrun --nproc-per-node 2 benchmarks/profile_step.py --set parallel.zero=1` for the
+#      phases of the 0.3 % left
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split
