@@ -123,5 +123,5 @@ case "${1:-tests}" in
   collectives)  # the tp=2 SP collectives alone: NCCL eager / graphed against symmetric-memory copies
     timeout 120 torchrun --nproc-per-node 2 benchmarks/tp_collectives.py 8 2>&1 | grep -A20 "^RESULT" ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests [K]|diag|session5|tp2|ab|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|zbh2|collectives|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac

@@ -42,13 +42,16 @@ end.record()
 torch.cuda.synchronize()
 executor.trace, trace = None, executor.trace
 
-lines, busy, previous_end = [], 0.0, 0.0
+lines, busy, previous_end = [], 0.0, None
 gaps = 0.0
 for op, mb, chunk, launched, s, e in trace:
     start, stop = begin.elapsed_time(s), begin.elapsed_time(e)
-    gaps += max(0.0, start - previous_end)
+    if previous_end is not None:  # the time before the first action is reported on its own
+        gaps += max(0.0, start - previous_end)
+        previous_end = max(previous_end, stop)
+    else:
+        previous_end = stop
     busy += stop - start
-    previous_end = max(previous_end, stop)
     lines.append(f"  {op}{mb}.{chunk}: gpu {start:7.1f} +{stop - start:5.1f}   host launch {(launched - t0) * 1e3:7.1f}")
 total = begin.elapsed_time(end)
 print(f"TIMELINE rank {rank} ({topo.pp_rank=}) {' '.join(sys.argv[1:])}\n" + "\n".join(lines) + "\n"

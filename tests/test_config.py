@@ -228,6 +228,7 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     assert resolved(["model.family=llama"]) == (True, False, False)  # llama at tp=1: compiled layers
     assert resolved(["model.family=llama"], "1f1b") == (True, False, False)
     assert resolved(["model.family=llama", "parallel.pp=2"], "zb-h1") == (False, True, False)  # no graph breaks around deferred W
+    assert resolved(["model.family=llama", "parallel.pp=2"], "zb-h2") == (False, True, False)
     # tp > 1: graphed eager layers where they can be captured; fusion measured slower, compiled slower
     assert resolved(["parallel.tp=2"]) == (False, False, True)
     assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "model.family=llama"]) == (False, False, True)

@@ -353,6 +353,8 @@ def test_zero2_and_zero_bubble_refused():
 
     with pytest.raises(ConfigError, match="zb-h1 holds every zero=2"):
         validate(load_config(None, ["parallel.zero=2", "parallel.pp=2", "parallel.schedule=zb-h1"]), 2)
+    with pytest.raises(ConfigError, match="zb-h2 holds every zero=2"):
+        validate(load_config(None, ["parallel.zero=2", "parallel.pp=2", "parallel.schedule=zb-h2"]), 2)
 
 
 def test_bf16_gradients_table_counts_the_fp32_copy():

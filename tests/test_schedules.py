@@ -308,7 +308,7 @@ def test_zb_h2_fills_the_start_where_i_costs_more_than_f():
     f, i, w = MEASURED_SPLIT
     measured = Costs(F=f, B=i + w, I=i, W=w)
     h1, h2 = (simulate(_built(k, 2, 1, 8), costs=measured).step_time for k in ("zb-h1", "zb-h2"))
-    assert h2 < h1 - 0.5, (h1, h2)  # 25.05 against 25.7 units: rank 0 no longer idles 1.35 F at the start
+    assert h2 < h1 - 0.5, (h1, h2)  # 25.05 against 25.7 units
     for pp in (2, 3, 4, 8):
         for m in range(1, 3 * pp + 3):
             h1, h2 = (simulate(_built(k, pp, 1, m), costs=measured) for k in ("zb-h1", "zb-h2"))

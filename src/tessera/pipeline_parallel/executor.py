@@ -24,7 +24,7 @@ from torch.autograd import Variable
 
 from tessera.models import GPTModel
 from tessera.pipeline_parallel.p2p import P2P, PendingRecv
-from tessera.pipeline_parallel.schedules import Action, Op
+from tessera.pipeline_parallel.schedules import COMPUTE, Action, Op
 from tessera.tensor_parallel.wgrad import WeightGradStore
 
 
@@ -78,7 +78,7 @@ class PipelineExecutor:
         for action in self.actions:
             mb, c, op = action.microbatch, action.chunk, action.op
             key = (mb, c)
-            if self.trace is not None and op in (Op.F, Op.B, Op.I, Op.W):
+            if self.trace is not None and op in COMPUTE:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 self.trace.append((op.name, mb, c, time.perf_counter(), start, end))
                 start.record()
@@ -120,7 +120,7 @@ class PipelineExecutor:
             elif op == Op.W:
                 self.wgrad_store.run(key)
                 deferred.discard(key)
-            if self.trace is not None and op in (Op.F, Op.B, Op.I, Op.W):
+            if self.trace is not None and op in COMPUTE:
                 self.trace[-1][-1].record()
             if self.p2p is not None:
                 self.p2p.reap()

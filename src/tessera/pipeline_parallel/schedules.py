@@ -24,9 +24,10 @@ Kinds:
   step); rank r defers each W by r micro-batches, so the W's fill what would be bubbles, and
   holds at most ``pp`` micro-batches from F to W. With unit costs F = I = W and m >= pp the
   step takes ``3m + p - 1``: a bubble of ``(p - 1)(F + I - W)``, a third of 1F1B's;
-- ``zb-h2``: ZB-H1 with ZB-H2's memory: ``2 (pp - rank) - 1`` warm-up forwards (rank 0 holds up
-  to ``2pp - 1`` micro-batches), filling the wait at the start where I costs more than F (as on
-  GPUs: I ~ 1.35 F); W's deferred by a multiple of the rank that the simulator picks.
+- ``zb-h2``: ZB-H1 with ZB-H2's memory: ``2 (pp - rank) - 1`` warm-up forwards and W's deferred
+  by a multiple of the rank that the simulator picks (2), which fill the wait at the start where
+  I costs more than F (as on GPUs: I ~ 1.35 F); every rank holds up to ``2pp - 1`` micro-batches
+  from F to W (ZB-H1: ``pp``).
 
 Communication is overlapped: the receive a rank needs for its next compute is posted before its
 current compute (Megatron's overlap_p2p_comm), so it arrives while the rank works.
@@ -231,14 +232,15 @@ MEASURED_SPLIT = (1.0, 1.35, 0.65)  # F, I, W
 @functools.lru_cache(maxsize=64)
 def zb_h2_deferral(pp: int, m: int) -> int:
     """ZB-H2's W deferral step k (rank r defers by k * r): the smallest k with the shortest step
-    on the simulator at the measured F : I : W split, among those that hold at most ``2pp - 1``
-    micro-batches from F to W on every rank (ZB-H2's bound; k = 0 always does)."""
+    on the simulator at the measured F : I : W split (whatever costs a caller simulates with
+    later), among those that hold at most ``2pp - 1`` micro-batches from F to W on every rank
+    (ZB-H2's bound). Rank r holds up to ``2 (pp - r) - 1 + k r`` of them, so k is 0, 1 or 2."""
     from tessera.pipeline_parallel.simulator import Costs, simulate  # the simulator imports this module
 
     f, i, w = MEASURED_SPLIT
     costs = Costs(F=f, B=i + w, I=i, W=w)
     best = None
-    for k in range(2 * pp):
+    for k in range(3):
         t = simulate([_zero_bubble(m, 2 * (pp - r) - 1, k * r) for r in range(pp)], costs=costs)
         if max(t.peak_held(r) for r in range(pp)) <= 2 * pp - 1:
             candidate = (round(t.step_time, 9), k)
@@ -247,13 +249,16 @@ def zb_h2_deferral(pp: int, m: int) -> int:
 
 
 def _zero_bubble_h2(pp: int, m: int, rank: int) -> list[Action]:
-    """ZB-H2's memory (Qi et al., 2023): ``2 (pp - rank) - 1`` warm-up forwards, so rank 0 holds
-    up to ``2 pp - 1`` micro-batches' activations (ZB-H1: ``pp``). Where I costs more than F, as
-    measured, ZB-H1's rank 0 idles at the start while the next stage runs its first F and I;
-    the extra forwards fill that wait. Rank r defers each W by ``k r`` micro-batches
-    (:func:`zb_h2_deferral`), so the later ranks' W's fill the drain. With F = I = W it takes
-    ZB-H1's ``3m + p - 1`` where m >= 2pp (a few units more for pp < m < 2pp): unlike the
-    paper's ZB-H2 it does not reorder the drain, so it gains only where I costs more than F."""
+    """ZB-H2's memory (Qi et al., 2023): ``2 (pp - rank) - 1`` warm-up forwards, and rank r defers
+    each W by ``k r`` micro-batches (:func:`zb_h2_deferral`, k = 2 at the measured split). Where I
+    costs more than F, as measured, ZB-H1's rank 0 idles at the start while the next stage runs
+    its first F and I. The extra forwards fill that wait, and the longer deferral keeps the later
+    ranks' I's, the critical path back, from queueing behind their W's; neither gains alone. Every
+    rank then holds up to ``2pp - 1`` micro-batches from F to W (ZB-H1: ``pp``): rank 0 as
+    activations, the last rank as deferred W's, whose saved inputs include the output head's
+    gradient. With F = I = W it takes ZB-H1's ``3m + p - 1`` where m >= 2pp (a few units more for
+    pp < m < 2pp): unlike the paper's ZB-H2 it does not reorder the drain, so it gains only where
+    I costs more than F."""
     return _zero_bubble(m, 2 * (pp - rank) - 1, zb_h2_deferral(pp, m) * rank)
 
 

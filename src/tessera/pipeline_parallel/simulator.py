@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessera.pipeline_parallel.schedules import COMPUTE, Action, Op, ScheduleError
+from tessera.pipeline_parallel.schedules import COMPUTE, SPLIT_BACKWARD, Action, Op, ScheduleError
 
 
 @dataclass
@@ -133,7 +133,7 @@ def analytic_bubble(kind: str, pp: int, vpp: int, microbatches: int) -> float:
         return (pp - 1) / microbatches
     if kind == "interleaved":
         return (pp - 1) / (vpp * microbatches)
-    if kind in ("zb-h1", "zb-h2"):  # (p - 1)(F + I - W) / (m (F + I + W)) with F = I = W: a third of 1F1B's
+    if kind in SPLIT_BACKWARD:  # (p - 1)(F + I - W) / (m (F + I + W)) with F = I = W: a third of 1F1B's
         return (pp - 1) / (3 * microbatches)
     return 0.0  # none
 

@@ -51,9 +51,10 @@ class StepResult:
     """A step's reported loss (mean over the global batch's tokens), global gradient norm and
     token count. On CUDA they are on their way to the host when the step returns (one copy,
     into pinned memory, queued right after the step's work, with an event): reading them waits
-    for this step's work only, not for whatever was launched after it. The first launch
-    allocates the pinned block, which synchronises the device once; later ones reuse the blocks
-    that earlier, read results freed (torch's caching host allocator)."""
+    for this step's work only, not for whatever was launched after it. The first two
+    launches (step k+1 is launched before step k is read) each allocate a pinned block, which
+    synchronises the device; later ones reuse the blocks that earlier, read results freed
+    (torch's caching host allocator)."""
 
     values: Tensor  # [loss, grad norm, tokens], float64, on the host (pinned on CUDA)
     ready: torch.cuda.Event | None = None  # CUDA: recorded behind the step's work (timing on)

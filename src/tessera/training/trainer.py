@@ -43,7 +43,7 @@ from tessera.training.step import DTYPES, StepClock, train_step
 def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int = 0) -> str:
     """``auto``: the fastest valid kind by the simulator (not ZB-H1 with zero >= 2: its deferred
     weight gradients keep zero=2's per-micro-batch buckets open, and arrive after FSDP reduced
-    them); otherwise ``kind``, checked."""
+    them; never zb-h2, which holds more micro-batches); otherwise ``kind``, checked."""
     if kind != "auto":
         check_kind(kind, pp, vpp, microbatches)
         return kind
