@@ -76,7 +76,7 @@ def main() -> None:
                 one_gpu = tps
     if dry:
         return
-    print(f"\n| layout | system | tokens/s per GPU | tessera / this | vs tessera 1 GPU |\n| --- | --- | --- | --- | --- |")
+    print("\n| layout | system | tokens/s per GPU | tessera / this | vs tessera 1 GPU |\n| --- | --- | --- | --- | --- |")
     for layout, system, tps in rows:
         mine = next((t for lay, s, t in rows if lay == layout and s == "tessera"), None)
         ratio = f"{mine / tps:.2f}" if tps and mine and system != "tessera" else ""
