@@ -14,8 +14,9 @@
 #   3. overlap     -- repeat graphed tp=2 plain against tp_comm_overlap (+2.6 % in session 7) before
 #      making it the auto
 #   4. tests "pipeline or zero" (the zb-h2 NCCL schedule test; zero has not run on GPU since session 4)
-#   5. dp=2: `torchrun --nproc-per-node 2 benchmarks/profile_step.py --set parallel.zero=1` for the
-#      phases of the 0.3 % left
+#   5. phases: `torchrun --nproc-per-node 2 benchmarks/profile_step.py --set parallel.zero=1` (dp=2's
+#      0.3 % left) and `... --set parallel.pp=2` (each stage's tail: the tied-embedding all-reduce,
+#      norm and optimizer after its last W, 13 / 20 ms in session 7's timeline)
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split

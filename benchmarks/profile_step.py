@@ -44,11 +44,12 @@ for step in range(10):
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     rows.append([wall] + [ev[i].elapsed_time(ev[i + 1]) / 1e3 for i in range(4)])
-if rank == 0:
+if rank == 0 or topo.pp > 1:  # pipeline stages differ: every stage's rank prints
     med = [statistics.median(r[i] for r in rows[2:]) for i in range(5)]
     names = ["wall", "fwd+bwd", "grad-sync wait", "finalize+norm", "optimizer"]
     tok = cfg.train.global_batch * cfg.model.seq_len / world
-    print(f"PROFILE world={world} {' '.join(sets)}: " + ", ".join(f"{n} {v * 1e3:.1f} ms" for n, v in zip(names, med))
+    print(f"PROFILE rank {rank} world={world} {' '.join(sets)}: "
+          + ", ".join(f"{n} {v * 1e3:.1f} ms" for n, v in zip(names, med))
           + f" -> {tok / med[0]:,.0f} tokens/s per GPU", flush=True)
 for g in b.graphs:  # graphs holding NCCL work would hang the destroy
     g.release()
