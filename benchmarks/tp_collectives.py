@@ -142,9 +142,9 @@ if __name__ == "__main__":
             ("fc2 GEMM alone", gemm_fc2, True), ("fc2 GEMM + nccl reduce-scatter", nccl_gemm_rs, True),
             ("fused all-gather + QKV GEMM (symm-mem)", symm_ag_gemm, False),
             ("fc2 GEMM + reduce-scatter fused (symm-mem)", symm_gemm_rs, False),
-            ("symm-mem all-gather", symm_ag, True), ("symm-mem reduce-scatter", symm_rs, True),
             ("fused all-gather + QKV GEMM (symm-mem)", symm_ag_gemm, True),
-            ("fc2 GEMM + reduce-scatter fused (symm-mem)", symm_gemm_rs, True)]
+            ("fc2 GEMM + reduce-scatter fused (symm-mem)", symm_gemm_rs, True),
+            ("symm-mem all-gather", symm_ag, True), ("symm-mem reduce-scatter", symm_rs, True)]
     for name, fn, graphed in runs:
         what = f"{name}{' (graph)' if graphed else ''}"
         try:
