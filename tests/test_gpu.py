@@ -286,12 +286,13 @@ def test_fused_weight_gradient_accumulation_is_exact_to_fp32():
         assert errors[0].max().item() < 1e-5 * exact.abs().max().item(), mean
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(500)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_fast_paths_follow_the_reference_loss_curve(tmp_path):
     """200 bf16 steps follow the all-off curve within bf16 tolerance with each combination of
     fast paths: what auto picks for llama (compiled layers, fused cross entropy), fused weight
-    gradients in eager layers (what auto picks for GPT), and compiled layers with fusion."""
+    gradients in eager layers (what auto picks for GPT), compiled layers with fusion, and
+    CUDA-graphed layers (what auto picks at tp > 1; forced here on one GPU)."""
     model = ["model.hidden=256", "model.layers=4", "model.heads=4", "model.seq_len=256", "model.vocab_size=1000",
              "train.dtype=bf16", "train.steps=200", "train.log_every=50", "optim.lr=1e-3", "data.source=builtin",
              "model.family=llama", "model.kv_heads=2", "model.ffn_hidden=704"]
@@ -300,9 +301,11 @@ def test_fast_paths_follow_the_reference_loss_curve(tmp_path):
     fast = _train(tmp_path, "fast", 1, model)  # auto: compiled layers and fused CE for llama on CUDA
     fused = _train(tmp_path, "fused", 1, model + ["train.grad_accum_fusion=true", "train.compile=false"])
     both = _train(tmp_path, "both", 1, model + ["train.grad_accum_fusion=true", "train.compile=true"])
-    assert len(fast) == len(ref) == len(fused) == len(both) == 200
+    graphed = _train(tmp_path, "graphed", 1, model + ["train.cuda_graphs=true", "train.compile=false",
+                                                      "train.grad_accum_fusion=false"])
+    assert len(fast) == len(ref) == len(fused) == len(both) == len(graphed) == 200
     assert ref[-1]["loss"] < 0.6 * ref[0]["loss"], "the run must learn"
-    for run in (fast, fused, both):
+    for run in (fast, fused, both, graphed):
         for w in range(0, 200, 10):  # windows of 10 steps: bf16 noise per step, the same curve
             a, b = (sum(m["loss"] for m in r[w:w + 10]) / 10 for r in (run, ref))
             assert a == pytest.approx(b, rel=3e-2), f"steps {w + 1}-{w + 10}"
