@@ -10,7 +10,8 @@
 # stop before the budget cannot start another machine):
 #   1. zbh2        -- pp=2: ZB-H1 (auto) against parallel.schedule=zb-h2, one GPU (issue 6's 0.90)
 #   2. collectives -- the tp=2 SP collectives alone: NCCL eager / graphed, symmetric-memory copies,
-#      and torch's fused all-gather+GEMM / GEMM+reduce-scatter graphed (decides the next tp=2 step)
+#      and torch's fused all-gather+GEMM / GEMM+reduce-scatter graphed; then tp_two_stream_probe:
+#      two half micro-batches on two streams against one (decides the next tp=2 step)
 #   3. overlap     -- repeat graphed tp=2 plain against tp_comm_overlap (+2.6 % in session 7) before
 #      making it the auto
 #   4. tests "pipeline or zero" (the zb-h2 NCCL schedule test; zero has not run on GPU since session 4)
@@ -121,8 +122,10 @@ case "${1:-tests}" in
   zbh2)  # pp=2: ZB-H1 (auto) against ZB-H2's warm-up (parallel.schedule=zb-h2), one GPU in the same call
     NPROC=1 timeout 80 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
     QT=75 q parallel.pp=2; QT=75 q parallel.pp=2 parallel.schedule=zb-h2 ;;
-  collectives)  # the tp=2 SP collectives alone: NCCL eager / graphed against symmetric-memory copies
-    timeout 120 torchrun --nproc-per-node 2 benchmarks/tp_collectives.py 8 2>&1 | grep -A20 "^RESULT" ;;
+  collectives)  # the tp=2 SP collectives alone: NCCL eager / graphed against symmetric-memory copies;
+    # then whether two half micro-batches on two streams (two TP communicators) overlap comm and GEMMs
+    timeout 120 torchrun --nproc-per-node 2 benchmarks/tp_collectives.py 8 2>&1 | grep -A20 "^RESULT"
+    timeout 150 torchrun --nproc-per-node 2 benchmarks/tp_two_stream_probe.py 4 2>&1 | grep -E "^RESULT|Error" ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
   *) echo "usage: $0 tests [K]|zbh2|collectives|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac
