@@ -1,6 +1,7 @@
 """The sequence-parallel collectives of GPT-1.3B at tp=2 (micro-batch 2: an 8 MB bf16 shard,
 16 MB gathered), alone on the GPUs, each way tessera could run them: NCCL (what the layers use),
-eager and replayed from a CUDA graph (as graphed layers run them), and torch's symmetric-memory
+eager and replayed from a CUDA graph (as graphed layers run them), NCCL with its buffers
+registered (allocated from the backend's pool: ``register_mem_pool``), and torch's symmetric-memory
 "low-contention" all-gather / reduce-scatter (copy-engine pulls between the GPUs' memories, no
 NCCL kernel), eager and, where it captures, graphed; then the QKV all-gather + GEMM and the fc2
 GEMM + reduce-scatter, NCCL then the GEMM against torch's fused symmetric-memory ops
@@ -36,6 +37,29 @@ def nccl_rs():
     out = torch.empty_like(shard)
     dist.reduce_scatter_tensor(out, full, group=group)
     return out
+
+
+registered = {}  # NCCL user-buffer registration: inputs and outputs from the backend's registered pool
+
+
+def register_buffers() -> None:
+    backend = group._get_backend(torch.device("cuda"))
+    pool = torch.cuda.MemPool(backend.mem_allocator)
+    with torch.cuda.use_mem_pool(pool):
+        registered.update(shard=shard.clone(), full=full.clone(), ag_out=torch.empty_like(full),
+                          rs_out=torch.empty_like(shard))
+    backend.register_mem_pool(pool)
+    registered["pool"] = pool
+
+
+def nccl_ag_registered():
+    dist.all_gather_into_tensor(registered["ag_out"], registered["shard"], group=group)
+    return registered["ag_out"]
+
+
+def nccl_rs_registered():
+    dist.reduce_scatter_tensor(registered["rs_out"], registered["full"], group=group)
+    return registered["rs_out"]
 
 
 def symm_ag():
@@ -136,8 +160,13 @@ if __name__ == "__main__":
     # a failed graph capture can spoil what runs after it: the symmetric-memory graphs run last
     runs = [("nccl all-gather", nccl_ag, False), ("nccl reduce-scatter", nccl_rs, False),
             ("nccl all-gather", nccl_ag, True), ("nccl reduce-scatter", nccl_rs, True),
+            ("register NCCL buffers", register_buffers, None),
+            ("nccl all-gather, registered buffers", nccl_ag_registered, False),
+            ("nccl reduce-scatter, registered buffers", nccl_rs_registered, False),
+            ("nccl all-gather, registered buffers", nccl_ag_registered, True),
+            ("nccl reduce-scatter, registered buffers", nccl_rs_registered, True),
             ("symm-mem all-gather", symm_ag, False), ("symm-mem reduce-scatter", symm_rs, False),
-            ("check", check, None),
+            ("check: symm-mem results equal NCCL's", check, None),
             ("QKV GEMM alone", gemm_qkv, True), ("nccl all-gather + QKV GEMM", nccl_ag_gemm, True),
             ("fc2 GEMM alone", gemm_fc2, True), ("fc2 GEMM + nccl reduce-scatter", nccl_gemm_rs, True),
             ("fused all-gather + QKV GEMM (symm-mem)", symm_ag_gemm, False),
@@ -150,7 +179,7 @@ if __name__ == "__main__":
         try:
             if graphed is None:
                 fn()
-                results.append("symm-mem results equal NCCL's")
+                results.append(f"{name}: done")
             else:
                 us = timed(fn, graphed)
                 rate = "" if "GEMM" in name else f" ({shard.numel() * 2 / us / 1e3:.0f} GB/s of shard per rank)"
@@ -162,4 +191,6 @@ if __name__ == "__main__":
         print(f"RESULT shard {shard_mb} MB bf16, {world} GPUs ({torch.cuda.get_device_name()}):")
         print("\n".join("  " + r for r in results), flush=True)
     dist.barrier()
+    if "pool" in registered:
+        group._get_backend(torch.device("cuda")).deregister_mem_pool(registered.pop("pool"))
     dist.destroy_process_group()
