@@ -124,7 +124,7 @@ case "${1:-tests}" in
     QT=75 q parallel.pp=2; QT=75 q parallel.pp=2 parallel.schedule=zb-h2 ;;
   collectives)  # the tp=2 SP collectives alone: NCCL eager / graphed against symmetric-memory copies;
     # then whether two half micro-batches on two streams (two TP communicators) overlap comm and GEMMs
-    timeout 120 torchrun --nproc-per-node 2 benchmarks/tp_collectives.py 8 2>&1 | grep -A20 "^RESULT"
+    timeout 120 torchrun --nproc-per-node 2 benchmarks/tp_collectives.py 8 2>&1 | grep -A25 "^RESULT"
     timeout 150 torchrun --nproc-per-node 2 benchmarks/tp_two_stream_probe.py 4 2>&1 | grep -E "^RESULT|Error" ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
   *) echo "usage: $0 tests [K]|zbh2|collectives|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
