@@ -17,7 +17,8 @@
 #   4. tests "pipeline or zero" (the zb-h2 NCCL schedule test; zero has not run on GPU since session 4)
 #   5. phases: `torchrun --nproc-per-node 2 benchmarks/profile_step.py --set parallel.zero=1` (dp=2's
 #      0.3 % left) and `... --set parallel.pp=2` (each stage's tail: the tied-embedding all-reduce,
-#      norm and optimizer after its last W, 13 / 20 ms in session 7's timeline)
+#      norm and optimizer after its last W, 13 / 20 ms in session 7's timeline); `contention`
+#      (how much the overlapped gradient reduce-scatter slows the GEMMs: NCCL, registered, copy engine)
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split
@@ -126,6 +127,9 @@ case "${1:-tests}" in
     # then whether two half micro-batches on two streams (two TP communicators) overlap comm and GEMMs
     timeout 120 torchrun --nproc-per-node 2 benchmarks/tp_collectives.py 8 2>&1 | grep -A25 "^RESULT"
     timeout 150 torchrun --nproc-per-node 2 benchmarks/tp_two_stream_probe.py 4 2>&1 | grep -E "^RESULT|Error" ;;
+  contention)  # dp=2: how much the overlapped gradient reduce-scatter slows the GEMMs, per way of running it
+    timeout 120 torchrun --nproc-per-node 2 benchmarks/dp_overlap_contention.py 2>&1 | grep -A8 "^RESULT"
+    NCCL_MAX_CTAS=8 timeout 120 torchrun --nproc-per-node 2 benchmarks/dp_overlap_contention.py 2>&1 | grep -A8 "^RESULT" ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests [K]|zbh2|collectives|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac

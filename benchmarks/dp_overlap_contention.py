@@ -1,0 +1,119 @@
+"""How much an overlapped gradient reduce-scatter slows the GEMMs it overlaps, each way tessera
+could run it. At dp=2 the last micro-batch's backward runs while the fp32 gradient buckets are
+reduce-scattered (and the first forward while the parameters are all-gathered); the session-2
+profile put the compute about 1.4 ms per micro-batch slower there, most of what keeps dp=2 at
+0.967 of one GPU (BENCHMARKS.md). Per way: the GEMMs alone, the reductions alone, both on two
+streams at once, and the slowdown. Ways: NCCL (tessera's), NCCL with its buffers registered
+(``register_mem_pool``), torch's symmetric-memory ``_low_contention_reduce_scatter`` (copy-engine
+pulls, then a local sum). Run NCCL_MAX_CTAS=... in front to try fewer NCCL blocks.
+`torchrun --nproc-per-node 2 benchmarks/dp_overlap_contention.py [bucket_millions] [buckets]`."""
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+rank = int(os.environ["RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=120))
+world, group = dist.get_world_size(), dist.group.WORLD
+bucket = int(float(sys.argv[1]) * 1e6) if len(sys.argv) > 1 else 40_000_000  # parallel.bucket_size
+count = int(sys.argv[2]) if len(sys.argv) > 2 else 8  # ~ a third of GPT-1.3B's gradients
+bucket -= bucket % world
+grads = [torch.randn(bucket, device="cuda") for _ in range(count)]
+shards = [torch.empty(bucket // world, device="cuda") for _ in range(count)]
+# the backward's GEMMs at GPT-1.3B scale: 4096 tokens x hidden 2048 x ffn 8192
+a = torch.randn(4096, 2048, dtype=torch.bfloat16, device="cuda")
+b = torch.randn(2048, 8192, dtype=torch.bfloat16, device="cuda")
+GEMMS = 60
+comm = torch.cuda.Stream()
+
+
+def gemms():
+    for _ in range(GEMMS):
+        a @ b
+
+
+def nccl():
+    for g, s in zip(grads, shards):
+        dist.reduce_scatter_tensor(s, g, group=group)
+
+
+registered = {}
+
+
+def register():
+    backend = group._get_backend(torch.device("cuda"))
+    pool = torch.cuda.MemPool(backend.mem_allocator)
+    with torch.cuda.use_mem_pool(pool):
+        registered["grads"] = [g.clone() for g in grads]
+        registered["shards"] = [torch.empty_like(s) for s in shards]
+    backend.register_mem_pool(pool)
+    registered["pool"] = pool
+
+
+def nccl_registered():
+    for g, s in zip(registered["grads"], registered["shards"]):
+        dist.reduce_scatter_tensor(s, g, group=group)
+
+
+def low_contention():
+    for g in grads:
+        out = torch.ops.symm_mem._low_contention_reduce_scatter(g, "sum", group.group_name)
+        torch.ops._c10d_functional.wait_tensor(out)
+
+
+def ms(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 3
+
+
+def both(reduce):
+    def run():
+        comm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(comm):
+            reduce()
+        gemms()
+        torch.cuda.current_stream().wait_stream(comm)
+    return run
+
+
+lines = []
+try:
+    from torch.distributed import _symmetric_memory as symm
+    if hasattr(symm, "enable_symm_mem_for_group"):
+        symm.enable_symm_mem_for_group(group.group_name)
+except Exception as e:  # noqa: BLE001 - report, measure the rest
+    lines.append(f"symmetric memory unavailable: {e!r}")
+alone = ms(gemms)
+lines.append(f"{GEMMS} GEMMs alone: {alone:.2f} ms")
+for name, reduce in (("NCCL", nccl), ("register", register), ("NCCL, registered buffers", nccl_registered),
+                     ("symm-mem low-contention", low_contention)):
+    try:
+        if name == "register":
+            reduce()
+            continue
+        r, t = ms(reduce), ms(both(reduce))
+        lines.append(f"{name}: {count} reduce-scatters of {bucket / 1e6:.0f}M fp32 alone {r:.2f} ms; with the GEMMs "
+                     f"{t:.2f} ms against {max(r, alone):.2f} ms if hidden perfectly "
+                     f"(GEMMs slowed by up to {100 * (t - alone) / alone:.1f} %)")
+    except Exception as e:  # noqa: BLE001 - one way failing must not hide the others
+        lines.append(f"{name}: FAILED {type(e).__name__}: {str(e)[:160]}")
+    dist.barrier()
+if rank == 0:
+    print(f"RESULT dp reduce-scatter contention, {world} GPUs ({torch.cuda.get_device_name()}), "
+          f"NCCL_MAX_CTAS={os.environ.get('NCCL_MAX_CTAS', 'unset')}:\n  " + "\n  ".join(lines), flush=True)
+dist.barrier()
+if "pool" in registered:
+    group._get_backend(torch.device("cuda")).deregister_mem_pool(registered.pop("pool"))
+dist.destroy_process_group()
