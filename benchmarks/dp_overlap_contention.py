@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 rank = int(os.environ["RANK"])
 torch.cuda.set_device(rank)
-dist.init_process_group("nccl", device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=120))
+dist.init_process_group("nccl", device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=45))
 world, group = dist.get_world_size(), dist.group.WORLD
 bucket = int(float(sys.argv[1]) * 1e6) if len(sys.argv) > 1 else 40_000_000  # parallel.bucket_size
 count = int(sys.argv[2]) if len(sys.argv) > 2 else 8  # ~ a third of GPT-1.3B's gradients
@@ -88,15 +88,21 @@ def both(reduce):
     return run
 
 
-lines = []
+def report(line: str) -> None:  # as it comes: a later hang must not lose what was measured
+    if rank == 0:
+        print("RESULT " + line, flush=True)
+
+
+report(f"dp reduce-scatter contention, {world} GPUs ({torch.cuda.get_device_name()}), "
+       f"NCCL_MAX_CTAS={os.environ.get('NCCL_MAX_CTAS', 'unset')}:")
 try:
     from torch.distributed import _symmetric_memory as symm
     if hasattr(symm, "enable_symm_mem_for_group"):
         symm.enable_symm_mem_for_group(group.group_name)
 except Exception as e:  # noqa: BLE001 - report, measure the rest
-    lines.append(f"symmetric memory unavailable: {e!r}")
+    report(f"symmetric memory unavailable: {e!r}")
 alone = ms(gemms)
-lines.append(f"{GEMMS} GEMMs alone: {alone:.2f} ms")
+report(f"{GEMMS} GEMMs alone: {alone:.2f} ms")
 for name, reduce in (("NCCL", nccl), ("register", register), ("NCCL, registered buffers", nccl_registered),
                      ("symm-mem low-contention", low_contention)):
     try:
@@ -104,16 +110,14 @@ for name, reduce in (("NCCL", nccl), ("register", register), ("NCCL, registered 
             reduce()
             continue
         r, t = ms(reduce), ms(both(reduce))
-        lines.append(f"{name}: {count} reduce-scatters of {bucket / 1e6:.0f}M fp32 alone {r:.2f} ms; with the GEMMs "
+        report(f"{name}: {count} reduce-scatters of {bucket / 1e6:.0f}M fp32 alone {r:.2f} ms; with the GEMMs "
                      f"{t:.2f} ms against {max(r, alone):.2f} ms if hidden perfectly "
                      f"(GEMMs slowed by up to {100 * (t - alone) / alone:.1f} %)")
     except Exception as e:  # noqa: BLE001 - one way failing must not hide the others
-        lines.append(f"{name}: FAILED {type(e).__name__}: {str(e)[:160]}")
+        report(f"{name}: FAILED {type(e).__name__}: {' '.join(str(e).split())[:200]}")
     dist.barrier()
-if rank == 0:
-    print(f"RESULT dp reduce-scatter contention, {world} GPUs ({torch.cuda.get_device_name()}), "
-          f"NCCL_MAX_CTAS={os.environ.get('NCCL_MAX_CTAS', 'unset')}:\n  " + "\n  ".join(lines), flush=True)
 dist.barrier()
 if "pool" in registered:
     group._get_backend(torch.device("cuda")).deregister_mem_pool(registered.pop("pool"))
+    registered.clear()
 dist.destroy_process_group()

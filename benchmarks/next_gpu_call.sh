@@ -14,7 +14,8 @@
 #      two half micro-batches on two streams against one (decides the next tp=2 step)
 #   3. overlap     -- repeat graphed tp=2 plain against tp_comm_overlap (+2.6 % in session 7) before
 #      making it the auto
-#   4. tests "pipeline or zero" (the zb-h2 NCCL schedule test; zero has not run on GPU since session 4)
+#   4. tests pipeline (the zb-h2 NCCL schedule test), then, in its own call, tests zero (not run on
+#      GPU since session 4); together they do not fit one call
 #   5. phases: `torchrun --nproc-per-node 2 benchmarks/profile_step.py --set parallel.zero=1` (dp=2's
 #      0.3 % left) and `... --set parallel.pp=2` (each stage's tail: the tied-embedding all-reduce,
 #      norm and optimizer after its last W, 13 / 20 ms in session 7's timeline); `contention`
@@ -122,14 +123,17 @@ case "${1:-tests}" in
       timeout 120 torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py $l > "$log" 2>&1; grep -h SUMMARY "$log"; done ;;
   zbh2)  # pp=2: ZB-H1 (auto) against ZB-H2's warm-up (parallel.schedule=zb-h2), one GPU in the same call
     NPROC=1 timeout 80 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
-    QT=75 q parallel.pp=2; QT=75 q parallel.pp=2 parallel.schedule=zb-h2 ;;
+    QT=100 q parallel.pp=2; QT=100 q parallel.pp=2 parallel.schedule=zb-h2 ;;
   collectives)  # the tp=2 SP collectives alone: NCCL eager / graphed against symmetric-memory copies;
     # then whether two half micro-batches on two streams (two TP communicators) overlap comm and GEMMs
-    timeout 120 torchrun --nproc-per-node 2 benchmarks/tp_collectives.py 8 2>&1 | grep -A25 "^RESULT"
-    timeout 150 torchrun --nproc-per-node 2 benchmarks/tp_two_stream_probe.py 4 2>&1 | grep -E "^RESULT|Error" ;;
+    timeout 150 torchrun --nproc-per-node 2 benchmarks/tp_collectives.py 8 > "${OUT:-/tmp}/collectives.log" 2>&1
+    grep -E "RESULT|Error" "${OUT:-/tmp}/collectives.log"
+    timeout 150 torchrun --nproc-per-node 2 benchmarks/tp_two_stream_probe.py 4 > "${OUT:-/tmp}/probe.log" 2>&1
+    grep -E "^RESULT|Error" "${OUT:-/tmp}/probe.log" ;;
   contention)  # dp=2: how much the overlapped gradient reduce-scatter slows the GEMMs, per way of running it
-    timeout 120 torchrun --nproc-per-node 2 benchmarks/dp_overlap_contention.py 2>&1 | grep -A8 "^RESULT"
-    NCCL_MAX_CTAS=8 timeout 120 torchrun --nproc-per-node 2 benchmarks/dp_overlap_contention.py 2>&1 | grep -A8 "^RESULT" ;;
+    for ctas in "" 8; do log="${OUT:-/tmp}/contention${ctas}.log"
+      env ${ctas:+NCCL_MAX_CTAS=$ctas} timeout 120 torchrun --nproc-per-node 2 benchmarks/dp_overlap_contention.py > "$log" 2>&1
+      grep -E "RESULT|Error" "$log"; done ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
   *) echo "usage: $0 tests [K]|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac

@@ -16,6 +16,7 @@ import datetime
 import os
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ device = torch.device("cuda", rank) if cuda else torch.device("cpu")
 if cuda:
     torch.cuda.set_device(device)
 dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
-                        timeout=datetime.timedelta(seconds=120))
+                        timeout=datetime.timedelta(seconds=60))
 layers = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 cfg = load_config(None, MODELS["gpt-1.3b"] + [f"model.layers={layers}"] + sys.argv[2:]).model
 dtype = torch.bfloat16 if cuda else torch.float32
@@ -61,9 +62,16 @@ def sync():
         torch.cuda.synchronize()
 
 
-full, g_full = stack(topo.group("tp"), 2)
-half_a, g_a = stack(topo.group("tp"), 1)
-half_b, g_b = stack(second_tp, 1)
+captured = []  # every stack's graphs: released before the process group goes, even after a failure
+
+
+def graphed_stack(group, micro_batch: int):
+    layers_, graphs = stack(group, micro_batch)
+    if graphs is not None:
+        captured.append(graphs)
+    return layers_
+
+
 x_full = torch.randn(seq, 2, cfg.hidden, device=device, dtype=dtype)
 x_a, x_b = x_full[:, :1].contiguous(), x_full[:, 1:].contiguous()
 s_a, s_b = stream(), stream()
@@ -119,14 +127,27 @@ def timed(fn, reps: int = 10) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-results = {name: timed(fn) for name, fn in (("full", run_full), ("halves", run_halves), ("concurrent", run_concurrent))}
-if rank == 0:
+try:
+    full = graphed_stack(topo.group("tp"), 2)
+    half_a = graphed_stack(topo.group("tp"), 1)
+    half_b = graphed_stack(second_tp, 1)
     where = torch.cuda.get_device_name() if cuda else "CPU (a check of the script, not a figure)"
-    print(f"RESULT {layers} GPT-1.3B layers at tp=2 + SP, forward + backward per micro-batch of 2, {where}: "
-          + ", ".join(f"{k} {v:.2f} ms" for k, v in results.items())
-          + f"; concurrent / full {results['concurrent'] / results['full']:.3f}", flush=True)
-for g in (g_full, g_a, g_b):
-    if g is not None:
+    results = {}
+    for name, fn in (("full", run_full), ("halves", run_halves), ("concurrent", run_concurrent)):
+        results[name] = timed(fn)
+        if rank == 0:  # as it comes: a later hang must not lose what was measured
+            print(f"RESULT {layers} GPT-1.3B layers at tp=2 + SP, forward + backward per micro-batch of 2, "
+                  f"{where}: {name} {results[name]:.2f} ms", flush=True)
+    if rank == 0:
+        print(f"RESULT concurrent / full {results['concurrent'] / results['full']:.3f}, "
+              f"halves / full {results['halves'] / results['full']:.3f}", flush=True)
+except BaseException:
+    traceback.print_exc()
+    for g in captured:  # graphs holding NCCL work would hang the exit
         g.release()
+    sys.stdout.flush()
+    os._exit(1)
+for g in captured:
+    g.release()
 dist.barrier()
 dist.destroy_process_group()
