@@ -121,9 +121,12 @@ case "${1:-tests}" in
     for l in "parallel.pp=2" "parallel.pp=2 parallel.pp_layout=balanced"; do
       log="${OUT:-/tmp}/timeline_$(echo $l | tr -c 'a-z0-9\n' _).log"
       timeout 120 torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py $l > "$log" 2>&1; grep -h SUMMARY "$log"; done ;;
-  zbh2)  # pp=2: ZB-H1 (auto) against ZB-H2's warm-up (parallel.schedule=zb-h2), one GPU in the same call
+  zbh2)  # pp=2: ZB-H1 (auto) against ZB-H2's warm-up (parallel.schedule=zb-h2), one GPU in the same call;
+    # then each with one NCCL channel for point-to-point: session 7's timeline saw rank 0's F slow from
+    # 10.2 to 13 ms while its early-posted gradient receive spun, waiting for the slower rank 1
     NPROC=1 timeout 80 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
-    QT=100 q parallel.pp=2; QT=100 q parallel.pp=2 parallel.schedule=zb-h2 ;;
+    QT=100 q parallel.pp=2; QT=100 q parallel.pp=2 parallel.schedule=zb-h2
+    export NCCL_MAX_P2P_NCHANNELS=1; QT=100 q parallel.pp=2; QT=100 q parallel.pp=2 parallel.schedule=zb-h2 ;;
   collectives)  # the tp=2 SP collectives alone: NCCL eager / graphed against symmetric-memory copies;
     # then whether two half micro-batches on two streams (two TP communicators) overlap comm and GEMMs
     timeout 150 torchrun --nproc-per-node 2 benchmarks/tp_collectives.py 8 > "${OUT:-/tmp}/collectives.log" 2>&1
