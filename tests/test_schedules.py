@@ -222,7 +222,14 @@ def test_cli_prints_one_line_with_the_bubble(capsys):
     assert cli.main(["schedule", "--kind", "zb-h1", "--pp", "2", "--microbatches", "8"]) == 0
     assert capsys.readouterr().out.strip() == (
         "zb-h1 pp=2 vpp=1 microbatches=8: step time 25, bubble 0.042 (analytic 0.042), "
-        "peak in-flight micro-batches per rank [2, 1], peak deferred weight gradients per rank [1, 2]")
+        "peak in-flight micro-batches per rank [2, 1], peak deferred weight gradients per rank [1, 2], "
+        "peak held from F to W per rank [2, 2]")
+    # zb-h2 at the measured split: shorter, and what it holds for it
+    assert cli.main(["schedule", "--kind", "zb-h2", "--pp", "2", "--microbatches", "8",
+                     "--cost-f", "1", "--cost-i", "1.35", "--cost-w", "0.65"]) == 0
+    assert capsys.readouterr().out.strip().endswith(
+        "peak in-flight micro-batches per rank [3, 1], peak deferred weight gradients per rank [1, 3], "
+        "peak held from F to W per rank [3, 3]")
 
 
 def test_cli_writes_the_svg(tmp_path, capsys):

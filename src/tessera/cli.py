@@ -82,10 +82,12 @@ def _schedule(args: argparse.Namespace) -> int:
                 if args.microbatches % args.pp == 0 else "")
     peaks = [timeline.peak_in_flight(r) for r in range(args.pp)]
     deferred = [timeline.peak_weight_grads_pending(r) for r in range(args.pp)]
+    held = [timeline.peak_held(r) for r in range(args.pp)]  # F to W: what a split backward costs in memory
     print(f"{args.kind} pp={args.pp} vpp={args.vpp} microbatches={args.microbatches}: "
           f"step time {timeline.step_time:g}, bubble {timeline.bubble_fraction:.3f}{analytic}, "
           f"peak in-flight micro-batches per rank {peaks}"
-          + (f", peak deferred weight gradients per rank {deferred}" if any(deferred) else "")
+          + (f", peak deferred weight gradients per rank {deferred}, peak held from F to W per rank {held}"
+             if any(deferred) else "")
           + (f", picture {args.out}" if args.out else ""))
     return 0
 
