@@ -16,6 +16,7 @@
 #      making it the auto
 #   4. tests pipeline (the zb-h2 NCCL schedule test), then, in its own call, tests zero (not run on
 #      GPU since session 4); together they do not fit one call
+#   4b. dp2 again (0.967 in session 7, 0.3 % short of 0.97: one call's figure; repeat it beside 1 GPU)
 #   5. phases: `torchrun --nproc-per-node 2 benchmarks/profile_step.py --set parallel.zero=1` (dp=2's
 #      0.3 % left) and `... --set parallel.pp=2` (each stage's tail: the tied-embedding all-reduce,
 #      norm and optimizer after its last W, 13 / 20 ms in session 7's timeline); `contention`
