@@ -14,6 +14,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from comm_bench import RegisteredBuffers, cuda_ms, enable_symm_mem
 
 rank = int(os.environ["RANK"])
 torch.cuda.set_device(rank)
@@ -41,21 +42,11 @@ def nccl():
         dist.reduce_scatter_tensor(s, g, group=group)
 
 
-registered = {}
-
-
-def register():
-    backend = group._get_backend(torch.device("cuda"))
-    pool = torch.cuda.MemPool(backend.mem_allocator)
-    with torch.cuda.use_mem_pool(pool):
-        registered["grads"] = [g.clone() for g in grads]
-        registered["shards"] = [torch.empty_like(s) for s in shards]
-    backend.register_mem_pool(pool)
-    registered["pool"] = pool
+registered = None  # RegisteredBuffers: copies of the gradients and shards in NCCL's registered pool
 
 
 def nccl_registered():
-    for g, s in zip(registered["grads"], registered["shards"]):
+    for g, s in zip(*registered.tensors):
         dist.reduce_scatter_tensor(s, g, group=group)
 
 
@@ -66,16 +57,7 @@ def low_contention():
 
 
 def ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 3
+    return cuda_ms(fn, 3)
 
 
 def both(reduce):
@@ -95,20 +77,17 @@ def report(line: str) -> None:  # as it comes: a later hang must not lose what w
 
 report(f"dp reduce-scatter contention, {world} GPUs ({torch.cuda.get_device_name()}), "
        f"NCCL_MAX_CTAS={os.environ.get('NCCL_MAX_CTAS', 'unset')}:")
-try:
-    from torch.distributed import _symmetric_memory as symm
-    if hasattr(symm, "enable_symm_mem_for_group"):
-        symm.enable_symm_mem_for_group(group.group_name)
-except Exception as e:  # noqa: BLE001 - report, measure the rest
-    report(f"symmetric memory unavailable: {e!r}")
+unavailable = enable_symm_mem(group)
+if unavailable:
+    report(f"symmetric memory unavailable: {unavailable}")
 alone = ms(gemms)
 report(f"{GEMMS} GEMMs alone: {alone:.2f} ms")
-for name, reduce in (("NCCL", nccl), ("register", register), ("NCCL, registered buffers", nccl_registered),
+for name, reduce in (("NCCL", nccl), ("NCCL, registered buffers", nccl_registered),
                      ("symm-mem low-contention", low_contention)):
     try:
-        if name == "register":
-            reduce()
-            continue
+        if reduce is nccl_registered:
+            registered = RegisteredBuffers(group, lambda: ([g.clone() for g in grads],
+                                                           [torch.empty_like(s) for s in shards]))
         r, t = ms(reduce), ms(both(reduce))
         report(f"{name}: {count} reduce-scatters of {bucket / 1e6:.0f}M fp32 alone {r:.2f} ms; with the GEMMs "
                      f"{t:.2f} ms against {max(r, alone):.2f} ms if hidden perfectly "
@@ -117,7 +96,6 @@ for name, reduce in (("NCCL", nccl), ("register", register), ("NCCL, registered 
         report(f"{name}: FAILED {type(e).__name__}: {' '.join(str(e).split())[:200]}")
     dist.barrier()
 dist.barrier()
-if "pool" in registered:
-    group._get_backend(torch.device("cuda")).deregister_mem_pool(registered.pop("pool"))
-    registered.clear()
+if registered is not None:
+    registered.release()
 dist.destroy_process_group()

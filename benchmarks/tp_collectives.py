@@ -15,6 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from comm_bench import RegisteredBuffers, cuda_ms, enable_symm_mem
 
 rank = int(__import__("os").environ["RANK"])
 torch.cuda.set_device(rank)
@@ -40,27 +41,24 @@ def nccl_rs():
     return out
 
 
-registered = {}  # NCCL user-buffer registration: inputs and outputs from the backend's registered pool
+registered: list[RegisteredBuffers] = []  # inputs and outputs in NCCL's registered pool, once made
 
 
 def register_buffers() -> None:
-    backend = group._get_backend(torch.device("cuda"))
-    pool = torch.cuda.MemPool(backend.mem_allocator)
-    with torch.cuda.use_mem_pool(pool):
-        registered.update(shard=shard.clone(), full=full.clone(), ag_out=torch.empty_like(full),
-                          rs_out=torch.empty_like(shard))
-    backend.register_mem_pool(pool)
-    registered["pool"] = pool
+    registered.append(RegisteredBuffers(group, lambda: dict(
+        shard=shard.clone(), full=full.clone(), ag_out=torch.empty_like(full), rs_out=torch.empty_like(shard))))
 
 
 def nccl_ag_registered():
-    dist.all_gather_into_tensor(registered["ag_out"], registered["shard"], group=group)
-    return registered["ag_out"]
+    t = registered[0].tensors
+    dist.all_gather_into_tensor(t["ag_out"], t["shard"], group=group)
+    return t["ag_out"]
 
 
 def nccl_rs_registered():
-    dist.reduce_scatter_tensor(registered["rs_out"], registered["full"], group=group)
-    return registered["rs_out"]
+    t = registered[0].tensors
+    dist.reduce_scatter_tensor(t["rs_out"], t["full"], group=group)
+    return t["rs_out"]
 
 
 def symm_ag():
@@ -138,16 +136,7 @@ def timed(fn, graphed: bool) -> float:
             for _ in range(REPS):
                 fn()
     try:
-        run()
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / (10 * REPS)
+        return cuda_ms(run, 10) * 1e3 / REPS
     finally:  # a graph holding NCCL work must be gone before the process group is destroyed
         del run, graph
         gc.collect()
@@ -164,12 +153,9 @@ def check():
 
 
 if __name__ == "__main__":
-    try:
-        from torch.distributed import _symmetric_memory as symm
-        if hasattr(symm, "enable_symm_mem_for_group"):
-            symm.enable_symm_mem_for_group(group.group_name)
-    except Exception as e:  # noqa: BLE001 - report and go on with NCCL alone
-        print(f"rank {rank}: symmetric memory unavailable: {e!r}")
+    unavailable = enable_symm_mem(group)
+    if unavailable:
+        print(f"rank {rank}: symmetric memory unavailable: {unavailable}")
 
     def report(line: str) -> None:  # as it comes: a later hang must not lose what was measured
         if rank == 0:
@@ -208,7 +194,6 @@ if __name__ == "__main__":
             report(f"RESULT {what}: FAILED {type(e).__name__}: {' '.join(str(e).split())[:200]}")
         dist.barrier()
     dist.barrier()
-    if "pool" in registered:
-        group._get_backend(torch.device("cuda")).deregister_mem_pool(registered.pop("pool"))
-        registered.clear()
+    for buffers in registered:
+        buffers.release()
     dist.destroy_process_group()

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tessera.pipeline_parallel.schedules import SPLIT_BACKWARD
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -513,7 +515,7 @@ def validate(cfg: Config, world_size: int) -> Config:
            "set parallel.vpp=1 or parallel.pp >= 2")
     _check(p.pp <= m.layers, "parallel.pp", f"pp={p.pp} exceeds model.layers={m.layers}",
            "use at most one stage per layer")
-    zb = p.schedule in ("zb-h1", "zb-h2")
+    zb = p.schedule in SPLIT_BACKWARD
     _check(not (p.zero == 3 and zb), "parallel.schedule",
            f"{p.schedule} defers weight gradients past the backward that FSDP (zero=3) reduces them in",
            "use parallel.schedule=1f1b or interleaved with zero=3, or zero <= 1")
