@@ -138,6 +138,17 @@ case "${1:-tests}" in
     for ctas in "" 8; do log="${OUT:-/tmp}/contention${ctas}.log"
       env ${ctas:+NCCL_MAX_CTAS=$ctas} timeout 120 torchrun --nproc-per-node 2 benchmarks/dp_overlap_contention.py > "$log" 2>&1
       grep -E "RESULT|Error" "$log"; done ;;
+  symm)  # tp=2 + SP graphed layers with torch's fused symmetric-memory all-gather+GEMM / GEMM+reduce-scatter
+    # (parallel.tp_async=true; graphed, the ops beat NCCL-then-GEMM by 29 % / 16 % in session 8's
+    # collectives call) against the auto; one GPU and megatron-core tp=2 in the same call
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    g() { log="${OUT:-/tmp}/symm_$1.log"; shift; NPROC=2 timeout 110 python3 benchmarks/quick_train.py gpt-1.3b "$@" > "$log" 2>&1
+          grep -E "RESULT|Error|error" "$log" | tail -3; }
+    g auto $sp; g graphs_true $sp train.cuda_graphs=true parallel.tp_async=true; g eager_true $sp train.cuda_graphs=false parallel.tp_async=true
+    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --tp 2 2>&1 \
+      | grep -E "^RESULT|Error" | tail -2 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
   *) echo "usage: $0 tests [K]|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac

@@ -131,6 +131,7 @@ def test_cuda_graphed_overlapped_tp_paths_follow_one_gpu(tmp_path):
     one = _train(tmp_path, "one", 1, [])
     sp = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.cuda_graphs=true"]
     _all_follow(tmp_path, one, {"graphs-p2p": sp + ["parallel.tp_async=p2p"],
+                                "graphs-symm": sp + ["parallel.tp_async=true"],
                                 "graphs-overlap": sp + ["parallel.tp_comm_overlap=true"]}, timeout=110)
 
 

@@ -147,7 +147,8 @@ class ParallelConfig:
     """tp > 1: a column-parallel layer's backward starts its input gradient's all-reduce (or, with
     sequence parallelism, reduce-scatter) as soon as that gradient is computed and runs the
     weight-gradient GEMM while it travels. Off by default: on GPT-1.3B at tp=2 it measured no
-    gain (BENCHMARKS.md). false: the collective, then the GEMM."""
+    gain around eager layers and +2.6 % inside CUDA-graphed ones (one call, session 7, not yet
+    repeated; BENCHMARKS.md). false: the collective, then the GEMM."""
     tp_async: Literal["false", "true", "p2p"] = "false"
     """tp > 1 with sequence parallelism: each column layer's all-gather and row layer's
     reduce-scatter run fused with the GEMM, chunked and overlapped, both directions
@@ -155,8 +156,10 @@ class ParallelConfig:
     fused_matmul_reduce_scatter on CUDA, measured slower on 2x H100 at tp=2 (18,235 against
     30,656 tokens/s eager, BENCHMARKS.md session 4). p2p: a ring of NCCL sends and receives, one
     sequence chunk on the wire while another multiplies: with eager layers measured slower at
-    tp=2 (13,522 against 18,172 plain, session 5); inside CUDA-graphed layers
-    (train.cuda_graphs=true), where launches no longer dominate, not yet measured. Off by default."""
+    tp=2 (13,522 against 18,172 plain, session 5). Inside CUDA-graphed layers
+    (train.cuda_graphs=true) both follow one GPU (GPU test); true measured 41,315 against the
+    plain graphed 40,991 tokens/s (+0.8 %, one call, session 8), p2p 38,843 against 40,773
+    (session 7). Off by default."""
     overlap_param_gather: bool = True
     """zero 1-2: all-gather the updated parameters asynchronously after the optimizer step, each
     bucket waited for only by the first forward that uses it."""
@@ -220,13 +223,14 @@ class TrainConfig:
     """Capture each transformer layer's forward and backward as CUDA graphs and replay them
     (training/cuda_graphs.py): two graph launches per layer and micro-batch instead of dozens of
     kernels, for layouts bound by the host's launch time. Capturable: CUDA, pp=1, no dropout, no
-    packed sequences, eager layers with autograd weight gradients, no symmetric-memory async TP
-    (parallel.tp_async=true), and neither zero=3 nor zero 1/2 with an overlapped parameter
-    gather at dp > 1 (true refuses the rest with the reason). auto: on for capturable CUDA runs
-    at tp > 1 without parallel.tp_async or tp_comm_overlap (GPT-1.3B at tp=2 + SP: 40,370
-    against 24,223 tokens/s eager on 2x H100, same call, BENCHMARKS.md session 6); off at tp=1,
-    where fused weight gradients are faster. Graphs with the overlapped TP paths (tp_async=p2p,
-    tp_comm_overlap) are opt-in with true: not yet run on a GPU."""
+    packed sequences, eager layers with autograd weight gradients, and neither zero=3 nor
+    zero 1/2 with an overlapped parameter gather at dp > 1 (true refuses the rest with the
+    reason). auto: on for capturable CUDA runs at tp > 1 (GPT-1.3B at tp=2 + SP: 40,370
+    against 24,223 tokens/s eager on 2x H100, same call, BENCHMARKS.md session 6), also with the
+    opt-in overlapped TP paths (parallel.tp_async, tp_comm_overlap), which graphed follow one
+    GPU (GPU test) and run within 3 % of the plain graphed layers but eager far slower
+    (tp_async=true: 12,206 eager against 41,315 graphed, session 8); off at tp=1, where fused
+    weight gradients are faster."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""
@@ -571,9 +575,6 @@ def _check_cuda_graphs(cfg: Config, dp: int) -> None:
     _check(t.compile != "true" and t.grad_accum_fusion != "true", "train.cuda_graphs",
            "graphed layers run eagerly with weight gradients left to autograd",
            f"leave train.compile and train.grad_accum_fusion at auto or false {fix}")
-    _check(p.tp_async != "true", "train.cuda_graphs",
-           "torch's symmetric-memory async TP (parallel.tp_async=true) is not captured",
-           f"use parallel.tp_async=p2p (a ring of NCCL sends) or false {fix}")
     _check(p.zero < 3 and not (p.zero > 0 and dp > 1 and p.overlap_param_gather), "train.cuda_graphs",
            "zero=3 and zero 1/2's overlapped parameter gather wait in forward hooks on the layers",
            f"use parallel.zero=0, or parallel.overlap_param_gather=false {fix}")

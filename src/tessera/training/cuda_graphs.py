@@ -16,8 +16,7 @@ parameters into their buffers: a graph reads the storage it was captured with.
 What it needs (config.validate refuses the rest, the trainer refuses a non-CUDA device): one
 micro-batch's activations live in each layer's static buffers, so pp=1 (no micro-batches in
 flight together); static shapes and no packed sequences; no dropout (the RNG tracker's streams
-are not graph-safe); eager layers with weight gradients left to autograd; not torch's
-symmetric-memory async TP (``parallel.tp_async=true``); no forward hooks on the layers (zero
+are not graph-safe); eager layers with weight gradients left to autograd; no forward hooks on the layers (zero
 1/2's overlapped parameter gather at dp > 1, FSDP). In eval mode a layer runs
 its ordinary forward (``make_graphed_callables`` switches on ``module.training``).
 """
