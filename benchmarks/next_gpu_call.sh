@@ -6,21 +6,16 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 8's calls, in order (about 30 device minutes; start with kind nvidia-h100-x2 and
+# Session 9's calls, in order (about 30 device minutes; start with kind nvidia-h100-x2 and
 # stop before the budget cannot start another machine):
-#   1. zbh2        -- pp=2: ZB-H1 (auto) against parallel.schedule=zb-h2, one GPU (issue 6's 0.90)
-#   2. collectives -- the tp=2 SP collectives alone: NCCL eager / graphed, symmetric-memory copies,
-#      and torch's fused all-gather+GEMM / GEMM+reduce-scatter graphed; then tp_two_stream_probe:
-#      two half micro-batches on two streams against one (decides the next tp=2 step)
-#   3. overlap     -- repeat graphed tp=2 plain against tp_comm_overlap (+2.6 % in session 7) before
-#      making it the auto
-#   4. tests pipeline (the zb-h2 NCCL schedule test), then, in its own call, tests zero (not run on
-#      GPU since session 4); together they do not fit one call
-#   4b. dp2 again (0.967 in session 7, 0.3 % short of 0.97: one call's figure; repeat it beside 1 GPU)
-#   5. phases: `torchrun --nproc-per-node 2 benchmarks/profile_step.py --set parallel.zero=1` (dp=2's
-#      0.3 % left) and `... --set parallel.pp=2` (each stage's tail: the tied-embedding all-reduce,
-#      norm and optimizer after its last W, 13 / 20 ms in session 7's timeline); `contention`
-#      (how much the overlapped gradient reduce-scatter slows the GEMMs: NCCL, registered, copy engine)
+#   1. pp2v        -- pp=2: one GPU, ZB-H1 (auto; now with the tied embedding's sum overlapped with
+#      the first stage's last W's), interleaved vpp=2 and vpp=3, megatron-core pp=2 (issue 6's 0.90)
+#   2. tests pipeline -- the NCCL schedules (the tied-embedding sum now runs inside DataParallel)
+#   3. timeline, then `torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.pp=2
+#      parallel.schedule=zb-h2` -- where the tail went; why ZB-H2 ran 7 % slower than simulated
+#   4. tpprof      -- tp=2 + SP graphed: the kernels of a step, plain SP against tp_async=true
+#      (fused ops 29 % / 16 % faster alone, +0.8 % in the step: what is in the way)
+#   5. contention  -- dp=2's 0.4 %: how much the overlapped reduce-scatter slows the GEMMs
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split
@@ -149,6 +144,19 @@ case "${1:-tests}" in
     g auto $sp; g graphs_true $sp train.cuda_graphs=true parallel.tp_async=true; g eager_true $sp train.cuda_graphs=false parallel.tp_async=true
     PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --tp 2 2>&1 \
       | grep -E "^RESULT|Error" | tail -2 ;;
+  pp2v)  # pp=2: one GPU, ZB-H1 (auto), interleaved vpp=2 / vpp=3 (1F1B-interleaved: bubble / vpp),
+    # megatron-core pp=2, all in one call
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    QT=100 q parallel.pp=2
+    for v in 2 3; do QT=100 q parallel.pp=2 parallel.schedule=interleaved parallel.vpp=$v; done
+    PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --pp 2 2>&1 \
+      | grep -E "^RESULT|Error" | tail -2 ;;
+  tpprof)  # tp=2 + SP graphed layers: a step's kernels (rank 0) and GPU busy / NCCL per rank, plain
+    # SP collectives against torch's fused symmetric-memory ops (parallel.tp_async=true)
+    for a in false true; do log="${OUT:-/tmp}/kernels_tp2_async_$a.log"
+      timeout 150 torchrun --nproc-per-node 2 benchmarks/kernel_table.py parallel.tp=2 parallel.sequence_parallel=true \
+        train.cuda_graphs=true parallel.tp_async=$a > "$log" 2>&1; grep -h -E "SUMMARY|Error" "$log" | tail -4; done ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests [K]|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|pp2v|tpprof|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac

@@ -60,6 +60,12 @@ def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None) -
     if store is not None and store.accumulate_product is not None:
         inner = store.accumulate_product
         store.accumulate_product = lambda p, *ab: (fused.append(p), inner(p, *ab))
+    # how many deferred weight-gradient computations (W) ran after the tied embedding's sum over
+    # the embedding group had started (its overlap with backward)
+    w_after_tied = []
+    if store is not None:
+        run_w = store.run
+        store.run = lambda key: (w_after_tied.append(bool(getattr(data_parallel, "tied_reduced", ()))), run_w(key))
     losses, norms, skipped = [], [], []
     for step in range(STEPS):
         micro_batches = my_micro_batches(step, topo)
@@ -78,7 +84,8 @@ def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None) -
             params[name] = full.detach().float().clone()
     return dict(losses=losses, norms=norms, skipped=skipped, params=params, memory=memory,
                 state_bytes=optimizer.state_bytes(), tp_rank=topo.tp_rank, pp_rank=topo.pp_rank,
-                dp_rank=topo.dp_rank, schedule=stage.schedule, fused_calls=len(fused))
+                dp_rank=topo.dp_rank, schedule=stage.schedule, fused_calls=len(fused),
+                w_after_tied=sum(w_after_tied), tied_by_dp=bool(getattr(data_parallel, "tied_reduced", ())))
 
 
 def _dp_worker(rank: int, world: int, runs: list[tuple[str, int, int, list[str]]]) -> dict:
@@ -104,7 +111,9 @@ RUNS = {
           ("zero1-bf16-wire", 1, 1, [ZEROS[1], "train.dtype=bf16", "parallel.grad_reduce_dtype=bf16"]),
           ("zero2-bf16-wire", 1, 1, [ZEROS[2], "train.dtype=bf16", "parallel.grad_reduce_dtype=bf16"])]
        + [(f"zero{z}-fused", 1, 1, [ZEROS[z], "train.grad_accum_fusion=true"]) for z in range(3)]
-       + [("zero1-fused-compiled", 1, 1, [ZEROS[1], "train.grad_accum_fusion=true", "train.compile=true"])],
+       + [("zero1-fused-compiled", 1, 1, [ZEROS[1], "train.grad_accum_fusion=true", "train.compile=true"])]
+       + [(f"pp2-zero{z}", 1, 2, [ZEROS[z]]) for z in (0, 1)]
+       + [("pp2-zero0-no-overlap", 1, 2, [ZEROS[0], "parallel.overlap_grad_reduce=false"])],
     4: [(f"zero{z}", 1, 1, [ZEROS[z]]) for z in range(4)],
     8: [(f"zero{z}", 2, 2, [ZEROS[z], "parallel.sequence_parallel=true"]) for z in range(4)]
        + [("zero1-fused", 2, 2, [ZEROS[1], "parallel.sequence_parallel=true", "train.grad_accum_fusion=true",
@@ -179,6 +188,32 @@ def test_zero_with_tp2_pp2_dp2(zero):
                 kind, sizes = param_kind(model, source) if name != "output.weight" else ("vocab", None)
                 compare_to_full(kind, sizes, [s["params"][name] for s in shards], ref["params"][source],
                                 f"zero={zero} pp{pp_rank} dp{dp_rank} {name}", VOCAB, check=_tp_close)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["pp2-zero0", "pp2-zero1", "pp2-zero0-no-overlap"])
+def test_tied_embedding_sum_overlaps_backward_at_pp2(name):
+    """pp=2 (ZB-H1, dp=1): the two copies of the tied embedding are summed over the embedding
+    group by DataParallel once the pipeline's messages are issued, on the first stage while its
+    last weight gradients still run, and training matches one rank. Without overlap the sum
+    runs after backward (in finish_grad_sync), with the same result."""
+    ref = reference()
+    ranks = results(2)
+    for r in ranks:
+        run = r[name]
+        assert run["schedule"] == "zb-h1"
+        what = f"{name} pp rank {run['pp_rank']}"
+        if run["pp_rank"] == 1:
+            assert_same_training(run, ref, what, rel=1e-5)
+        for pname, p in run["params"].items():
+            source = "embedding.weight" if pname == "output.weight" else pname
+            assert_close(p, ref["params"][source], f"{what}: {pname}")
+        assert run["tied_by_dp"], what
+    first = ranks[0][name] if ranks[0][name]["pp_rank"] == 0 else ranks[1][name]
+    if name != "pp2-zero0-no-overlap":
+        assert first["w_after_tied"] >= STEPS, f"{name}: the first stage's last W's ran before the tied sum started"
+    else:
+        assert first["w_after_tied"] == 0
 
 
 @pytest.mark.timeout(900)

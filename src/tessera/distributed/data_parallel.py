@@ -12,8 +12,15 @@ Communication plan of one step (zero = ``parallel.zero``):
    (zero=1). zero=2 keeps no full gradient buffer: each bucket is reduce-scattered, and its
    buffer dropped, every time all its parameters have one more micro-batch's gradient; the
    shards accumulate in fp32.
-3. :meth:`finish_grad_sync` waits for them (and starts any that backward did not).
-4. after the optimizer step (zero 1/2): every bucket's updated shards are all-gathered, in the
+3. a tied embedding's gradient (its own bucket, ``param.tied_across_stages``) is also summed
+   over the ``embedding`` group (first and last pipeline stage), chained after its dp reduction
+   and started once the pipeline has issued its step's last send or receive
+   (:meth:`pipeline_comm_done`: issuing it earlier on one rank than a pipeline message on
+   another could deadlock NCCL), so on the first stage it overlaps the weight gradients that
+   follow the embedding's (zero 0/1; else, and with bf16 gradients at zero=0 or a two-part
+   reduction, ``finalize_model_grads`` does it after backward).
+4. :meth:`finish_grad_sync` waits for them (and starts any that backward did not).
+5. after the optimizer step (zero 1/2): every bucket's updated shards are all-gathered, in the
    order the next forward needs them, asynchronously (``overlap_param_gather``); a forward
    pre-hook on each layer waits for the buckets it reads.
 
@@ -31,6 +38,7 @@ import collections
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from tessera.distributed import collectives
@@ -82,7 +90,8 @@ class DataParallel:
                  param_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype = torch.float32,
                  bucket_size: int = 40_000_000, overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = True, wgrad_store: WeightGradStore | None = None,
-                 reduce_dtype: torch.dtype | None = None, fuse_wgrad: bool = False):
+                 reduce_dtype: torch.dtype | None = None, fuse_wgrad: bool = False,
+                 embedding_group: dist.ProcessGroup | None = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
@@ -110,6 +119,11 @@ class DataParallel:
         self._expected = 0
         self._in_flight: collections.deque[Pending] = collections.deque()
         self._gathers: dict[Bucket, Pending] = {}
+        self.embedding_group = embedding_group
+        self._tied_waiting: list[tuple[_BucketState, Pending | None]] = []  # until the pipeline's last message
+        self._comm_done = False
+        self._side: torch.cuda.Stream | None = None
+        self.tied_reduced: set[nn.Parameter] = set()  # this step: summed over the embedding group here
         if wgrad_store is not None:
             wgrad_store.accumulate = self.accumulate
             wgrad_store.accumulate_product = self.accumulate_product if fuse_wgrad else None
@@ -161,6 +175,9 @@ class DataParallel:
         for st in self._states:
             st.arrivals.clear()
             st.rounds_reduced, st.ready, st.launched = 0, False, False
+        self._tied_waiting.clear()
+        self.tied_reduced.clear()
+        self._comm_done = False
 
     def _on_grad(self, p: nn.Parameter) -> None:
         grad, p.grad = p.grad, None
@@ -211,29 +228,67 @@ class DataParallel:
     def _launch_ready(self, buffer: ParamAndGradBuffer) -> None:
         """Start the ready buckets of ``buffer`` in index order, never one before an earlier one:
         every dp rank then issues the same collectives in the same order even where a bucket
-        completes at different times on different ranks (torch DDP's rule)."""
+        completes at different times on different ranks (torch DDP's rule). Without dp there is
+        no order to keep: each ready bucket starts (a tied embedding's sum over the embedding
+        group, the first stage's last bucket, need not wait for the weight gradients after it)."""
         for st in self._states_of[buffer]:
             if not st.launched:
                 if not st.ready:
-                    return
+                    if self.group is not None:
+                        return
+                    continue
                 self._launch(st)
 
     def _launch(self, st: _BucketState) -> None:
         st.launched = True
         flat, rng = st.bucket.grad, st.range
+        pending = None
         if self.group is None:
             if rng.own_grad and not rng.refresh:
                 rng.grad.copy_(flat)
-            return
-        wire = self._on_the_wire(flat)
-        if self.zero == 0:
-            pending = collectives.all_reduce(wire, self.group, async_op=self.overlap_grad_reduce)
-            if wire is not flat:
-                pending = collectives.Pending(None, lambda p=pending: (p.wait(), flat.copy_(wire)))
         else:
-            pending = collectives.reduce_scatter(wire, rng.grad, self.group, accumulate=False,
-                                                 async_op=self.overlap_grad_reduce)
-        self._in_flight.append(pending)
+            wire = self._on_the_wire(flat)
+            if self.zero == 0:
+                pending = collectives.all_reduce(wire, self.group, async_op=self.overlap_grad_reduce)
+                if wire is not flat:
+                    pending = collectives.Pending(None, lambda p=pending: (p.wait(), flat.copy_(wire)))
+            else:
+                pending = collectives.reduce_scatter(wire, rng.grad, self.group, accumulate=False,
+                                                     async_op=self.overlap_grad_reduce)
+        if self._sums_tied(st, pending):
+            self._tied_waiting.append((st, pending))
+            if self._comm_done:
+                self.pipeline_comm_done()
+        elif pending is not None:
+            self._in_flight.append(pending)
+
+    def _sums_tied(self, st: _BucketState, pending: Pending | None) -> bool:
+        """Whether this bucket is a tied embedding whose sum over the embedding group runs here:
+        its optimizer gradient is the reduced buffer itself (not a later fp32 copy) and its dp
+        reduction is one collective (no follow-up work to order the embedding sum after)."""
+        return (self.embedding_group is not None and getattr(st.bucket.params[0], "tied_across_stages", False)
+                and not st.range.refresh and (pending is None or pending.then is None))
+
+    def pipeline_comm_done(self) -> None:
+        """The pipeline has issued this step's last send or receive on this rank: start the tied
+        embedding's sum over the embedding group (after its dp reduction, without the compute
+        stream waiting for either)."""
+        self._comm_done = True
+        while self._tied_waiting:
+            st, dp = self._tied_waiting.pop(0)
+            grad = st.range.grad
+            if dp is not None and grad.is_cuda:  # order it after the dp reduction on a side stream
+                self._side = self._side or torch.cuda.Stream(device=grad.device)
+                self._side.wait_stream(torch.cuda.current_stream(grad.device))
+                with torch.cuda.stream(self._side):
+                    dp.wait()
+                    tied = collectives.all_reduce(grad, self.embedding_group, async_op=True)
+            else:
+                if dp is not None:
+                    dp.wait()
+                tied = collectives.all_reduce(grad, self.embedding_group, async_op=True)
+            self.tied_reduced.update(st.bucket.params)
+            self._in_flight.append(tied)
 
     def _on_the_wire(self, flat: Tensor) -> Tensor:
         """The gradients as sent: ``reduce_dtype`` (bf16 halves the traffic; the sums are still
@@ -259,6 +314,7 @@ class DataParallel:
 
     def finish_grad_sync(self) -> None:
         """Start what backward did not, then wait for every reduction of this step."""
+        self._comm_done = True  # backward is over: nothing of the pipeline's can follow
         for st in self._states:
             if self.zero == 2:
                 if st.rounds_reduced < self._expected and self.group is not None:
@@ -276,6 +332,7 @@ class DataParallel:
                     if self._count[p] == 0:  # no gradient this step: clear last step's
                         p.main_grad.zero_()
                 self._launch(st)
+        self.pipeline_comm_done()
         while self._in_flight:
             self._in_flight.popleft().wait()
 

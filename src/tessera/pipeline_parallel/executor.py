@@ -61,9 +61,13 @@ class PipelineExecutor:
     def _tag(self, microbatch: int, chunk: int) -> int:
         return microbatch * self.vpp + chunk
 
-    def run(self, micro_batches: list[dict[str, Tensor]], global_tokens: Tensor, loss_scale: float = 1.0) -> Tensor:
+    def run(self, micro_batches: list[dict[str, Tensor]], global_tokens: Tensor, loss_scale: float = 1.0,
+            after_comm=None) -> Tensor:
         """Forward and backward of every micro-batch; returns the summed loss (on the last stage;
-        zero elsewhere). Gradients accumulate in ``param.grad`` (or, under DataParallel, in its buffers)."""
+        zero elsewhere). Gradients accumulate in ``param.grad`` (or, under DataParallel, in its buffers).
+        ``after_comm``: called once this rank has issued its step's last send or receive (at once
+        without any), so that collectives on other groups can start without ever being issued
+        before a pipeline message on one rank and after it on another (which can deadlock NCCL)."""
         device = global_tokens.device
         last = self.pp * self.vpp - 1
         loss_sum = torch.zeros((), device=device)
@@ -75,7 +79,10 @@ class PipelineExecutor:
         if self.p2p is not None:
             self.p2p.new_step()
         self.peak_in_flight = self.peak_weight_grads_pending = self.peak_held = 0
-        for action in self.actions:
+        last_comm = max((i for i, a in enumerate(self.actions) if a.op not in COMPUTE), default=-1)
+        if after_comm is not None and last_comm < 0:
+            after_comm()
+        for i, action in enumerate(self.actions):
             mb, c, op = action.microbatch, action.chunk, action.op
             key = (mb, c)
             if self.trace is not None and op in COMPUTE:
@@ -122,6 +129,8 @@ class PipelineExecutor:
                 deferred.discard(key)
             if self.trace is not None and op in COMPUTE:
                 self.trace[-1][-1].record()
+            if i == last_comm and after_comm is not None:
+                after_comm()
             if self.p2p is not None:
                 self.p2p.reap()
         if self.p2p is not None:

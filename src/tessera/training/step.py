@@ -133,10 +133,11 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
     scalars = topo.group("dp_scalars") or topo.group("dp")
     global_tokens = _sum_over(local_tokens.clone(), scalars)
     data_parallel.start_step(len(micro_batches))
-    loss_sum = executor.run(micro_batches, global_tokens, loss_scale=scaler.scale if scaler is not None else 1.0)
+    loss_sum = executor.run(micro_batches, global_tokens, loss_scale=scaler.scale if scaler is not None else 1.0,
+                            after_comm=getattr(data_parallel, "pipeline_comm_done", None))
     data_parallel.finish_grad_sync()
     grads = optimizer.grads()
-    finalize_model_grads(grads, topo)
+    finalize_model_grads(grads, topo, done=getattr(data_parallel, "tied_reduced", ()))
     finite = True
     if scaler is not None:
         finite = scaler.unscale_and_check([g for g, _ in grads], None, device)

@@ -192,7 +192,8 @@ def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
                                  grad_dtype=DTYPES[t.grad_dtype], bucket_size=p.bucket_size,
                                  overlap_grad_reduce=p.overlap_grad_reduce,
                                  overlap_param_gather=p.overlap_param_gather, wgrad_store=stage.wgrad_store,
-                                 reduce_dtype=DTYPES[p.grad_reduce_dtype], fuse_wgrad=stage.fuse_wgrad)
+                                 reduce_dtype=DTYPES[p.grad_reduce_dtype], fuse_wgrad=stage.fuse_wgrad,
+                                 embedding_group=topo.group("embedding"))
     return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
 
 
