@@ -9,7 +9,8 @@
 # Session 9's calls, in order (about 30 device minutes; start with kind nvidia-h100-x2 and
 # stop before the budget cannot start another machine):
 #   1. pp2v        -- pp=2: one GPU, ZB-H1 (auto; now with the tied embedding's sum overlapped with
-#      the first stage's last W's), interleaved vpp=2 and vpp=3, megatron-core pp=2 (issue 6's 0.90)
+#      the first stage's last W's), interleaved and interleaved-zb at vpp=2 and 3 (simulated 4-5 %
+#      shorter than ZB-H1), megatron-core pp=2 (issue 6's 0.90); ~9 minutes, keep QT tight
 #   2. tests pipeline -- the NCCL schedules (the tied-embedding sum now runs inside DataParallel)
 #   3. timeline, then `torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.pp=2
 #      parallel.schedule=zb-h2` -- where the tail went; why ZB-H2 ran 7 % slower than simulated
@@ -145,11 +146,12 @@ case "${1:-tests}" in
     PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --tp 2 2>&1 \
       | grep -E "^RESULT|Error" | tail -2 ;;
   pp2v)  # pp=2: one GPU, ZB-H1 (auto), interleaved vpp=2 / vpp=3 (1F1B-interleaved: bubble / vpp),
-    # megatron-core pp=2, all in one call
+    # interleaved-zb vpp=2 / 3 (its backward split, W's deferred), megatron-core pp=2, in one call
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
     NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
     QT=100 q parallel.pp=2
-    for v in 2 3; do QT=100 q parallel.pp=2 parallel.schedule=interleaved parallel.vpp=$v; done
+    for v in 2 3; do QT=90 q parallel.pp=2 parallel.schedule=interleaved parallel.vpp=$v; done
+    for v in 2 3; do QT=90 q parallel.pp=2 parallel.schedule=interleaved-zb parallel.vpp=$v; done
     PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --pp 2 2>&1 \
       | grep -E "^RESULT|Error" | tail -2 ;;
   tpprof)  # tp=2 + SP graphed layers: a step's kernels (rank 0) and GPU busy / NCCL per rank, plain

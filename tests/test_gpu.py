@@ -140,7 +140,7 @@ def test_cuda_graphed_overlapped_tp_paths_follow_one_gpu(tmp_path):
 def test_nccl_pipeline_schedules_match_one_gpu(tmp_path):
     base = ["model.layers=4"]
     one = _train(tmp_path, "pp1", 1, base)
-    for kind, vpp in [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("gpipe", 1)]:
+    for kind, vpp in [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1), ("interleaved-zb", 2), ("gpipe", 1)]:
         curve = _train(tmp_path, kind, 2, base + ["parallel.pp=2", f"parallel.vpp={vpp}", f"parallel.schedule={kind}"])
         for a, b in zip(one, curve):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), kind

@@ -89,15 +89,20 @@ PP2_CASES = _matrix(2) + [
     # ZB-H2's memory: three warm-up forwards on rank 0, rank 1's W's deferred by two
     Case("zb-h2", 2, 1, 8, True, "gpt2", seed=106),
     Case("zb-h2", 2, 1, 3, False, "llama", seed=107),
+    # interleaved with the backward split: rank 1's W's two I's late; a partial round, uneven layout
+    Case("interleaved-zb", 2, 2, 4, True, "gpt2", seed=109),
+    Case("interleaved-zb", 2, 2, 3, False, "llama", layout=(0, 2, 1, 1), seed=110),
 ]
 PP4_CASES = _matrix(4) + [Case("1f1b", 4, 1, 4, False, "gpt2", layout=(1, 3, 3, 1), seed=105),
-                          Case("zb-h2", 4, 1, 9, False, "llama", seed=108)]
+                          Case("zb-h2", 4, 1, 9, False, "llama", seed=108),
+                          Case("interleaved-zb", 4, 2, 8, True, "llama", seed=111)]
 PP2_TP2_CASES = [
     Case("1f1b", 2, 1, 5, True, "gpt2", tp=2, sp=True, seed=201),
     Case("zb-h1", 2, 1, 2, False, "llama", tp=2, sp=False, seed=202),
     Case("interleaved", 2, 2, 5, False, "llama", tp=2, sp=True, seed=203),
     Case("gpipe", 2, 1, 3, True, "gpt2", tp=2, sp=False, layout=(1, 3), seed=204),
     Case("zb-h1", 2, 1, 5, True, "gpt2", tp=2, sp=True, seed=205),
+    Case("interleaved-zb", 2, 2, 4, False, "gpt2", tp=2, sp=True, seed=206),
 ]
 PP4_TP2_CASES = [
     Case("1f1b", 4, 1, 9, True, "gpt2", tp=2, sp=True, seed=301),
@@ -112,6 +117,7 @@ PP3_CASES = [
     Case("interleaved", 3, 2, 7, False, "llama", layout=(1, 1, 2, 2, 1, 1), seed=502),
     Case("1f1b", 3, 1, 4, True, "llama", layout=(2, 4, 2), seed=503),
     Case("zb-h1", 3, 1, 7, False, "gpt2", layout=(3, 3, 2), seed=504),
+    Case("interleaved-zb", 3, 2, 7, True, "gpt2", layout=(1, 1, 2, 2, 1, 1), seed=505),
 ]
 
 # Renegotiation: one executor (one P2P) runs two steps with different shapes.
@@ -380,8 +386,9 @@ def test_peak_in_flight_is_bounded_by_the_schedule():
                 assert r["peak_w"] == timeline.peak_weight_grads_pending(p), what
                 assert r["peak_held"] == timeline.peak_held(p), what
                 # a W deferred by d micro-batches: d + 1 pending after each I (rank r: d = r, or k r)
-                defer = {"zb-h1": p, "zb-h2": zb_h2_deferral(case.pp, case.m) * p}.get(case.kind)
-                assert r["peak_w"] == (0 if defer is None else min(case.m, defer + 1)), what
+                # (interleaved-zb: counted in I's of micro-batch chunks, 2r of them)
+                defer = {"zb-h1": p, "zb-h2": zb_h2_deferral(case.pp, case.m) * p, "interleaved-zb": 2 * p}.get(case.kind)
+                assert r["peak_w"] == (0 if defer is None else min(case.m * case.vpp, defer + 1)), what
                 if case.kind == "zb-h1":  # from F to W: within 1F1B's bound of rank 0
                     assert r["peak_held"] <= case.pp, what
                 if case.kind == "zb-h2":  # ZB-H2's bounds: 2 (pp - rank) - 1 in flight, 2pp - 1 held

@@ -52,7 +52,7 @@ def _needed_recv(action, pp, vpp, rank):
 def test_every_kind_has_layouts():
     # Guards the sweep below: a check_kind that refused everything would make it vacuous.
     assert Counter(kind for kind, _, _ in LAYOUTS) == {"none": 1, "gpipe": 5, "1f1b": 5, "interleaved": 12,
-                                                       "zb-h1": 5, "zb-h2": 5}
+                                                       "zb-h1": 5, "zb-h2": 5, "interleaved-zb": 12}
 
 
 @pytest.mark.parametrize("kind,pp,vpp", LAYOUTS, ids=[f"{k}-pp{p}-vpp{v}" for k, p, v in LAYOUTS])
@@ -95,6 +95,8 @@ def test_receive_is_posted_before_the_preceding_compute(kind, pp, vpp):
     ("interleaved", 2, 2, 2), ("interleaved", 2, 2, 6), ("interleaved", 4, 2, 8), ("interleaved", 3, 3, 6),
     ("interleaved", 8, 4, 16), ("zb-h1", 2, 1, 4), ("zb-h1", 4, 1, 8), ("zb-h1", 8, 1, 16),
     ("zb-h2", 2, 1, 4), ("zb-h2", 4, 1, 8), ("zb-h2", 8, 1, 16),
+    ("interleaved-zb", 2, 2, 4), ("interleaved-zb", 2, 2, 8), ("interleaved-zb", 4, 2, 8),
+    ("interleaved-zb", 3, 3, 6), ("interleaved-zb", 2, 3, 8),
 ])
 def test_bubble_matches_analytic(kind, pp, vpp, m):
     timeline = simulate(_built(kind, pp, vpp, m), vpp)
@@ -143,7 +145,8 @@ def test_zero_bubble_beats_one_f_one_b(pp):
     (("interleaved", 4, 1, 8), "schedule 'interleaved' needs vpp >= 2 model chunks per rank"),
     (("interleaved", 1, 2, 8), "vpp > 1 needs pp >= 2"),
     (("none", 2, 1, 8), "schedule 'none' (no pipelining) needs pp=1"),
-    (("1f1b", 4, 2, 8), "schedule '1f1b' runs one model chunk per rank: use 'interleaved' for vpp=2"),
+    (("1f1b", 4, 2, 8), "schedule '1f1b' runs one model chunk per rank: use 'interleaved' or 'interleaved-zb' for vpp=2"),
+    (("interleaved-zb", 2, 1, 8), "schedule 'interleaved-zb' needs vpp >= 2 model chunks per rank"),
     (("pipedream", 4, 1, 8), "unknown schedule 'pipedream': choose one of none, gpipe, 1f1b, interleaved, zb-h1"),
     (("gpipe", 4, 1, 0), "a step needs at least one micro-batch, got 0"),
 ])
@@ -305,6 +308,40 @@ def test_zero_bubble_h1_reaches_the_papers_step_time(pp):
         timeline = simulate(_built("zb-h1", pp, 1, m))
         assert timeline.step_time == 3 * m + pp - 1, m
         assert max(timeline.peak_held(r) for r in range(pp)) <= pp, m
+
+
+def test_interleaved_zb_splits_interleaved_and_is_shorter():
+    """interleaved-zb is interleaved's order with each B split into I and W (the I's where the
+    B's were), rank r running each W 2r I's later; at the measured split it is shorter than
+    interleaved and ZB-H1 at pp=2 with 8 micro-batches, and never longer than interleaved at
+    the sizes swept, while no rank holds more micro-batch chunks from F to W than interleaved's
+    first rank holds activations (later ranks hold more than they did, as deferred W's)."""
+    f, i, w = MEASURED_SPLIT
+    for pp, vpp in ((2, 2), (2, 3), (3, 2), (4, 2), (8, 2)):
+        for m in range(1, 3 * pp + 3):
+            base, split = _built("interleaved", pp, vpp, m), _built("interleaved-zb", pp, vpp, m)
+            for r in range(pp):
+                expected, waiting = [], []  # the W of the k-th I right after the (k + 2r)-th I
+                for a in _compute(base[r]):
+                    if a.op != Op.B:
+                        expected.append(a)
+                        continue
+                    expected.append(Action(Op.I, a.microbatch, a.chunk))
+                    waiting.append(a)
+                    if len(waiting) > 2 * r:
+                        done = waiting.pop(0)
+                        expected.append(Action(Op.W, done.microbatch, done.chunk))
+                expected += [Action(Op.W, a.microbatch, a.chunk) for a in waiting]
+                assert _compute(split[r]) == expected, (pp, vpp, m, r)
+            for vcosts in (Costs(F=f / vpp, B=(i + w) / vpp, I=i / vpp, W=w / vpp),):
+                t_base, t_split = simulate(base, vpp, costs=vcosts), simulate(split, vpp, costs=vcosts)
+                assert t_split.step_time <= t_base.step_time + 1e-9, (pp, vpp, m)
+                most = max(t_base.peak_in_flight(r) for r in range(pp))  # rank 0's, interleaved
+                assert max(t_split.peak_held(r) for r in range(pp)) <= most, (pp, vpp, m)
+    per_chunk = Costs(F=f / 2, B=(i + w) / 2, I=i / 2, W=w / 2)
+    split, base = (simulate(_built(k, 2, 2, 8), 2, costs=per_chunk).step_time for k in ("interleaved-zb", "interleaved"))
+    h1 = simulate(_built("zb-h1", 2, 1, 8), costs=Costs(F=f, B=i + w, I=i, W=w)).step_time
+    assert split < base - 0.5 and split < h1 - 0.5, (split, base, h1)  # 24.6 against 25.6 and 25.8 units
 
 
 def test_zb_h2_fills_the_start_where_i_costs_more_than_f():

@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="check the config for N processes, then launch them with torchrun")
     sub.add_parser("config", help="print the configuration reference (every key, default and meaning)")
     schedule = sub.add_parser("schedule", help="simulate a pipeline schedule: step time, bubble, picture")
-    schedule.add_argument("--kind", default="1f1b", help="none, gpipe, 1f1b, interleaved, zb-h1 or zb-h2")
+    schedule.add_argument("--kind", default="1f1b", help="none, gpipe, 1f1b, interleaved, zb-h1, zb-h2 or interleaved-zb")
     schedule.add_argument("--pp", type=_positive(int), default=4, help="pipeline ranks")
     schedule.add_argument("--vpp", type=_positive(int), default=1, help="model chunks per rank (interleaved)")
     schedule.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")

@@ -133,6 +133,8 @@ def analytic_bubble(kind: str, pp: int, vpp: int, microbatches: int) -> float:
         return (pp - 1) / microbatches
     if kind == "interleaved":
         return (pp - 1) / (vpp * microbatches)
+    if kind == "interleaved-zb":  # the split's third of interleaved's, as ZB-H1's of 1F1B's
+        return (pp - 1) / (3 * vpp * microbatches)
     if kind in SPLIT_BACKWARD:  # (p - 1)(F + I - W) / (m (F + I + W)) with F = I = W: a third of 1F1B's
         return (pp - 1) / (3 * microbatches)
     return 0.0  # none
