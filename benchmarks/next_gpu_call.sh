@@ -10,8 +10,9 @@
 # stop before the budget cannot start another machine):
 #   1. pp2v        -- pp=2: one GPU, ZB-H1 (auto; now with the tied embedding's sum overlapped with
 #      the first stage's last W's), interleaved and interleaved-zb at vpp=2 and 3 (simulated 4-5 %
-#      shorter than ZB-H1), megatron-core pp=2 (issue 6's 0.90); ~9 minutes, keep QT tight
-#   2. tests pipeline -- the NCCL schedules (the tied-embedding sum now runs inside DataParallel)
+#      shorter than ZB-H1), megatron-core pp=2 (issue 6's 0.90); each run ~50 s (session 8)
+#   2. tests "pipeline or curve" -- the NCCL schedules (the tied-embedding sum now inside
+#      DataParallel, interleaved-zb) and the 200-step fast-path curve (with its graphed run)
 #   3. timeline, then `torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.pp=2
 #      parallel.schedule=zb-h2` -- where the tail went; why ZB-H2 ran 7 % slower than simulated
 #   4. tpprof      -- tp=2 + SP graphed: the kernels of a step, plain SP against tp_async=true
@@ -152,6 +153,8 @@ case "${1:-tests}" in
     QT=100 q parallel.pp=2
     for v in 2 3; do QT=90 q parallel.pp=2 parallel.schedule=interleaved parallel.vpp=$v; done
     for v in 2 3; do QT=90 q parallel.pp=2 parallel.schedule=interleaved-zb parallel.vpp=$v; done
+    # point-to-point by the copy engines (no SMs taken from the forwards, session 7's rank-0 slowdown)
+    echo "with NCCL_P2P_USE_CUDA_MEMCPY=1:"; NCCL_P2P_USE_CUDA_MEMCPY=1 QT=90 q parallel.pp=2
     PYTHONPATH=/tmp/site:$PYTHONPATH timeout 100 torchrun --nproc-per-node 2 .peers/mcore_gpt_bench.py --pp 2 2>&1 \
       | grep -E "^RESULT|Error" | tail -2 ;;
   tpprof)  # tp=2 + SP graphed layers: a step's kernels (rank 0) and GPU busy / NCCL per rank, plain

@@ -240,7 +240,9 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=p2p"]) == (False, False, True)
     assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=true"]) == (False, False, True)
     assert resolved(["parallel.tp=2", "train.cuda_graphs=false"]) == (False, False, False)
-    assert resolved(["parallel.tp=2", "parallel.tp_comm_overlap=true"]) == (False, False, True)
+    assert resolved(["parallel.tp=2", "parallel.tp_comm_overlap=true"]) == (False, False, False)  # not run graphed
+    assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"]) \
+        == (False, False, True)
     assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=p2p",
                      "train.cuda_graphs=true"]) == (False, False, True)
     assert resolved(["parallel.tp=2", "train.grad_accum_fusion=true"]) == (False, True, False)

@@ -48,6 +48,22 @@ def my_micro_batches(step: int, topo: Topology, micro: int = 1) -> list[dict]:
     return [{k: v[i:i + micro] for k, v in batch.items()} for i in range(0, share, micro)]
 
 
+def _recording_order(log: list[str]):
+    """Patches that append "p2p" for every pipeline send / receive issued and "sum" for every
+    all-reduce DataParallel issues (the tied embedding's sum over the embedding group)."""
+    from tessera.distributed import collectives
+    from tessera.pipeline_parallel.p2p import P2P
+    send, recv, all_reduce = P2P.send, P2P.recv, collectives.all_reduce
+
+    def patched(fn, tag):
+        def call(*args, **kwargs):
+            log.append(tag)
+            return fn(*args, **kwargs)
+        return call
+    return [(P2P, "send", send, patched(send, "p2p")), (P2P, "recv", recv, patched(recv, "p2p")),
+            (collectives, "all_reduce", all_reduce, patched(all_reduce, "sum"))]
+
+
 def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None) -> dict:
     cfg = load_config(None, BASE + overrides)
     validate(cfg, topo.world_size)
@@ -66,16 +82,23 @@ def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None) -
     if store is not None:
         run_w = store.run
         store.run = lambda key: (w_after_tied.append(bool(getattr(data_parallel, "tied_reduced", ()))), run_w(key))
-    losses, norms, skipped = [], [], []
+    losses, norms, skipped, order = [], [], [], []
+    patches = _recording_order(log := []) if topo.pp > 1 else []
+    for owner, name, _, new in patches:
+        setattr(owner, name, new)
     for step in range(STEPS):
         micro_batches = my_micro_batches(step, topo)
         if hook is not None:
             hook(step, stage)
+        log.clear() if patches else None
         r = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)), data_parallel,
                        clip_grad=cfg.optim.clip_grad, scaler=scaler)
+        order.append("".join(t[0] for t in log) if patches else "")
         losses.append(r.loss)
         norms.append(r.grad_norm)
         skipped.append(r.skipped)
+    for owner, name, old, _ in patches:
+        setattr(owner, name, old)
     data_parallel.wait_param_gather()
     params = {}
     for chunk in stage.chunks:
@@ -85,7 +108,8 @@ def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None) -
     return dict(losses=losses, norms=norms, skipped=skipped, params=params, memory=memory,
                 state_bytes=optimizer.state_bytes(), tp_rank=topo.tp_rank, pp_rank=topo.pp_rank,
                 dp_rank=topo.dp_rank, schedule=stage.schedule, fused_calls=len(fused),
-                w_after_tied=sum(w_after_tied), tied_by_dp=bool(getattr(data_parallel, "tied_reduced", ())))
+                w_after_tied=sum(w_after_tied), tied_by_dp=bool(getattr(data_parallel, "tied_reduced", ())),
+                order=order)
 
 
 def _dp_worker(rank: int, world: int, runs: list[tuple[str, int, int, list[str]]]) -> dict:
@@ -113,7 +137,8 @@ RUNS = {
        + [(f"zero{z}-fused", 1, 1, [ZEROS[z], "train.grad_accum_fusion=true"]) for z in range(3)]
        + [("zero1-fused-compiled", 1, 1, [ZEROS[1], "train.grad_accum_fusion=true", "train.compile=true"])]
        + [(f"pp2-zero{z}", 1, 2, [ZEROS[z]]) for z in (0, 1)]
-       + [("pp2-zero0-no-overlap", 1, 2, [ZEROS[0], "parallel.overlap_grad_reduce=false"])],
+       + [("pp2-zero0-no-overlap", 1, 2, [ZEROS[0], "parallel.overlap_grad_reduce=false"]),
+          ("pp2-zero1-1f1b", 1, 2, [ZEROS[1], "parallel.schedule=1f1b"])],
     4: [(f"zero{z}", 1, 1, [ZEROS[z]]) for z in range(4)],
     8: [(f"zero{z}", 2, 2, [ZEROS[z], "parallel.sequence_parallel=true"]) for z in range(4)]
        + [("zero1-fused", 2, 2, [ZEROS[1], "parallel.sequence_parallel=true", "train.grad_accum_fusion=true",
@@ -191,17 +216,20 @@ def test_zero_with_tp2_pp2_dp2(zero):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["pp2-zero0", "pp2-zero1", "pp2-zero0-no-overlap"])
+@pytest.mark.parametrize("name", ["pp2-zero0", "pp2-zero1", "pp2-zero0-no-overlap", "pp2-zero1-1f1b"])
 def test_tied_embedding_sum_overlaps_backward_at_pp2(name):
     """pp=2 (ZB-H1, dp=1): the two copies of the tied embedding are summed over the embedding
     group by DataParallel once the pipeline's messages are issued, on the first stage while its
     last weight gradients still run, and training matches one rank. Without overlap the sum
-    runs after backward (in finish_grad_sync), with the same result."""
+    runs after backward (in finish_grad_sync), with the same result. Under 1F1B the last
+    stage's copy is final during its last B, before that B's gradient is sent: the sum still
+    waits for the send (issued earlier on one rank than a message on the other, NCCL could
+    hang)."""
     ref = reference()
     ranks = results(2)
     for r in ranks:
         run = r[name]
-        assert run["schedule"] == "zb-h1"
+        assert run["schedule"] == ("1f1b" if name.endswith("1f1b") else "zb-h1")
         what = f"{name} pp rank {run['pp_rank']}"
         if run["pp_rank"] == 1:
             assert_same_training(run, ref, what, rel=1e-5)
@@ -209,7 +237,12 @@ def test_tied_embedding_sum_overlaps_backward_at_pp2(name):
             source = "embedding.weight" if pname == "output.weight" else pname
             assert_close(p, ref["params"][source], f"{what}: {pname}")
         assert run["tied_by_dp"], what
+        # per step: every pipeline message issued before the sum (p: a send or receive, s: a sum)
+        for step, seq in enumerate(run["order"]):
+            assert seq.count("s") == 1 and seq.endswith("s") and "p" in seq, (what, step, seq)
     first = ranks[0][name] if ranks[0][name]["pp_rank"] == 0 else ranks[1][name]
+    if name.endswith("1f1b"):
+        return
     if name != "pp2-zero0-no-overlap":
         assert first["w_after_tied"] >= STEPS, f"{name}: the first stage's last W's ran before the tied sum started"
     else:

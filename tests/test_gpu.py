@@ -126,12 +126,15 @@ def test_cuda_graphed_layers_without_sp_and_at_dp2_follow_one_gpu(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cuda_graphed_overlapped_tp_paths_follow_one_gpu(tmp_path):
-    """The overlapped TP paths captured in the layers' graphs (the ring's NCCL sends and
-    receives, the backward's asynchronous reduce-scatter) follow one GPU at tp=2 + SP."""
+    """The overlapped TP paths captured in the layers' graphs follow one GPU: at tp=2 + SP the
+    ring's NCCL sends and receives, torch's fused symmetric-memory ops and the backward's
+    asynchronous reduce-scatter; at tp=2 without SP the backward's asynchronous all-reduce."""
     one = _train(tmp_path, "one", 1, [])
     sp = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.cuda_graphs=true"]
     _all_follow(tmp_path, one, {"graphs-p2p": sp + ["parallel.tp_async=p2p"],
                                 "graphs-symm": sp + ["parallel.tp_async=true"],
+                                "graphs-overlap-nosp": ["parallel.tp=2", "train.cuda_graphs=true",
+                                                        "parallel.tp_comm_overlap=true"],
                                 "graphs-overlap": sp + ["parallel.tp_comm_overlap=true"]}, timeout=110)
 
 

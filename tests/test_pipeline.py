@@ -191,7 +191,7 @@ def _run_case(topo: Topology, case: Case, steps: list[dict]) -> list[dict]:
         micro_batches = make_micro_batches(case.m, case.seed, shape["batch"], shape["seq"])
         model.zero_grad(set_to_none=True)
         loss = executor.run(micro_batches, global_tokens(micro_batches))
-        finalize_model_grads(param_grads(model), topo)
+        finalize_model_grads(param_grads(model), topo, done=())
         grads = {}
         for chunk in chunks:
             for name, p in chunk.named_parameters():

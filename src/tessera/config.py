@@ -230,7 +230,8 @@ class TrainConfig:
     zero 1/2 with an overlapped parameter gather at dp > 1 (true refuses the rest with the
     reason). auto: on for capturable CUDA runs at tp > 1 (GPT-1.3B at tp=2 + SP: 40,370
     against 24,223 tokens/s eager on 2x H100, same call, BENCHMARKS.md session 6), also with the
-    opt-in overlapped TP paths (parallel.tp_async, tp_comm_overlap), which graphed follow one
+    opt-in overlapped TP paths under sequence parallelism (parallel.tp_async, tp_comm_overlap;
+    not yet tp_comm_overlap without SP, not yet run graphed on a GPU), which graphed follow one
     GPU (GPU test) and run within 3 % of the plain graphed layers but eager far slower
     (tp_async=true: 12,206 eager against 41,315 graphed, session 8); off at tp=1, where fused
     weight gradients are faster."""

@@ -12,13 +12,15 @@ Communication plan of one step (zero = ``parallel.zero``):
    (zero=1). zero=2 keeps no full gradient buffer: each bucket is reduce-scattered, and its
    buffer dropped, every time all its parameters have one more micro-batch's gradient; the
    shards accumulate in fp32.
-3. a tied embedding's gradient (its own bucket, ``param.tied_across_stages``) is also summed
-   over the ``embedding`` group (first and last pipeline stage), chained after its dp reduction
-   and started once the pipeline has issued its step's last send or receive
-   (:meth:`pipeline_comm_done`: issuing it earlier on one rank than a pipeline message on
-   another could deadlock NCCL), so on the first stage it overlaps the weight gradients that
-   follow the embedding's (zero 0/1; else, and with bf16 gradients at zero=0 or a two-part
-   reduction, ``finalize_model_grads`` does it after backward).
+3. without dp (dp=1, zero 0/1), a tied embedding's gradient (its own bucket,
+   ``param.tied_across_stages``) is summed over the ``embedding`` group (first and last pipeline
+   stage) here, started once it is final and the pipeline has issued its step's last send or
+   receive (:meth:`pipeline_comm_done`: issued earlier on one rank than a pipeline message on
+   another, it could deadlock NCCL), so on the first stage it overlaps the weight gradients that
+   follow the embedding's. With dp, where it would wait for the dp reduction of the same bucket
+   (the last to start on the first stage, so nothing left to overlap), and where the optimizer's
+   gradient is a later fp32 copy (bf16 gradients at zero=0), ``finalize_model_grads`` does it
+   after backward.
 4. :meth:`finish_grad_sync` waits for them (and starts any that backward did not).
 5. after the optimizer step (zero 1/2): every bucket's updated shards are all-gathered, in the
    order the next forward needs them, asynchronously (``overlap_param_gather``); a forward
@@ -120,9 +122,8 @@ class DataParallel:
         self._in_flight: collections.deque[Pending] = collections.deque()
         self._gathers: dict[Bucket, Pending] = {}
         self.embedding_group = embedding_group
-        self._tied_waiting: list[tuple[_BucketState, Pending | None]] = []  # until the pipeline's last message
+        self._tied_waiting: list[_BucketState] = []  # final, waiting for the pipeline's last message
         self._comm_done = False
-        self._side: torch.cuda.Stream | None = None
         self.tied_reduced: set[nn.Parameter] = set()  # this step: summed over the embedding group here
         if wgrad_store is not None:
             wgrad_store.accumulate = self.accumulate
@@ -255,40 +256,28 @@ class DataParallel:
             else:
                 pending = collectives.reduce_scatter(wire, rng.grad, self.group, accumulate=False,
                                                      async_op=self.overlap_grad_reduce)
-        if self._sums_tied(st, pending):
-            self._tied_waiting.append((st, pending))
+        if pending is not None:
+            self._in_flight.append(pending)
+        elif self._sums_tied(st):
+            self._tied_waiting.append(st)
             if self._comm_done:
                 self.pipeline_comm_done()
-        elif pending is not None:
-            self._in_flight.append(pending)
 
-    def _sums_tied(self, st: _BucketState, pending: Pending | None) -> bool:
-        """Whether this bucket is a tied embedding whose sum over the embedding group runs here:
-        its optimizer gradient is the reduced buffer itself (not a later fp32 copy) and its dp
-        reduction is one collective (no follow-up work to order the embedding sum after)."""
-        return (self.embedding_group is not None and getattr(st.bucket.params[0], "tied_across_stages", False)
-                and not st.range.refresh and (pending is None or pending.then is None))
+    def _sums_tied(self, st: _BucketState) -> bool:
+        """Whether this bucket is a tied embedding summed over the embedding group here: no dp
+        (its gradient is final now) and the optimizer's gradient is the buffer's own (not an
+        fp32 copy made later). Both ends of the group have the same config, so agree."""
+        return (self.group is None and self.embedding_group is not None and not st.range.refresh
+                and getattr(st.bucket.params[0], "tied_across_stages", False))
 
     def pipeline_comm_done(self) -> None:
         """The pipeline has issued this step's last send or receive on this rank: start the tied
-        embedding's sum over the embedding group (after its dp reduction, without the compute
-        stream waiting for either)."""
+        embedding's sum over the embedding group for every tied bucket already final."""
         self._comm_done = True
         while self._tied_waiting:
-            st, dp = self._tied_waiting.pop(0)
-            grad = st.range.grad
-            if dp is not None and grad.is_cuda:  # order it after the dp reduction on a side stream
-                self._side = self._side or torch.cuda.Stream(device=grad.device)
-                self._side.wait_stream(torch.cuda.current_stream(grad.device))
-                with torch.cuda.stream(self._side):
-                    dp.wait()
-                    tied = collectives.all_reduce(grad, self.embedding_group, async_op=True)
-            else:
-                if dp is not None:
-                    dp.wait()
-                tied = collectives.all_reduce(grad, self.embedding_group, async_op=True)
+            st = self._tied_waiting.pop(0)
+            self._in_flight.append(collectives.all_reduce(st.range.grad, self.embedding_group, async_op=True))
             self.tied_reduced.update(st.bucket.params)
-            self._in_flight.append(tied)
 
     def _on_the_wire(self, flat: Tensor) -> Tensor:
         """The gradients as sent: ``reduce_dtype`` (bf16 halves the traffic; the sums are still

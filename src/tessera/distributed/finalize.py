@@ -8,8 +8,8 @@ these groups join):
 1. sequence parallel: parameters replicated over TP but applied to a sequence slice
    (``param.sequence_parallel``: norms, row-parallel biases) hold partial sums: all-reduce over tp.
 2. tied embeddings across pipeline stages (``param.tied_across_stages``, ``embedding`` group):
-   all-reduce the two copies' gradients so they stay identical. Under ``DataParallel`` (zero
-   0/1) this usually ran already, overlapped with the end of backward (its ``tied_reduced``).
+   all-reduce the two copies' gradients so they stay identical. Under ``DataParallel`` at dp=1
+   (zero 0/1) this ran already, overlapped with the end of backward (its ``tied_reduced``).
 
 Sums commute, so doing these after the dp reduction gives the same result as before it.
 """
@@ -40,10 +40,11 @@ def _all_reduce_coalesced(grads: list[Tensor], group: dist.ProcessGroup | None) 
             g.copy_(reduced)
 
 
-def finalize_model_grads(grads: Grads, topo: Topology, done=()) -> None:
+def finalize_model_grads(grads: Grads, topo: Topology, *, done) -> None:
     """``grads``: (gradient, parameter) pairs, every parameter of this rank in a fixed order.
-    ``done``: tied parameters whose all-reduce over the embedding group already ran, overlapped
-    with backward (``DataParallel.tied_reduced``; the same on both ends of the group)."""
+    ``done``: tied parameters whose sum over the embedding group already ran, overlapped with
+    backward (``DataParallel.tied_reduced``, the same on both ends of the group; ``()`` for
+    gradients of plain autograd). Required: a caller that forgot it would sum them twice."""
     _all_reduce_coalesced([g for g, p in grads if getattr(p, "sequence_parallel", False)], topo.group("tp"))
     # Both ends of the embedding group must join this all-reduce, so grads holds every tied copy.
     _all_reduce_coalesced([g for g, p in grads if getattr(p, "tied_across_stages", False) and p not in done],
