@@ -139,7 +139,12 @@ RUNS = {
        + [(f"pp2-zero{z}", 1, 2, [ZEROS[z]]) for z in (0, 1)]
        + [("pp2-zero0-no-overlap", 1, 2, [ZEROS[0], "parallel.overlap_grad_reduce=false"]),
           ("pp2-zero1-1f1b", 1, 2, [ZEROS[1], "parallel.schedule=1f1b"])],
-    4: [(f"zero{z}", 1, 1, [ZEROS[z]]) for z in range(4)],
+    4: [(f"zero{z}", 1, 1, [ZEROS[z]]) for z in range(4)]
+       # interleaved-zb (vpp=2; the 2 layers on the middle virtual stages) at dp=2: its W's of
+       # different chunks interleave in the buckets; with and without fused weight gradients
+       + [(f"izb-zero{z}{'-fused' if fused else ''}", 1, 2,
+           [ZEROS[z], "parallel.vpp=2", "parallel.schedule=interleaved-zb", "parallel.pp_layout=0,1,1,0",
+            f"train.grad_accum_fusion={str(fused).lower()}"]) for z, fused in ((0, False), (1, True))],
     8: [(f"zero{z}", 2, 2, [ZEROS[z], "parallel.sequence_parallel=true"]) for z in range(4)]
        + [("zero1-fused", 2, 2, [ZEROS[1], "parallel.sequence_parallel=true", "train.grad_accum_fusion=true",
                                  "parallel.tp_comm_overlap=true"])],
@@ -213,6 +218,23 @@ def test_zero_with_tp2_pp2_dp2(zero):
                 kind, sizes = param_kind(model, source) if name != "output.weight" else ("vocab", None)
                 compare_to_full(kind, sizes, [s["params"][name] for s in shards], ref["params"][source],
                                 f"zero={zero} pp{pp_rank} dp{dp_rank} {name}", VOCAB, check=_tp_close)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["izb-zero0", "izb-zero1-fused"])
+def test_interleaved_zb_at_dp2_matches_one_rank(name):
+    """pp=2 x dp=2 under interleaved-zb: the same losses, norms and parameters as one rank."""
+    ref = reference()
+    for r in results(4):
+        run = r[name]
+        assert run["schedule"] == "interleaved-zb"
+        what = f"{name} pp rank {run['pp_rank']} dp rank {run['dp_rank']}"
+        if run["pp_rank"] == 1:
+            assert_same_training(run, ref, what, rel=1e-5)
+        for pname, p in run["params"].items():
+            source = "embedding.weight" if pname == "output.weight" else pname
+            assert_close(p, ref["params"][source], f"{what}: {pname}")
+    assert any(r[name]["fused_calls"] for r in results(4)) == name.endswith("fused")
 
 
 @pytest.mark.timeout(900)

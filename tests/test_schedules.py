@@ -95,8 +95,6 @@ def test_receive_is_posted_before_the_preceding_compute(kind, pp, vpp):
     ("interleaved", 2, 2, 2), ("interleaved", 2, 2, 6), ("interleaved", 4, 2, 8), ("interleaved", 3, 3, 6),
     ("interleaved", 8, 4, 16), ("zb-h1", 2, 1, 4), ("zb-h1", 4, 1, 8), ("zb-h1", 8, 1, 16),
     ("zb-h2", 2, 1, 4), ("zb-h2", 4, 1, 8), ("zb-h2", 8, 1, 16),
-    ("interleaved-zb", 2, 2, 4), ("interleaved-zb", 2, 2, 8), ("interleaved-zb", 4, 2, 8),
-    ("interleaved-zb", 3, 3, 6), ("interleaved-zb", 2, 3, 8),
 ])
 def test_bubble_matches_analytic(kind, pp, vpp, m):
     timeline = simulate(_built(kind, pp, vpp, m), vpp)
@@ -341,7 +339,7 @@ def test_interleaved_zb_splits_interleaved_and_is_shorter():
     per_chunk = Costs(F=f / 2, B=(i + w) / 2, I=i / 2, W=w / 2)
     split, base = (simulate(_built(k, 2, 2, 8), 2, costs=per_chunk).step_time for k in ("interleaved-zb", "interleaved"))
     h1 = simulate(_built("zb-h1", 2, 1, 8), costs=Costs(F=f, B=i + w, I=i, W=w)).step_time
-    assert split < base - 0.5 and split < h1 - 0.5, (split, base, h1)  # 24.6 against 25.6 and 25.8 units
+    assert split < base - 0.5 and split < h1 - 0.5, (split, base, h1)  # 24.5 against 25.5 and 25.7 units (no transfer cost)
 
 
 def test_zb_h2_fills_the_start_where_i_costs_more_than_f():

@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     schedule = sub.add_parser("schedule", help="simulate a pipeline schedule: step time, bubble, picture")
     schedule.add_argument("--kind", default="1f1b", help="none, gpipe, 1f1b, interleaved, zb-h1, zb-h2 or interleaved-zb")
     schedule.add_argument("--pp", type=_positive(int), default=4, help="pipeline ranks")
-    schedule.add_argument("--vpp", type=_positive(int), default=1, help="model chunks per rank (interleaved)")
+    schedule.add_argument("--vpp", type=_positive(int), default=1, help="model chunks per rank (interleaved, interleaved-zb)")
     schedule.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
     schedule.add_argument("--cost-f", type=_positive(float), default=1.0, help="forward time of one chunk")
     schedule.add_argument("--cost-b", type=_positive(float), default=2.0, help="full backward time of one chunk")
@@ -77,9 +77,9 @@ def _schedule(args: argparse.Namespace) -> int:
     if args.print_actions:
         for rank, actions in enumerate(schedules):
             print(f"rank {rank}: " + " ".join(map(str, actions)))
-    # The textbook value assumes whole rounds of pp micro-batches.
-    analytic = (f" (analytic {analytic_bubble(args.kind, args.pp, args.vpp, args.microbatches):.3f})"
-                if args.microbatches % args.pp == 0 else "")
+    # The textbook value assumes whole rounds of pp micro-batches (interleaved-zb has none).
+    textbook = analytic_bubble(args.kind, args.pp, args.vpp, args.microbatches)
+    analytic = f" (analytic {textbook:.3f})" if args.microbatches % args.pp == 0 and textbook is not None else ""
     peaks = [timeline.peak_in_flight(r) for r in range(args.pp)]
     deferred = [timeline.peak_weight_grads_pending(r) for r in range(args.pp)]
     held = [timeline.peak_held(r) for r in range(args.pp)]  # F to W: what a split backward costs in memory

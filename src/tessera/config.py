@@ -205,10 +205,11 @@ class TrainConfig:
     """Prompt for the sample printed after training."""
     compile: Literal["auto", "true", "false"] = "auto"
     """torch.compile each transformer layer (inductor fuses its elementwise work; the first steps
-    pay the compile time). Linear layers whose weight gradients are deferred (zb-h1, zb-h2) or fused
+    pay the compile time). Linear layers whose weight gradients are deferred (zb-h1, zb-h2,
+    interleaved-zb) or fused
     (train.grad_accum_fusion) run eagerly between compiled pieces, a graph break each, which
     costs more CPU time per step than the compiled pieces save (measured, BENCHMARKS.md). auto:
-    on for CUDA runs of the llama family at tp=1 whose schedule is not zb-h1 or zb-h2 and where
+    on for CUDA runs of the llama family at tp=1 whose schedule does not split the backward and where
     train.grad_accum_fusion is not true (+10% on Llama-1B); off elsewhere (on GPT-1.3B at tp=1
     fused weight gradients in eager layers measured 2% faster). Off at tp > 1: compiled layers
     follow one GPU there (the TP collectives run as opaque ops in compiled code; the GPU test

@@ -33,9 +33,12 @@ Kinds:
   fill the drain's waits while the I's keep the critical path back. No rank holds more
   micro-batch chunks from F to W than interleaved's rank 0 holds activations (the later ranks
   hold more than under interleaved, as deferred W's, which keep only the linear layers' inputs
-  and output gradients); at the measured split
-  (F : I : W = 1 : 1.35 : 0.65) the simulator gives pp=2, vpp=2, 8 micro-batches 24.6 units
-  against interleaved's 25.6 and ZB-H1's 25.8 (16 of work per rank).
+  and output gradients; counted in chunks, not bytes: with uneven layouts a later rank's chunk may
+  be the larger). At the measured per-stage costs (F 12, I 16, W 8 ms, 0.2 ms per transfer) the
+  simulator gives pp=2, vpp=2, 8 micro-batches 294.6 ms against interleaved's 307.2 and ZB-H1's
+  308.8 (288 ms of work per rank). With unit costs it cuts interleaved's bubble to a third at
+  small pp, less at m = pp for pp >= 3 and for pp >= 7, where a deferral of r would do better
+  (and worse at the measured costs).
 
 Communication is overlapped: the receive a rank needs for its next compute is posted before its
 current compute (Megatron's overlap_p2p_comm), so it arrives while the rank works.
@@ -97,7 +100,8 @@ def check_kind(kind: str, pp: int, vpp: int, microbatches: int) -> None:
     if vpp > 1 and pp < 2:
         raise ScheduleError("vpp > 1 needs pp >= 2")
     if kind == "none" and pp > 1:
-        raise ScheduleError("schedule 'none' (no pipelining) needs pp=1: choose 1f1b, interleaved, zb-h1 or zb-h2")
+        raise ScheduleError("schedule 'none' (no pipelining) needs pp=1: choose 1f1b, interleaved, zb-h1, zb-h2 "
+                            "or interleaved-zb")
     if kind in INTERLEAVED and vpp < 2:
         raise ScheduleError(f"schedule '{kind}' needs vpp >= 2 model chunks per rank")
     if kind not in INTERLEAVED and vpp > 1:

@@ -127,14 +127,15 @@ def simulate(schedules: list[list[Action]], vpp: int | None = None, costs: Costs
     return timeline
 
 
-def analytic_bubble(kind: str, pp: int, vpp: int, microbatches: int) -> float:
-    """The textbook bubble fraction with costs F = I = W (B = I + W), for whole rounds (m % pp == 0)."""
+def analytic_bubble(kind: str, pp: int, vpp: int, microbatches: int) -> float | None:
+    """The textbook bubble fraction with costs F = I = W (B = I + W), for whole rounds (m % pp == 0);
+    None for interleaved-zb, which has none (its deferral is chosen for the measured costs)."""
     if kind in ("1f1b", "gpipe"):
         return (pp - 1) / microbatches
     if kind == "interleaved":
         return (pp - 1) / (vpp * microbatches)
-    if kind == "interleaved-zb":  # the split's third of interleaved's, as ZB-H1's of 1F1B's
-        return (pp - 1) / (3 * vpp * microbatches)
+    if kind == "interleaved-zb":
+        return None
     if kind in SPLIT_BACKWARD:  # (p - 1)(F + I - W) / (m (F + I + W)) with F = I = W: a third of 1F1B's
         return (pp - 1) / (3 * microbatches)
     return 0.0  # none

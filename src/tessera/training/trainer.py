@@ -114,7 +114,7 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     - tp=1: compiled layers for the llama family (RMSNorm, RoPE and SwiGLU run as many small
       kernels in eager mode: +10% on Llama-1B over fused eager layers), fused weight gradients in
       eager layers elsewhere (+2% over compiled layers on GPT-1.3B); never compiled layers around
-      a zb-h1/zb-h2 schedule's deferred weight gradients (graph breaks cost more CPU time than
+      a split-backward schedule's deferred weight gradients (graph breaks cost more CPU time than
       compiling saves).
     - tp > 1: CUDA-graphed eager layers where they can be captured (config.can_graph_layers):
       the halved GEMMs leave the step bound by the host's launch time, and graphs measured +67%
