@@ -284,7 +284,7 @@ def test_python_dash_m(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "tessera", "schedule", "--kind", "none", "--pp", "2"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr == "tessera: schedule 'none' (no pipelining) needs pp=1: " \
-                                                 "choose 1f1b, interleaved, zb-h1 or zb-h2\n"
+                                                 "choose 1f1b, interleaved, zb-h1, zb-h2 or interleaved-zb\n"
 
 
 def test_png_picture_from_the_cli(tmp_path, capsys):
