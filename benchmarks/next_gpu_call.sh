@@ -17,7 +17,9 @@
 #      parallel.schedule=zb-h2` -- where the tail went; why ZB-H2 ran 7 % slower than simulated
 #   4. tpprof      -- tp=2 + SP graphed: the kernels of a step, plain SP against tp_async=true
 #      (fused ops 29 % / 16 % faster alone, +0.8 % in the step: what is in the way)
-#   5. contention  -- dp=2's 0.4 %: how much the overlapped reduce-scatter slows the GEMMs
+#   5. contention  -- dp=2's 0.4 %: how much the overlapped reduce-scatter slows the GEMMs; then
+#      dp2b: dp=2 beside one GPU at bucket sizes 20M / 40M (default) / 80M and with NCCL_MAX_CTAS=8
+#   (also `tests overlapped`: the graphed comm overlap without SP, before auto may graph it)
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split
@@ -162,6 +164,10 @@ case "${1:-tests}" in
     for a in false true; do log="${OUT:-/tmp}/kernels_tp2_async_$a.log"
       timeout 150 torchrun --nproc-per-node 2 benchmarks/kernel_table.py parallel.tp=2 parallel.sequence_parallel=true \
         train.cuda_graphs=true parallel.tp_async=$a > "$log" 2>&1; grep -h -E "SUMMARY|Error" "$log" | tail -4; done ;;
+  dp2b)  # dp=2 zero=1 beside one GPU: gradient bucket size (never tuned on GPU) and fewer NCCL blocks
+    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    for bs in 40000000 20000000 80000000; do q parallel.zero=1 parallel.bucket_size=$bs; done
+    echo "with NCCL_MAX_CTAS=8:"; NCCL_MAX_CTAS=8 q parallel.zero=1 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests [K]|pp2v|tpprof|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac
