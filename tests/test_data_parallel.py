@@ -220,6 +220,16 @@ def test_zero_with_tp2_pp2_dp2(zero):
                                 f"zero={zero} pp{pp_rank} dp{dp_rank} {name}", VOCAB, check=_tp_close)
 
 
+def assert_pipeline_run_matches(run: dict, ref: dict, what: str) -> None:
+    """A pp=2 rank's run against one rank: losses and norms (on the last stage, which holds the
+    loss) and every parameter (the last stage's tied output layer against the embedding)."""
+    if run["pp_rank"] == 1:
+        assert_same_training(run, ref, what, rel=1e-5)
+    for pname, p in run["params"].items():
+        source = "embedding.weight" if pname == "output.weight" else pname
+        assert_close(p, ref["params"][source], f"{what}: {pname}")
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["izb-zero0", "izb-zero1-fused"])
 def test_interleaved_zb_at_dp2_matches_one_rank(name):
@@ -228,12 +238,7 @@ def test_interleaved_zb_at_dp2_matches_one_rank(name):
     for r in results(4):
         run = r[name]
         assert run["schedule"] == "interleaved-zb"
-        what = f"{name} pp rank {run['pp_rank']} dp rank {run['dp_rank']}"
-        if run["pp_rank"] == 1:
-            assert_same_training(run, ref, what, rel=1e-5)
-        for pname, p in run["params"].items():
-            source = "embedding.weight" if pname == "output.weight" else pname
-            assert_close(p, ref["params"][source], f"{what}: {pname}")
+        assert_pipeline_run_matches(run, ref, f"{name} pp rank {run['pp_rank']} dp rank {run['dp_rank']}")
     assert any(r[name]["fused_calls"] for r in results(4)) == name.endswith("fused")
 
 
@@ -253,11 +258,7 @@ def test_tied_embedding_sum_overlaps_backward_at_pp2(name):
         run = r[name]
         assert run["schedule"] == ("1f1b" if name.endswith("1f1b") else "zb-h1")
         what = f"{name} pp rank {run['pp_rank']}"
-        if run["pp_rank"] == 1:
-            assert_same_training(run, ref, what, rel=1e-5)
-        for pname, p in run["params"].items():
-            source = "embedding.weight" if pname == "output.weight" else pname
-            assert_close(p, ref["params"][source], f"{what}: {pname}")
+        assert_pipeline_run_matches(run, ref, what)
         assert run["tied_by_dp"], what
         # per step: every pipeline message issued before the sum (p: a send or receive, s: a sum)
         for step, seq in enumerate(run["order"]):

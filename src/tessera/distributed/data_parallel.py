@@ -303,7 +303,6 @@ class DataParallel:
 
     def finish_grad_sync(self) -> None:
         """Start what backward did not, then wait for every reduction of this step."""
-        self._comm_done = True  # backward is over: nothing of the pipeline's can follow
         for st in self._states:
             if self.zero == 2:
                 if st.rounds_reduced < self._expected and self.group is not None:
