@@ -168,6 +168,18 @@ case "${1:-tests}" in
     NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
     for bs in 40000000 20000000 80000000; do q parallel.zero=1 parallel.bucket_size=$bs; done
     echo "with NCCL_MAX_CTAS=8:"; NCCL_MAX_CTAS=8 q parallel.zero=1 ;;
+  s9a)  # session 9, second half (same warm machine as s9b): one GPU, pp=2 interleaved-zb vpp=2 again,
+    # its step timeline, the tp=2 kernel tables (tpprof), dp=2 at an 80M bucket
+    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    QT=90 q parallel.pp=2 parallel.schedule=interleaved-zb parallel.vpp=2
+    log="${OUT:-/tmp}/timeline_ilzb_vpp2.log"
+    timeout 100 torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.pp=2 parallel.schedule=interleaved-zb \
+      parallel.vpp=2 > "$log" 2>&1; grep -h -E "SUMMARY|Error" "$log" | tail -4
+    bash "$0" tpprof
+    QT=90 q parallel.zero=1 parallel.bucket_size=80000000 ;;
+  s9b)  # dp=2 zero=1 at the default 40M bucket, 20M, and with NCCL_MAX_CTAS=8 (one GPU: s9a, same machine)
+    for bs in 40000000 20000000; do QT=90 q parallel.zero=1 parallel.bucket_size=$bs; done
+    echo "with NCCL_MAX_CTAS=8:"; NCCL_MAX_CTAS=8 QT=90 q parallel.zero=1 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests [K]|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac
