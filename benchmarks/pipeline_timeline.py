@@ -28,7 +28,8 @@ def step():
 for _ in range(4):
     step()
 torch.cuda.synchronize()
-torch.distributed.barrier()
+if torch.distributed.is_initialized():  # one GPU runs without a process group
+    torch.distributed.barrier()
 begin = torch.cuda.Event(enable_timing=True)
 begin.record()
 t0 = time.perf_counter()
@@ -61,4 +62,5 @@ print(f"TIMELINE rank {rank} ({topo.pp_rank=}) {' '.join(sys.argv[1:])}\n" + "\n
       f"{total - previous_end:.1f} ms", flush=True)
 for g in b.graphs:
     g.release()
-torch.distributed.destroy_process_group()
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
