@@ -123,14 +123,16 @@ class ParallelConfig:
     activation memory, onto the first stages)."""
     schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "interleaved-zb"] = "auto"
     """Pipeline schedule. auto: the fastest valid one by the schedule simulator (no pipelining at
-    pp=1, interleaved when vpp > 1, else zero-bubble ZB-H1; never ZB-H1 with zero >= 2; never
+    pp=1, interleaved-zb when vpp > 1 (interleaved with zero >= 2), else zero-bubble ZB-H1; never
+    ZB-H1 or interleaved-zb with zero >= 2; never
     zb-h2, which costs memory). zb-h2: ZB-H1 with ZB-H2's memory: more warm-up forwards and longer
     W deferral fill the start of the step where the backward's input-gradient half costs more than
     a forward; every rank holds up to 2pp-1 micro-batches from F to W instead of pp (rank 0 as
     activations, the last rank as deferred weight gradients' inputs; pipeline_parallel/schedules.py).
     interleaved-zb (vpp >= 2): the interleaved order with the backward split into I and W, rank r
-    running each W 2r I's late; no rank holds more than interleaved's rank 0, about 4 % shorter by
-    the simulator at pp=2 (not yet measured on GPUs, so auto keeps interleaved)."""
+    running each W 2r I's late; no rank holds more than interleaved's rank 0. GPT-1.3B at pp=2,
+    vpp=2: 6 % faster than interleaved and 1-2 % faster than ZB-H1 (vpp=1), for 1.5 GiB more
+    memory (BENCHMARKS.md, session 9)."""
     zero: Literal[0, 1, 2, 3] = 0
     """Data-parallel sharding. 0: optimizer replicated, gradients all-reduced. 1: distributed
     optimizer: fp32 main parameters and Adam states sharded over dp, gradients reduce-scattered,
@@ -231,9 +233,8 @@ class TrainConfig:
     zero 1/2 with an overlapped parameter gather at dp > 1 (true refuses the rest with the
     reason). auto: on for capturable CUDA runs at tp > 1 (GPT-1.3B at tp=2 + SP: 40,370
     against 24,223 tokens/s eager on 2x H100, same call, BENCHMARKS.md session 6), also with the
-    opt-in overlapped TP paths under sequence parallelism (parallel.tp_async, tp_comm_overlap;
-    not yet tp_comm_overlap without SP, not yet run graphed on a GPU), which graphed follow one
-    GPU (GPU test) and run within 3 % of the plain graphed layers but eager far slower
+    opt-in overlapped TP paths (parallel.tp_async, tp_comm_overlap, with or without SP), which
+    graphed follow one GPU (GPU test) and run within 3 % of the plain graphed layers but eager far slower
     (tp_async=true: 12,206 eager against 41,315 graphed, session 8); off at tp=1, where fused
     weight gradients are faster."""
     fused_cross_entropy: bool = True

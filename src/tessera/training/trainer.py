@@ -43,14 +43,16 @@ from tessera.training.step import DTYPES, StepClock, train_step
 def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int = 0) -> str:
     """``auto``: the fastest valid kind by the simulator (not ZB-H1 with zero >= 2: its deferred
     weight gradients keep zero=2's per-micro-batch buckets open, and arrive after FSDP reduced
-    them; never zb-h2, which holds more micro-batches); otherwise ``kind``, checked."""
+    them; never zb-h2, which holds more micro-batches); at vpp > 1 interleaved-zb (zero < 2, the
+    same reason), measured 6 % faster than interleaved at pp=2 (BENCHMARKS.md, session 9);
+    otherwise ``kind``, checked."""
     if kind != "auto":
         check_kind(kind, pp, vpp, microbatches)
         return kind
     if pp == 1:
         return "none"
     if vpp > 1:
-        return "interleaved"
+        return "interleaved" if zero >= 2 else "interleaved-zb"
     kinds = ("1f1b",) if zero >= 2 else ("1f1b", "zb-h1")
     return min(kinds, key=lambda k: simulate(build_all(k, pp, 1, microbatches)).step_time)
 
@@ -129,7 +131,6 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     t, p, cuda = cfg.train, cfg.parallel, device.type == "cuda"
     if t.cuda_graphs == "auto":
         graphs = (cuda and p.tp > 1 and t.compile != "true" and t.grad_accum_fusion != "true"
-                  and not (p.tp_comm_overlap and not p.sequence_parallel)  # its graphs: no GPU run yet
                   and can_graph_layers(cfg))
     else:
         graphs = t.cuda_graphs == "true"
