@@ -3,6 +3,7 @@
 - tensors of every supported dtype and of 0 to 6 dimensions arrive intact, both directions;
 - the shape header goes once per step, stream and peer: a later message of another shape (or
   dtype) in the same step is refused with ShapeError naming both; after ``new_step`` it works;
+  with ``keep_shapes`` (the trainer's) once per run, and another shape in a later step is refused;
 - streams F and B in flight at once between one pair, in both directions, with receives posted in
   another order than the sends, deliver each tensor to its own receive (tags);
 - a receive posted before the sender sends, and a wait before the sender sends, still work;
@@ -173,7 +174,36 @@ def _two_rank_worker(rank: int, world_size: int) -> dict:
         p2p.wait_sends()
     dist.barrier()
 
-    # 5. refusals, last (a send that should have been refused is never received: nothing waits
+    # 5. keep_shapes (the trainer's P2P): a header at the first step only; later steps' first
+    # receives are posted at once; another shape in a later step is refused by the sender
+    kept = P2P(topo, keep_shapes=True)
+    if rank == 0:
+        with _CountingIsend() as counter:
+            for step in range(3):
+                kept.new_step()
+                for tag in range(2):
+                    kept.send("F", 1, tag, payload((4, 3), torch.float32, 10 * step + tag))
+                kept.wait_sends()
+            kept_headers = len(counter.headers)
+            kept.new_step()
+            try:
+                kept.send("F", 1, 0, payload((5, 3), torch.float32, 0))
+                out["kept_refusal"] = None
+            except ShapeError as e:
+                out["kept_refusal"] = str(e)
+            kept_headers_after_refusal = len(counter.headers)
+        out.update(kept_headers=kept_headers, kept_headers_after_refusal=kept_headers_after_refusal)
+    else:
+        kept_steps, posted_at_once = [], []
+        for step in range(3):
+            kept.new_step()
+            pending = [kept.recv("F", 0, tag) for tag in range(2)]
+            posted_at_once.append(pending[0].work is not None)
+            kept_steps.append([r.wait() for r in pending])
+        out.update(kept_steps=kept_steps, kept_posted_at_once=posted_at_once)
+    dist.barrier()
+
+    # 6. refusals, last (a send that should have been refused is never received: nothing waits
     # for it, so a regression fails these checks only): within a step another shape or dtype;
     # in any step too many dimensions or an unsupported dtype
     p2p.new_step()
@@ -250,6 +280,18 @@ def test_header_once_per_step_stream_and_peer():
         _assert_equal(r1["step2"][i], payload((4, 2), torch.float32, tag), f"step 2 F {tag} (renegotiated)")
     assert r1["posted_at_once"], "a receive after the step's header was not posted at once"
     assert r1["deferred_after_new_step"], "new_step did not forget the negotiated shape on the receiver"
+
+
+def test_kept_shapes_send_one_header_per_run():
+    r0, r1 = results(2)
+    assert r0["kept_headers"] == 1, "keep_shapes: a header after the first step"
+    assert r1["kept_posted_at_once"] == [False, True, True], "a later step's first receive waited for a header"
+    for step, got in enumerate(r1["kept_steps"]):
+        for tag in range(2):
+            _assert_equal(got[tag], payload((4, 3), torch.float32, 10 * step + tag), f"kept step {step} F {tag}")
+    refusal = r0["kept_refusal"]
+    assert refusal is not None and "(5, 3)" in refusal and "(4, 3)" in refusal and "first step" in refusal, refusal
+    assert r0["kept_headers_after_refusal"] == 1, "a refused tensor sent a header"
 
 
 def test_shape_or_dtype_change_within_a_step_is_refused():

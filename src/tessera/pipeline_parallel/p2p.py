@@ -14,6 +14,12 @@ sender first sends a small header (number of dims, sizes, dtype) and the receive
 it; later messages of the step reuse it, so their receives are posted at once and overlap with
 compute. A new step renegotiates (a different sequence length, a smaller last batch). A tensor
 whose shape differs from its step's header is refused with an error naming both shapes.
+
+With ``keep_shapes`` (the trainer, whose micro-batches keep one shape for the whole run:
+``DataFeed``) only the run's first message per stream and peer carries a header. Reading a
+header is the one thing that makes the host wait for the GPU in a pipeline step (the receiver
+allocates from it): at every step's first receive the host would stop launching until the peer's
+GPU had produced that message. A later tensor of another shape is still refused by its sender.
 """
 
 from __future__ import annotations
@@ -68,11 +74,12 @@ class PendingRecv:
 class P2P:
     """Sends and receives between this rank and its pipeline neighbours (pipeline ranks)."""
 
-    def __init__(self, topo: Topology, match_in_order: bool = False):
+    def __init__(self, topo: Topology, match_in_order: bool = False, keep_shapes: bool = False):
         """``match_in_order``: send every message with one tag, so gloo matches them in posting
-        order as NCCL does; tests use it to catch ordering mistakes on CPU."""
+        order as NCCL does; tests use it to catch ordering mistakes on CPU. ``keep_shapes``: the
+        shapes negotiated at the first step hold for every later step (both ends must agree)."""
         self.device = topo.device
-        self.match_in_order = match_in_order
+        self.match_in_order, self.keep_shapes = match_in_order, keep_shapes
         self.global_ranks = topo.ranks_of("pp")
         if topo.pp > 1 and dist.get_backend() == "nccl" and \
                 dist.distributed_c10d._get_default_group().bound_device_id is None:
@@ -108,7 +115,10 @@ class P2P:
         return 0 if self.match_in_order else tag
 
     def new_step(self) -> None:
-        """Forget the negotiated shapes: the next message on each stream carries a header."""
+        """Forget the negotiated shapes: the next message on each stream carries a header. With
+        ``keep_shapes``, keep those negotiated (a header still in flight is waited for later)."""
+        if self.keep_shapes and hasattr(self, "_sent_shape"):
+            return
         self._sent_shape: dict[tuple[str, int], tuple] = {}
         self._recv_shape: dict[tuple[str, int], tuple] = {}  # header in flight, or (shape, dtype)
         self._deferred: dict[tuple[str, int], list[PendingRecv]] = {}  # waiting for that header
@@ -123,9 +133,11 @@ class P2P:
             self._sends.append((dist.isend(header, dst, group=group, tag=self._tag(HEADER_TAG)), header))
             self._sent_shape[key] = signature
         elif self._sent_shape[key] != signature:
+            when = ("at the run's first step (shapes are kept for the run: every micro-batch of a "
+                    "training run must have one shape)" if self.keep_shapes
+                    else "for this step; all micro-batches of a step must have one shape")
             raise ShapeError(f"pipeline {stream} message to stage {peer}: shape {signature[0]} {signature[1]} "
-                             f"differs from {self._sent_shape[key][0]} {self._sent_shape[key][1]} negotiated "
-                             "for this step; all micro-batches of a step must have one shape")
+                             f"differs from {self._sent_shape[key][0]} {self._sent_shape[key][1]} negotiated {when}")
         tensor = tensor.contiguous()
         self._sends.append((dist.isend(tensor, dst, group=group, tag=self._tag(tag)), tensor))
 

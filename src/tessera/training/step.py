@@ -21,8 +21,9 @@ Communication plan of a step:
    over the dp ranks: NCCL runs one communicator's work in order, and on ``dp`` they would
    wait for the parameter all-gather of 5, and the next forward with them.
 
-The step never waits for the GPU (except fp16's inf/nan check and, at pp > 1, each step's first
-message from a pipeline peer, whose shape header the host reads): the loss, gradient norm and
+The step never waits for the GPU (except fp16's inf/nan check, and at pp > 1 the run's first
+message from each pipeline peer, whose shape header the host reads; the trainer's P2P keeps
+those shapes for later steps): the loss, gradient norm and
 token count are copied to pinned host memory behind the step's work, with an event, and a
 ``StepResult`` reads them when first asked for, waiting for that event only. The trainer reads
 step k after it has launched step k+1, so the GPU goes from one step to the next without

@@ -169,7 +169,9 @@ class Stage:
                 for layer in chunk.layers.values():
                     layer.compile()
         self.model = nn.ModuleList(self.chunks)
-        self.p2p = P2P(topo) if p.pp > 1 else None
+        # DataFeed gives every step's micro-batches one shape, so the stages negotiate the
+        # activation shapes once: later steps' receives never make the host wait (p2p.py)
+        self.p2p = P2P(topo, keep_shapes=True) if p.pp > 1 else None
         self._executors: dict[int, PipelineExecutor] = {}
 
     def microbatches(self, global_batch: int, dp: int) -> int:
