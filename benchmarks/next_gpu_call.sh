@@ -6,20 +6,16 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 9's calls, in order (about 30 device minutes; start with kind nvidia-h100-x2 and
-# stop before the budget cannot start another machine):
-#   1. pp2v        -- pp=2: one GPU, ZB-H1 (auto; now with the tied embedding's sum overlapped with
-#      the first stage's last W's), interleaved and interleaved-zb at vpp=2 and 3 (simulated 4-5 %
-#      shorter than ZB-H1), megatron-core pp=2 (issue 6's 0.90); each run ~50 s (session 8)
-#   2. tests "pipeline or curve" -- the NCCL schedules (the tied-embedding sum now inside
-#      DataParallel, interleaved-zb) and the 200-step fast-path curve (with its graphed run)
-#   3. timeline, then `torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.pp=2
-#      parallel.schedule=zb-h2` -- where the tail went; why ZB-H2 ran 7 % slower than simulated
-#   4. tpprof      -- tp=2 + SP graphed: the kernels of a step, plain SP against tp_async=true
-#      (fused ops 29 % / 16 % faster alone, +0.8 % in the step: what is in the way)
-#   5. contention  -- dp=2's 0.4 %: how much the overlapped reduce-scatter slows the GEMMs; then
-#      dp2b: dp=2 beside one GPU at bucket sizes 20M / 40M (default) / 80M and with NCCL_MAX_CTAS=8
-#   (also `tests overlapped`: the graphed comm overlap without SP, before auto may graph it)
+# Session 10's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
+# after 30 s, so send the next call at once; session 9 did 11 calls on one warm machine):
+#   1. s10a -- one GPU; pp=2 ZB-H1 (auto at vpp=1) and interleaved-zb vpp=2 (auto at vpp=2), now
+#      with the shapes negotiated once per run (P2P keep_shapes: no host wait for a header at a
+#      step's first receive), against session 9's 0.877 / 0.898 (H100); the pp=2 timeline (is the
+#      host ahead at the step's start now?); the gradient-accumulation probe (34 ms of fp32 += bf16
+#      add_ per tp=2 step at a third of the bandwidth: does a compiled add or _foreach_add_ do better?)
+#   2. tests "pipeline or curve" -- the NCCL schedules through the trainer's P2P, the 200-step curve
+#   3. if the probe shows a faster add: build it (DataParallel.accumulate), then tp=2 graphed against
+#      one GPU and megatron-core tp=2 in one call
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split
@@ -168,6 +164,13 @@ case "${1:-tests}" in
     NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
     for bs in 40000000 20000000 80000000; do q parallel.zero=1 parallel.bucket_size=$bs; done
     echo "with NCCL_MAX_CTAS=8:"; NCCL_MAX_CTAS=8 q parallel.zero=1 ;;
+  s10a)  # session 10, first call: see the plan at the top
+    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    QT=90 q parallel.pp=2; QT=90 q parallel.pp=2 parallel.vpp=2
+    log="${OUT:-/tmp}/timeline_pp2_vpp2.log"
+    timeout 100 torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.pp=2 parallel.vpp=2 > "$log" 2>&1
+    grep -h -E "SUMMARY|Error" "$log" | tail -4
+    timeout 120 python3 benchmarks/grad_accumulate_probe.py 2 2>&1 | grep -E "RESULT|Error" ;;
   s9a)  # session 9, second half (same warm machine as s9b): one GPU, pp=2 interleaved-zb vpp=2 again,
     # its step timeline, the tp=2 kernel tables (tpprof), dp=2 at an 80M bucket
     NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
@@ -181,5 +184,5 @@ case "${1:-tests}" in
     for bs in 40000000 20000000; do QT=90 q parallel.zero=1 parallel.bucket_size=$bs; done
     echo "with NCCL_MAX_CTAS=8:"; NCCL_MAX_CTAS=8 QT=90 q parallel.zero=1 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests [K]|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|s10a|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac
