@@ -13,8 +13,12 @@
 #      step's first receive), against session 9's 0.877 / 0.898 (H100); the pp=2 timeline (is the
 #      host ahead at the step's start now?); the gradient-accumulation probe (34 ms of fp32 += bf16
 #      add_ per tp=2 step at a third of the bandwidth: does a compiled add or _foreach_add_ do better?)
-#   2. tests "pipeline or curve" -- the NCCL schedules through the trainer's P2P, the 200-step curve
-#   3. if the probe shows a faster add: build it (DataParallel.accumulate), then tp=2 graphed against
+#   2. s10b -- dp=2 zero=1 (one GPU from s10a, same machine): default against
+#      parallel.overlap_param_gather_with_optimizer_step=true (gathers beside the optimizer step,
+#      not the first forward, which they slowed by 2-6 ms), with its timeline; issue 4's 0.97
+#   3. tests "pipeline or curve or zero" -- the NCCL schedules through the trainer's P2P, the
+#      200-step curve, zero 0-3 and the gather-with-step run at dp=2
+#   4. if the probe shows a faster add: build it (DataParallel.accumulate), then tp=2 graphed against
 #      one GPU and megatron-core tp=2 in one call
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
@@ -171,6 +175,11 @@ case "${1:-tests}" in
     timeout 100 torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.pp=2 parallel.vpp=2 > "$log" 2>&1
     grep -h -E "SUMMARY|Error" "$log" | tail -4
     timeout 120 python3 benchmarks/grad_accumulate_probe.py 2 2>&1 | grep -E "RESULT|Error" ;;
+  s10b)  # dp=2 zero=1: the parameter gathers beside the first forward (default) or the optimizer step
+    QT=90 q parallel.zero=1; QT=90 q parallel.zero=1 parallel.overlap_param_gather_with_optimizer_step=true
+    log="${OUT:-/tmp}/timeline_dp2_gather_with_step.log"
+    timeout 90 torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.zero=1 \
+      parallel.overlap_param_gather_with_optimizer_step=true > "$log" 2>&1; grep -h -E "SUMMARY|Error" "$log" | tail -4 ;;
   s9a)  # session 9, second half (same warm machine as s9b): one GPU, pp=2 interleaved-zb vpp=2 again,
     # its step timeline, the tp=2 kernel tables (tpprof), dp=2 at an 80M bucket
     NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
@@ -184,5 +193,5 @@ case "${1:-tests}" in
     for bs in 40000000 20000000; do QT=90 q parallel.zero=1 parallel.bucket_size=$bs; done
     echo "with NCCL_MAX_CTAS=8:"; NCCL_MAX_CTAS=8 QT=90 q parallel.zero=1 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests [K]|s10a|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|s10a|s10b|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac

@@ -82,6 +82,13 @@ def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None) -
     if store is not None:
         run_w = store.run
         store.run = lambda key: (w_after_tied.append(bool(getattr(data_parallel, "tied_reduced", ()))), run_w(key))
+    # the optimizer's updates (S) and parameter gathers started (G, with the buckets' count), in order
+    opt_events = []
+    if hasattr(optimizer, "inner") and hasattr(data_parallel, "start_param_gather"):
+        inner_step, gather = optimizer.inner.step, data_parallel.start_param_gather
+        optimizer.inner.step = lambda *a, **k: (opt_events.append("S"), inner_step(*a, **k))[1]
+        data_parallel.start_param_gather = lambda ranges=None: (
+            opt_events.append(f"G{len(data_parallel.ranges) if ranges is None else len(ranges)}"), gather(ranges))[1]
     losses, norms, skipped, order = [], [], [], []
     patches = _recording_order(log := []) if topo.pp > 1 else []
     for owner, name, _, new in patches:
@@ -109,7 +116,7 @@ def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None) -
                 state_bytes=optimizer.state_bytes(), tp_rank=topo.tp_rank, pp_rank=topo.pp_rank,
                 dp_rank=topo.dp_rank, schedule=stage.schedule, fused_calls=len(fused),
                 w_after_tied=sum(w_after_tied), tied_by_dp=bool(getattr(data_parallel, "tied_reduced", ())),
-                order=order)
+                order=order, opt_events=opt_events, ranges=len(getattr(data_parallel, "ranges", ())))
 
 
 def _dp_worker(rank: int, world: int, runs: list[tuple[str, int, int, list[str]]]) -> dict:
@@ -128,6 +135,11 @@ RUNS = {
        + [("zero1-no-overlap", 1, 1, [ZEROS[1], "parallel.overlap_grad_reduce=false",
                                       "parallel.overlap_param_gather=false"]),
           ("zero2-no-overlap", 1, 1, [ZEROS[2], "parallel.overlap_grad_reduce=false"]),
+          ("zero1-gather-with-step", 1, 1, [ZEROS[1], "parallel.overlap_param_gather_with_optimizer_step=true"]),
+          ("zero2-gather-with-step", 1, 1, [ZEROS[2], "parallel.overlap_param_gather_with_optimizer_step=true"]),
+          ("zero1-bf16", 1, 1, [ZEROS[1], "train.dtype=bf16"]),
+          ("zero1-bf16-gather-with-step", 1, 1, [ZEROS[1], "train.dtype=bf16",
+                                                 "parallel.overlap_param_gather_with_optimizer_step=true"]),
           ("zero0-bf16", 1, 1, [ZEROS[0], "train.dtype=bf16"]),
           ("zero1-bf16-bf16grads", 1, 1, [ZEROS[1], "train.dtype=bf16", "train.grad_dtype=bf16"]),
           ("zero2-bf16-bf16grads", 1, 1, [ZEROS[2], "train.dtype=bf16", "train.grad_dtype=bf16"]),
@@ -308,6 +320,24 @@ def test_overlap_on_and_off_are_identical():
             assert on["losses"] == off["losses"] and on["norms"] == off["norms"]
             for name in on["params"]:
                 assert torch.equal(on["params"][name], off["params"][name]), name
+
+
+@pytest.mark.timeout(900)
+def test_param_gather_with_optimizer_step_is_identical_and_interleaved():
+    """overlap_param_gather_with_optimizer_step: the same numbers as one optimizer step then the
+    gathers (fp32 and bf16 models, zero 1 and 2); each bucket's gather starts right after its own
+    update, before the next bucket's."""
+    for out in results(2):
+        for plain, interleaved in (("zero1", "zero1-gather-with-step"), ("zero2", "zero2-gather-with-step"),
+                                   ("zero1-bf16", "zero1-bf16-gather-with-step")):
+            a, b = out[plain], out[interleaved]
+            assert a["losses"] == b["losses"] and a["norms"] == b["norms"], interleaved
+            for name in a["params"]:
+                assert torch.equal(a["params"][name], b["params"][name]), f"{interleaved}: {name}"
+            n = b["ranges"]
+            assert n >= 3, "the test model should have several buckets"
+            assert a["opt_events"] == ["S", f"G{n}"] * STEPS, a["opt_events"][:4]
+            assert b["opt_events"] == ["S", "G1"] * (n * STEPS), b["opt_events"][:4]
 
 
 @pytest.mark.timeout(900)

@@ -153,11 +153,13 @@ def test_nccl_pipeline_schedules_match_one_gpu(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_zero_matches_one_gpu(tmp_path):
     one = _train(tmp_path, "one", 1, [])
-    for zero in (0, 1, 2, 3):
-        curve = _train(tmp_path, f"zero{zero}", 2, [f"parallel.zero={zero}", "parallel.bucket_size=100000"])
+    runs = [(f"zero{zero}", [f"parallel.zero={zero}"]) for zero in (0, 1, 2, 3)]
+    runs.append(("zero1-gather-with-step", ["parallel.zero=1", "parallel.overlap_param_gather_with_optimizer_step=true"]))
+    for name, sets in runs:
+        curve = _train(tmp_path, name, 2, [*sets, "parallel.bucket_size=100000"])
         for a, b in zip(one, curve):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), zero
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), zero
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), name
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), name
     bf16 = _train(tmp_path, "bf16", 1, ["train.dtype=bf16"])
     for zero, grads in ((1, "bf16"), (2, "fp32"), (3, "fp32")):
         curve = _train(tmp_path, f"bf16-zero{zero}", 2, ["train.dtype=bf16", f"parallel.zero={zero}",

@@ -168,11 +168,22 @@ class ParallelConfig:
     overlap_param_gather: bool = True
     """zero 1-2: all-gather the updated parameters asynchronously after the optimizer step, each
     bucket waited for only by the first forward that uses it."""
+    overlap_param_gather_with_optimizer_step: bool = False
+    """zero 1-2 with overlap_param_gather: step the optimizer one bucket at a time, in the order
+    the next forward reads them, and start each bucket's all-gather as soon as its shard is
+    updated, so the gathers overlap the rest of the optimizer step rather than the first
+    forward (which they slowed by 2-6 ms at dp=2, BENCHMARKS.md session 9; Megatron's option of
+    this name does it per model chunk). The same numbers either way. Off until measured on GPUs."""
 
     def __post_init__(self) -> None:
         _check(self.zero in (0, 1, 2, 3), "parallel.zero", f"{self.zero!r} is not 0, 1, 2 or 3",
                "use 0 (replicated), 1 (distributed optimizer), 2 (+ sharded gradients) or 3 (FSDP)")
         _check(self.bucket_size >= 1, "parallel.bucket_size", "must be >= 1", "give elements per bucket, e.g. 40000000")
+        _check(not self.overlap_param_gather_with_optimizer_step or (self.zero in (1, 2) and self.overlap_param_gather),
+               "parallel.overlap_param_gather_with_optimizer_step",
+               "overlaps the distributed optimizer's parameter all-gather (zero 1-2, overlap_param_gather) "
+               f"with its step; here zero={self.zero}, overlap_param_gather={self.overlap_param_gather}",
+               "set parallel.zero=1 or 2 with parallel.overlap_param_gather=true, or turn it off")
         for name in ("tp", "pp", "vpp"):
             _check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1", "use 1 for no parallelism on this axis")
         _check(self.dp >= 0, "parallel.dp", "must be >= 0", "use 0 to derive it from the world size")

@@ -24,7 +24,9 @@ Communication plan of one step (zero = ``parallel.zero``):
 4. :meth:`finish_grad_sync` waits for them (and starts any that backward did not).
 5. after the optimizer step (zero 1/2): every bucket's updated shards are all-gathered, in the
    order the next forward needs them, asynchronously (``overlap_param_gather``); a forward
-   pre-hook on each layer waits for the buckets it reads.
+   pre-hook on each layer waits for the buckets it reads. With
+   ``overlap_param_gather_with_optimizer_step`` the optimizer steps bucket by bucket in that
+   order and each gather starts as soon as its bucket is updated (``MainParamOptimizer``).
 
 The loss is already divided by the global token count, so every reduction is a sum.
 Zero-bubble schedules compute some weight gradients outside autograd (``WeightGradStore``); they
@@ -325,18 +327,28 @@ class DataParallel:
             self._in_flight.popleft().wait()
 
     # -- parameters -------------------------------------------------------------------------------
-    def start_param_gather(self) -> None:
-        """zero 1/2, after the optimizer updated this rank's shards: all-gather every bucket, in the
-        order the next forward reads them."""
+    def forward_order(self) -> list[int]:
+        """Indices into ``ranges`` (one per bucket) in the order the next forward reads the
+        buckets: chunk by chunk, each chunk's buckets back to front (they are laid out in
+        backward order)."""
+        order, first = [], 0
+        for buffer in self.buffers:
+            order += range(first + len(buffer.buckets) - 1, first - 1, -1)
+            first += len(buffer.buckets)
+        return order
+
+    def start_param_gather(self, ranges: list[int] | None = None) -> None:
+        """zero 1/2, after the optimizer updated this rank's shards: all-gather the buckets of
+        ``ranges`` (indices into ``ranges``; default every bucket, in :meth:`forward_order`)."""
         if not self.sharded or self.group is None:
             return
-        for buffer in self.buffers:
-            for bucket in reversed(buffer.buckets):
-                pending = collectives.all_gather(bucket.param, self.group, async_op=self.overlap_param_gather)
-                if self.overlap_param_gather:
-                    self._gathers[bucket] = pending
-                else:
-                    pending.wait()
+        for i in self.forward_order() if ranges is None else ranges:
+            bucket = self.ranges[i].bucket
+            pending = collectives.all_gather(bucket.param, self.group, async_op=self.overlap_param_gather)
+            if self.overlap_param_gather:
+                self._gathers[bucket] = pending
+            else:
+                pending.wait()
 
     def wait_param_gather(self, buckets=None) -> None:
         for bucket in list(self._gathers) if buckets is None else buckets:
