@@ -3,7 +3,8 @@
 - tensors of every supported dtype and of 0 to 6 dimensions arrive intact, both directions;
 - the shape header goes once per step, stream and peer: a later message of another shape (or
   dtype) in the same step is refused with ShapeError naming both; after ``new_step`` it works;
-  with ``keep_shapes`` (the trainer's) once per run, and another shape in a later step is refused;
+  with ``keep_shapes`` (the trainer's) once per run, and another shape in a later step is refused
+  unless both ends renegotiate;
 - streams F and B in flight at once between one pair, in both directions, with receives posted in
   another order than the sends, deliver each tensor to its own receive (tags);
 - a receive posted before the sender sends, and a wait before the sender sends, still work;
@@ -192,7 +193,12 @@ def _two_rank_worker(rank: int, world_size: int) -> dict:
             except ShapeError as e:
                 out["kept_refusal"] = str(e)
             kept_headers_after_refusal = len(counter.headers)
-        out.update(kept_headers=kept_headers, kept_headers_after_refusal=kept_headers_after_refusal)
+            kept.new_step(renegotiate=True)  # as sampling after training does: other shapes
+            kept.send("F", 1, 0, payload((5, 3), torch.float32, 7))
+            kept.wait_sends()
+            kept_headers_renegotiated = len(counter.headers)
+        out.update(kept_headers=kept_headers, kept_headers_after_refusal=kept_headers_after_refusal,
+                   kept_headers_renegotiated=kept_headers_renegotiated)
     else:
         kept_steps, posted_at_once = [], []
         for step in range(3):
@@ -200,6 +206,8 @@ def _two_rank_worker(rank: int, world_size: int) -> dict:
             pending = [kept.recv("F", 0, tag) for tag in range(2)]
             posted_at_once.append(pending[0].work is not None)
             kept_steps.append([r.wait() for r in pending])
+        kept.new_step(renegotiate=True)
+        out["kept_renegotiated"] = kept.recv("F", 0, 0).wait()
         out.update(kept_steps=kept_steps, kept_posted_at_once=posted_at_once)
     dist.barrier()
 
@@ -292,6 +300,8 @@ def test_kept_shapes_send_one_header_per_run():
     refusal = r0["kept_refusal"]
     assert refusal is not None and "(5, 3)" in refusal and "(4, 3)" in refusal and "first step" in refusal, refusal
     assert r0["kept_headers_after_refusal"] == 1, "a refused tensor sent a header"
+    assert r0["kept_headers_renegotiated"] == 2, "new_step(renegotiate=True) sent no header"
+    _assert_equal(r1["kept_renegotiated"], payload((5, 3), torch.float32, 7), "after renegotiating")
 
 
 def test_shape_or_dtype_change_within_a_step_is_refused():

@@ -58,8 +58,12 @@ def test_bf16_trains_close_to_fp32(tmp_path):
 
 @pytest.mark.timeout(500)
 def test_pipeline_layouts_give_the_same_losses(tmp_path):
-    base = ["model.layers=4", "data.source=builtin"]
-    reference, _ = run_train(tmp_path / "pp1", 1, base)
+    # and the closing sample: generation sends other shapes over the trainer's pipeline P2P,
+    # which otherwise keeps the training shapes
+    base = ["model.layers=4", "data.source=builtin", "train.sample_tokens=6"]
+    reference, ref_out = run_train(tmp_path / "pp1", 1, base)
+    ref_sample = [line for line in ref_out.splitlines() if line.startswith("sample: ")]
+    assert len(ref_sample) == 1, ref_out[-2000:]
     for name, nproc, layout in [
         ("tp2pp2", 4, ["parallel.tp=2", "parallel.pp=2"]),
         ("pp2vpp2", 2, ["parallel.pp=2", "parallel.vpp=2"]),
@@ -67,6 +71,7 @@ def test_pipeline_layouts_give_the_same_losses(tmp_path):
     ]:
         curve, stdout = run_train(tmp_path / name, nproc, base + layout)
         assert_same_curve(reference, curve)
+        assert len([line for line in stdout.splitlines() if line.startswith("sample: ")]) == 1, stdout[-2000:]
     # 5 layers: the even split is refused at pp=2, the FLOPs-balanced one gives 3/2
     five = ["model.layers=5", "data.source=builtin"]
     reference, _ = run_train(tmp_path / "five-pp1", 1, five)

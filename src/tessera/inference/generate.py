@@ -24,7 +24,7 @@ def _last_stage_logits(chunks: list[GPTModel], tokens: torch.Tensor, topo: Topol
     pp, rank = topo.pp, topo.pp_rank
     last = pp * len(chunks) - 1
     if p2p is not None:
-        p2p.new_step()
+        p2p.new_step(renegotiate=True)  # each call's context has its own length
     logits = None
     for c, chunk in enumerate(chunks):
         stage = c * pp + rank

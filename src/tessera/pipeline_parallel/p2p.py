@@ -114,10 +114,11 @@ class P2P:
     def _tag(self, tag: int) -> int:
         return 0 if self.match_in_order else tag
 
-    def new_step(self) -> None:
+    def new_step(self, renegotiate: bool = False) -> None:
         """Forget the negotiated shapes: the next message on each stream carries a header. With
-        ``keep_shapes``, keep those negotiated (a header still in flight is waited for later)."""
-        if self.keep_shapes and hasattr(self, "_sent_shape"):
+        ``keep_shapes``, keep them unless ``renegotiate`` (both ends must pass the same: sampling
+        from the trained model sends other shapes over the trainer's P2P)."""
+        if self.keep_shapes and not renegotiate and hasattr(self, "_sent_shape"):
             return
         self._sent_shape: dict[tuple[str, int], tuple] = {}
         self._recv_shape: dict[tuple[str, int], tuple] = {}  # header in flight, or (shape, dtype)

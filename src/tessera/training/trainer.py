@@ -121,8 +121,8 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     - tp > 1: CUDA-graphed eager layers where they can be captured (config.can_graph_layers):
       the halved GEMMs leave the step bound by the host's launch time, and graphs measured +67%
       at tp=2 (40,370 against 24,223 tokens/s), also with the opt-in overlapped TP paths under
-      sequence parallelism (parallel.tp_async, tp_comm_overlap; tp_comm_overlap without SP, an
-      overlapped all-reduce, has not run graphed on a GPU): graphed, each follows one GPU (GPU test) and runs
+      sequence parallelism (parallel.tp_async, tp_comm_overlap) and tp_comm_overlap without SP (an
+      overlapped all-reduce): graphed, each follows one GPU (GPU test) and runs
       within 3 % of the plain graphed layers, while eager they are far slower (symmetric-memory
       async TP 12,206 eager against 41,315 graphed, session 8). Neither fusion (15% slower at tp=2: it adds
       Python work per linear layer) nor compiled layers (correct since the collectives became
