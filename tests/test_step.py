@@ -90,3 +90,18 @@ def test_learning_rate_warmup_then_cosine():
     assert learning_rate(20, cfg, 20) == 0.1 and learning_rate(100, cfg, 20) == 0.1
     values = [learning_rate(s, cfg, 20) for s in range(4, 20)]
     assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_optimizer_groups_survive_loading_its_state():
+    """The LR schedule writes ``optimizer.param_groups``: after ``load_state_dict`` (which
+    replaces AdamW's group dicts) a new learning rate must still reach the update."""
+    model = _model()
+    dp, opt = _optimizer(model)
+    _step(model, (dp, opt), [_batch(2, 0, 8)], clip_grad=1.0)
+    opt.load_state_dict(opt.state_dict())
+    for group in opt.param_groups:
+        group["lr"] = 0.0  # nothing may move
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _step(model, (dp, opt), [_batch(2, 1, 8)], clip_grad=1.0)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), f"{n} moved at lr 0 after load_state_dict"

@@ -51,7 +51,12 @@ class _AdamW:
         """``pieces``: (tensor AdamW updates, the model parameter it stands for)."""
         self.tensors = [t for t, _ in pieces]
         self.inner = _adamw(_decay_groups(pieces, cfg), cfg, bool(pieces) and pieces[0][0].is_cuda)
-        self.param_groups = self.inner.param_groups
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """AdamW's groups, where the LR schedule writes (read through: ``load_state_dict``
+        replaces them)."""
+        return self.inner.param_groups
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (Adam's two moments) on this rank; before the first step, what
