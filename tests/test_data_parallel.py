@@ -82,13 +82,31 @@ def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None) -
     if store is not None:
         run_w = store.run
         store.run = lambda key: (w_after_tied.append(bool(getattr(data_parallel, "tied_reduced", ()))), run_w(key))
-    # the optimizer's updates (S) and parameter gathers started (G, with the buckets' count), in order
-    opt_events = []
+    # the optimizer's updates (S) and parameter gathers started (G, with the buckets' count), in
+    # order; the buckets in the order their gathers start, and in the order the forward first
+    # waits for them (forward pre-hooks)
+    opt_events, gathered, waited = [], [], []
     if hasattr(optimizer, "inner") and hasattr(data_parallel, "start_param_gather"):
-        inner_step, gather = optimizer.inner.step, data_parallel.start_param_gather
+        inner_step, gather, wait = optimizer.inner.step, data_parallel.start_param_gather, data_parallel.wait_param_gather
+
+        def key(rng):  # (model chunk, bucket)
+            return data_parallel.buffers.index(rng.buffer), rng.bucket.index
+
+        def recording_gather(ranges=None):
+            chosen = data_parallel.forward_order() if ranges is None else ranges
+            opt_events.append(f"G{len(chosen)}")
+            gathered.extend(key(data_parallel.ranges[i]) for i in chosen)
+            return gather(ranges)
+
+        def recording_wait(buckets=None):
+            pending = set(data_parallel._gathers)
+            waited.extend(key(next(r for r in data_parallel.ranges if r.bucket is b))
+                          for b in (buckets or []) if b in pending)
+            return wait(buckets)
+
         optimizer.inner.step = lambda *a, **k: (opt_events.append("S"), inner_step(*a, **k))[1]
-        data_parallel.start_param_gather = lambda ranges=None: (
-            opt_events.append(f"G{len(data_parallel.ranges) if ranges is None else len(ranges)}"), gather(ranges))[1]
+        data_parallel.start_param_gather = recording_gather
+        data_parallel.wait_param_gather = recording_wait
     losses, norms, skipped, order = [], [], [], []
     patches = _recording_order(log := []) if topo.pp > 1 else []
     for owner, name, _, new in patches:
@@ -116,7 +134,8 @@ def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None) -
                 state_bytes=optimizer.state_bytes(), tp_rank=topo.tp_rank, pp_rank=topo.pp_rank,
                 dp_rank=topo.dp_rank, schedule=stage.schedule, fused_calls=len(fused),
                 w_after_tied=sum(w_after_tied), tied_by_dp=bool(getattr(data_parallel, "tied_reduced", ())),
-                order=order, opt_events=opt_events, ranges=len(getattr(data_parallel, "ranges", ())))
+                order=order, opt_events=opt_events, ranges=len(getattr(data_parallel, "ranges", ())),
+                gathered=gathered, waited=waited)
 
 
 def _dp_worker(rank: int, world: int, runs: list[tuple[str, int, int, list[str]]]) -> dict:
@@ -156,7 +175,12 @@ RUNS = {
        # different chunks interleave in the buckets; with and without fused weight gradients
        + [(f"izb-zero{z}{'-fused' if fused else ''}", 1, 2,
            [ZEROS[z], "parallel.vpp=2", "parallel.schedule=interleaved-zb", "parallel.pp_layout=0,1,1,0",
-            f"train.grad_accum_fusion={str(fused).lower()}"]) for z, fused in ((0, False), (1, True))],
+            f"train.grad_accum_fusion={str(fused).lower()}"]) for z, fused in ((0, False), (1, True))]
+       # the same with the parameter gathers started bucket by bucket inside the optimizer step:
+       # two model chunks per rank, so two buffers in forward order
+       + [("izb-zero1-fused-gws", 1, 2, [ZEROS[1], "parallel.vpp=2", "parallel.schedule=interleaved-zb",
+                                         "parallel.pp_layout=0,1,1,0", "train.grad_accum_fusion=true",
+                                         "parallel.overlap_param_gather_with_optimizer_step=true"])],
     8: [(f"zero{z}", 2, 2, [ZEROS[z], "parallel.sequence_parallel=true"]) for z in range(4)]
        + [("zero1-fused", 2, 2, [ZEROS[1], "parallel.sequence_parallel=true", "train.grad_accum_fusion=true",
                                  "parallel.tp_comm_overlap=true"])],
@@ -338,6 +362,15 @@ def test_param_gather_with_optimizer_step_is_identical_and_interleaved():
             assert n >= 3, "the test model should have several buckets"
             assert a["opt_events"] == ["S", f"G{n}"] * STEPS, a["opt_events"][:4]
             assert b["opt_events"] == ["S", "G1"] * (n * STEPS), b["opt_events"][:4]
+    for r in results(4):  # pp=2, vpp=2: each rank's two chunks, one buffer each
+        a, b = r["izb-zero1-fused"], r["izb-zero1-fused-gws"]
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
+        for name in a["params"]:
+            assert torch.equal(a["params"][name], b["params"][name]), f"izb gather-with-step: {name}"
+        assert b["opt_events"] == ["S", "G1"] * (b["ranges"] * STEPS), b["opt_events"][:4]
+        # every step's gathers start in the order the next step's forward waits for the buckets
+        assert len(b["waited"]) == b["ranges"] * (STEPS - 1), (b["waited"], b["ranges"])
+        assert b["waited"] == b["gathered"][:len(b["waited"])], (b["gathered"][:b["ranges"]], b["waited"][:b["ranges"]])
 
 
 @pytest.mark.timeout(900)

@@ -376,6 +376,8 @@ class DataParallel:
             self._hook(module, own)
 
     def _hook(self, module: nn.Module, params: set[nn.Parameter]) -> None:
-        buckets = list(dict.fromkeys(self._state[p].bucket for p in params if p in self._state))
+        # waited for in the order their gathers start (a module's buckets: one chunk's, laid out
+        # back to front)
+        buckets = sorted({self._state[p].bucket for p in params if p in self._state}, key=lambda b: -b.index)
         if buckets:
             module.register_forward_pre_hook(lambda *_: self.wait_param_gather(buckets))
