@@ -13,13 +13,14 @@
 #      step's first receive), against session 9's 0.877 / 0.898 (H100); the pp=2 timeline (is the
 #      host ahead at the step's start now?); the gradient-accumulation probe (34 ms of fp32 += bf16
 #      add_ per tp=2 step at a third of the bandwidth: does a compiled add or _foreach_add_ do better?)
+#      and tp=2 + SP graphed with train.main_grad_add=eager (auto) against compiled
 #   2. s10b -- dp=2 zero=1 (one GPU from s10a, same machine): default against
 #      parallel.overlap_param_gather_with_optimizer_step=true (gathers beside the optimizer step,
 #      not the first forward, which they slowed by 2-6 ms), with its timeline; issue 4's 0.97
 #   3. tests "pipeline or curve or zero" -- the NCCL schedules through the trainer's P2P, the
 #      200-step curve, zero 0-3 and the gather-with-step run at dp=2
-#   4. if the probe shows a faster add: build it (DataParallel.accumulate), then tp=2 graphed against
-#      one GPU and megatron-core tp=2 in one call
+#   4. if compiled pays, make train.main_grad_add=auto pick it (run `tests compiled_main_grad` first);
+#      tp=2 graphed against one GPU and megatron-core tp=2 in one call
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split
@@ -174,7 +175,8 @@ case "${1:-tests}" in
     log="${OUT:-/tmp}/timeline_pp2_vpp2.log"
     timeout 100 torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.pp=2 parallel.vpp=2 > "$log" 2>&1
     grep -h -E "SUMMARY|Error" "$log" | tail -4
-    timeout 120 python3 benchmarks/grad_accumulate_probe.py 2 2>&1 | grep -E "RESULT|Error" ;;
+    timeout 120 python3 benchmarks/grad_accumulate_probe.py 2 2>&1 | grep -E "RESULT|Error"
+    sp="parallel.tp=2 parallel.sequence_parallel=true"; QT=90 q $sp; QT=90 q $sp train.main_grad_add=compiled ;;
   s10b)  # dp=2 zero=1: the parameter gathers beside the first forward (default) or the optimizer step
     QT=90 q parallel.zero=1; QT=90 q parallel.zero=1 parallel.overlap_param_gather_with_optimizer_step=true
     log="${OUT:-/tmp}/timeline_dp2_gather_with_step.log"

@@ -157,6 +157,7 @@ RUNS = {
           ("zero1-gather-with-step", 1, 1, [ZEROS[1], "parallel.overlap_param_gather_with_optimizer_step=true"]),
           ("zero2-gather-with-step", 1, 1, [ZEROS[2], "parallel.overlap_param_gather_with_optimizer_step=true"]),
           ("zero1-bf16", 1, 1, [ZEROS[1], "train.dtype=bf16"]),
+          ("zero1-bf16-compiled-add", 1, 1, [ZEROS[1], "train.dtype=bf16", "train.main_grad_add=compiled"]),
           ("zero1-bf16-gather-with-step", 1, 1, [ZEROS[1], "train.dtype=bf16",
                                                  "parallel.overlap_param_gather_with_optimizer_step=true"]),
           ("zero0-bf16", 1, 1, [ZEROS[0], "train.dtype=bf16"]),
@@ -371,6 +372,17 @@ def test_param_gather_with_optimizer_step_is_identical_and_interleaved():
         # every step's gathers start in the order the next step's forward waits for the buckets
         assert len(b["waited"]) == b["ranges"] * (STEPS - 1), (b["waited"], b["ranges"])
         assert b["waited"] == b["gathered"][:len(b["waited"])], (b["gathered"][:b["ranges"]], b["waited"][:b["ranges"]])
+
+
+@pytest.mark.timeout(900)
+def test_compiled_main_grad_add_is_bitwise_the_eager_one():
+    """train.main_grad_add=compiled (inductor's CPU kernel here): the same fp32 sums of the same
+    bf16 gradients, so the same losses and parameters, bit for bit."""
+    for out in results(2):
+        a, b = out["zero1-bf16"], out["zero1-bf16-compiled-add"]
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
+        for name in a["params"]:
+            assert torch.equal(a["params"][name], b["params"][name]), name
 
 
 @pytest.mark.timeout(900)

@@ -199,6 +199,23 @@ def test_step_result_is_read_without_waiting_for_later_work():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_compiled_main_grad_add_is_bitwise_eager():
+    """train.main_grad_add=compiled on CUDA: fp32 += bf16 (and fp32 += fp32) bit for bit as add_,
+    at a layer's shapes and at odd lengths."""
+    from tessera.distributed.data_parallel import _compiled_add
+
+    add = _compiled_add()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape in [(3072, 2048), (2048,), (4097,), (7, 5)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            main = torch.randn(shape, device="cuda", generator=g)
+            grad = torch.randn(shape, device="cuda", generator=g).to(dtype)
+            expected = main.clone().add_(grad)
+            add(main, grad)
+            assert torch.equal(main, expected), (shape, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_fused_adamw_applies_the_clip_factor_like_foreach():
     """On CUDA the clipping factor goes into the fused AdamW kernel (grad_scale); on CPU it
     multiplies the gradients first. Both must give the same update."""

@@ -206,6 +206,12 @@ class TrainConfig:
     grad_dtype: Literal["fp32", "bf16"] = "fp32"
     """Precision in which gradients accumulate over micro-batches and are reduced over dp. bf16
     halves the gradient buffer; its reduce-scatter then accumulates in fp32."""
+    main_grad_add: Literal["auto", "eager", "compiled"] = "auto"
+    """How a micro-batch's weight gradient is added into its main gradient where no fused GEMM
+    does it (graphed layers at tp > 1, norms and biases): eager ``add_`` (fp32 += bf16 runs
+    PyTorch's unrolled mixed-dtype kernel: 34 ms of a 383 ms tp=2 step at a third of the memory
+    bandwidth, BENCHMARKS.md session 9) or one compiled kernel with the upcast in registers
+    (bitwise the same sums). auto: eager until the compiled one is measured on GPUs."""
     out_dir: str = "runs/default"
     """Directory for metrics.jsonl and other run outputs."""
     log_every: int = 10

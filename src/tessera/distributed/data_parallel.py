@@ -39,6 +39,7 @@ the arrival as the hook would.
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +51,20 @@ from tessera.distributed.buffers import Bucket, ParamAndGradBuffer
 from tessera.distributed.collectives import Pending
 from tessera.tensor_parallel.wgrad import WeightGradStore, wgrad_into
 from tessera.topology import Topology
+
+
+def _eager_add(main: Tensor, grad: Tensor) -> None:
+    main.add_(grad)
+
+
+@functools.cache
+def _compiled_add():
+    """``main += grad`` as one compiled kernel over flat views (``train.main_grad_add=compiled``):
+    eager, an fp32 += bf16 ``add_`` runs PyTorch's unrolled mixed-dtype kernel; inductor's loads
+    the bf16 values vectorised and upcasts them in registers. One graph for every length
+    (dynamic); the sum is the same fp32 addition of the same upcast value."""
+    kernel = torch.compile(_eager_add, dynamic=True)
+    return lambda main, grad: kernel(main.view(-1), grad.reshape(-1))
 
 
 @dataclass
@@ -95,12 +110,13 @@ class DataParallel:
                  bucket_size: int = 40_000_000, overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = True, wgrad_store: WeightGradStore | None = None,
                  reduce_dtype: torch.dtype | None = None, fuse_wgrad: bool = False,
-                 embedding_group: dist.ProcessGroup | None = None):
+                 embedding_group: dist.ProcessGroup | None = None, compiled_add: bool = False):
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
         self.zero, self.sharded, self.reduce_dtype = zero, zero >= 1, reduce_dtype
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
+        self._add = _compiled_add() if compiled_add else _eager_add  # main_grad += one micro-batch's grad
         self.buffers = [ParamAndGradBuffer([p for p in chunk.parameters() if p.requires_grad],
                                            param_dtype=param_dtype, grad_dtype=grad_dtype,
                                            bucket_size=bucket_size, dp=self.dp_size, device=topo.device,
@@ -193,7 +209,7 @@ class DataParallel:
         if self._count[p] == 0 and st.buffer.grad_data is not None:
             p.main_grad.copy_(grad.view(p.main_grad.shape))  # the buffer still holds last step's
         else:
-            p.main_grad.add_(grad.view(p.main_grad.shape))
+            self._add(p.main_grad, grad.view(p.main_grad.shape))
         self._arrived(p, st)
 
     def accumulate_product(self, p: nn.Parameter, grad_out: Tensor, x: Tensor) -> None:
