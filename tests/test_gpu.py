@@ -206,13 +206,17 @@ def test_compiled_main_grad_add_is_bitwise_eager():
 
     add = _compiled_add()
     g = torch.Generator(device="cuda").manual_seed(0)
-    for shape in [(3072, 2048), (2048,), (4097,), (7, 5)]:
+    buffer = torch.randn(3072 * 2048 + 4 * 4097, device="cuda", generator=g)  # main grads are views into one
+    for offset, shape in [(0, (3072, 2048)), (64, (2048,)), (128, (4097,)), (4096, (7, 5))]:
         for dtype in (torch.bfloat16, torch.float32):
-            main = torch.randn(shape, device="cuda", generator=g)
+            n = torch.Size(shape).numel()
+            main = buffer[offset:offset + n].view(shape)
             grad = torch.randn(shape, device="cuda", generator=g).to(dtype)
-            expected = main.clone().add_(grad)
+            expected, untouched = main.clone().add_(grad), buffer.clone()
+            untouched[offset:offset + n] = expected.view(-1)
             add(main, grad)
             assert torch.equal(main, expected), (shape, dtype)
+            assert torch.equal(buffer, untouched), f"{shape} {dtype}: wrote outside its view"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
