@@ -1,4 +1,4 @@
-"""What the communication microbenchmarks (tp_collectives.py, dp_overlap_contention.py) share:
+"""What the GPU microbenchmarks (tp_collectives.py, dp_overlap_contention.py, grad_accumulate_probe.py) share:
 timing a callable on the GPU after every rank is ready, torch's symmetric memory switched on for
 a group, and NCCL user-buffer registration (tensors allocated from the backend's pool)."""
 
@@ -7,11 +7,12 @@ import torch.distributed as dist
 
 
 def cuda_ms(run, reps: int) -> float:
-    """Milliseconds per call of ``run`` on the GPU: one call to warm up, all ranks lined up, then
-    ``reps`` calls between CUDA events."""
+    """Milliseconds per call of ``run`` on the GPU: one call to warm up, all ranks lined up (where
+    there is a process group), then ``reps`` calls between CUDA events."""
     run()
     torch.cuda.synchronize()
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):

@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+from comm_bench import cuda_ms
 
 from tessera.tensor_parallel.wgrad import wgrad_into
 
@@ -30,15 +31,7 @@ nbytes = sum(g.numel() * 10 for g in grads)  # read bf16 + read fp32 + write fp3
 
 
 def cuda_us(run, reps: int = 50) -> float:
-    run()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
+    return cuda_ms(run, reps) * 1e3
 
 
 @torch.compile(dynamic=True)

@@ -117,12 +117,12 @@ class MainParamOptimizer(_AdamW):
                     self._step_range(i)
                     self._copy_to_model([i])
                     self.dp.start_param_gather([i])
-                return
-            self.inner.step()
+            else:
+                self.inner.step()
+                self._copy_to_model(range(len(self.mains)))
+                self.dp.start_param_gather()
         finally:
             self.inner.grad_scale = None
-        self._copy_to_model(range(len(self.mains)))
-        self.dp.start_param_gather()
 
     def _step_range(self, i: int) -> None:
         """AdamW on range ``i``'s tensors only (its groups' settings, its own state)."""

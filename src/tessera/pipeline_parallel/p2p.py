@@ -91,7 +91,7 @@ class P2P:
             self.groups[key] = topo.new_groups(topo.all_ranks_along("pp"))
         self.rank = topo.pp_rank
         self._sends: list[tuple[object, torch.Tensor | None]] = []
-        self.new_step()
+        self.new_step(renegotiate=True)
         self._connect(topo.pp_rank, topo.pp)
 
     def _connect(self, rank: int, pp: int) -> None:
@@ -118,7 +118,7 @@ class P2P:
         """Forget the negotiated shapes: the next message on each stream carries a header. With
         ``keep_shapes``, keep them unless ``renegotiate`` (both ends must pass the same: sampling
         from the trained model sends other shapes over the trainer's P2P)."""
-        if self.keep_shapes and not renegotiate and hasattr(self, "_sent_shape"):
+        if self.keep_shapes and not renegotiate:
             return
         self._sent_shape: dict[tuple[str, int], tuple] = {}
         self._recv_shape: dict[tuple[str, int], tuple] = {}  # header in flight, or (shape, dtype)
