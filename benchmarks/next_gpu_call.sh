@@ -182,6 +182,15 @@ case "${1:-tests}" in
     log="${OUT:-/tmp}/timeline_dp2_gather_with_step.log"
     timeout 90 torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.zero=1 \
       parallel.overlap_param_gather_with_optimizer_step=true > "$log" 2>&1; grep -h -E "SUMMARY|Error" "$log" | tail -4 ;;
+  s10c)  # which calls make the host wait for the GPU inside a step (1 GPU, dp=2 zero=1, pp=2 vpp=2);
+    # dp=2's default timeline; then the 200-step fast-path curve test with the time left
+    for l in "" "parallel.zero=1" "parallel.pp=2 parallel.vpp=2"; do n=$([ -z "$l" ] && echo 1 || echo 2)
+      log="${OUT:-/tmp}/sync_$(echo "n$n $l" | tr -c 'a-z0-9\n' _).log"
+      timeout 90 torchrun --nproc-per-node $n benchmarks/sync_probe.py $l > "$log" 2>&1; grep -h -E "^SYNC|Error" "$log"; done
+    log="${OUT:-/tmp}/timeline_dp2.log"
+    timeout 90 torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.zero=1 > "$log" 2>&1
+    grep -h -E "SUMMARY|Error" "$log" | tail -4
+    BUDGET=$((560 - SECONDS)) bash "$0" tests curve ;;
   s9a)  # session 9, second half (same warm machine as s9b): one GPU, pp=2 interleaved-zb vpp=2 again,
     # its step timeline, the tp=2 kernel tables (tpprof), dp=2 at an 80M bucket
     NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
