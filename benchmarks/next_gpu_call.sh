@@ -182,6 +182,14 @@ case "${1:-tests}" in
     log="${OUT:-/tmp}/timeline_dp2_gather_with_step.log"
     timeout 90 torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.zero=1 \
       parallel.overlap_param_gather_with_optimizer_step=true > "$log" 2>&1; grep -h -E "SUMMARY|Error" "$log" | tail -4 ;;
+  s11a)  # dp=2 zero=1: the timeline with the traced step launched as in training (no sync before it),
+    # then the sync probe with its control (backward's warnings go to stderr: grep the log for them)
+    log="${OUT:-/tmp}/timeline_dp2.log"
+    timeout ${T1:-100} torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.zero=1 > "$log" 2>&1
+    grep -h -E "SUMMARY|Error" "$log" | tail -4
+    log="${OUT:-/tmp}/sync_dp2.log"
+    timeout ${T2:-90} torchrun --nproc-per-node 2 benchmarks/sync_probe.py parallel.zero=1 > "$log" 2>&1
+    grep -h -E "^SYNC|Error" "$log"; grep -c -i "synchroniz" "$log" ;;
   s10c)  # which calls make the host wait for the GPU inside a step (1 GPU, dp=2 zero=1, pp=2 vpp=2);
     # dp=2's default timeline; then the 200-step fast-path curve test with the time left
     for l in "" "parallel.zero=1" "parallel.pp=2 parallel.vpp=2"; do n=$([ -z "$l" ] && echo 1 || echo 2)

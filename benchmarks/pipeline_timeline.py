@@ -1,10 +1,14 @@
 """Where a pipeline step's time goes, per rank, without a profiler (which slows the host enough to
 change what it measures): CUDA events around every F / B / I / W action of one step, after
-warm-up. Prints each action's GPU start and length and its host launch time (both in ms from
-the step's start, with the GPU idle at that start, so the clocks agree), then what the step's
-GPU time is made of: the actions' own time, the waits inside them (an action on the critical
-path that starts late, or runs long while it waits for its received input), gaps between actions,
-and the tail (gradient finalisation and the optimizer).
+warm-up. Prints each action's GPU start and length and its host launch time, both in ms from the
+step's start on the GPU (a negative launch time: the host was that far ahead), then what the
+step's GPU time is made of: the actions' own time, the waits inside them (an action on the
+critical path that starts late, or runs long while it waits for its received input), gaps
+between actions, and the tail (gradient finalisation and the optimizer).
+The traced step follows an untraced one launched without synchronising, as in training, so the
+host starts it as far ahead as training's host would (until session 10 the tool synchronised
+right before the traced step, which made its first forward wait for the host's launches).
+The two clocks are tied by an event recorded on an idle GPU before the untraced step.
 `torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.pp=2 [k=v ...]`."""
 
 import sys
@@ -30,9 +34,12 @@ for _ in range(4):
 torch.cuda.synchronize()
 if torch.distributed.is_initialized():  # one GPU runs without a process group
     torch.distributed.barrier()
-begin = torch.cuda.Event(enable_timing=True)
-begin.record()
+anchor = torch.cuda.Event(enable_timing=True)  # GPU idle: its time is the host's t0
+anchor.record()
 t0 = time.perf_counter()
+step()  # the untraced step: the traced one starts with the host as far ahead as in training
+begin = torch.cuda.Event(enable_timing=True)
+begin.record()  # the end of the untraced step's work on the GPU: the traced step's start
 mbs = data.next()
 executor = stage.executor(len(mbs))
 executor.trace = []
@@ -42,6 +49,13 @@ end = torch.cuda.Event(enable_timing=True)
 end.record()
 torch.cuda.synchronize()
 executor.trace, trace = None, executor.trace
+shift = anchor.elapsed_time(begin)  # ms from the anchor to the traced step's start, on the GPU
+
+
+def host_ms(t: float) -> float:
+    """A host time in ms from the traced step's start on the GPU."""
+    return (t - t0) * 1e3 - shift
+
 
 lines, busy, previous_end = [], 0.0, None
 gaps = 0.0
@@ -53,10 +67,10 @@ for op, mb, chunk, launched, s, e in trace:
     else:
         previous_end = stop
     busy += stop - start
-    lines.append(f"  {op}{mb}.{chunk}: gpu {start:7.1f} +{stop - start:5.1f}   host launch {(launched - t0) * 1e3:7.1f}")
+    lines.append(f"  {op}{mb}.{chunk}: gpu {start:7.1f} +{stop - start:5.1f}   host launch {host_ms(launched):7.1f}")
 total = begin.elapsed_time(end)
 print(f"TIMELINE rank {rank} ({topo.pp_rank=}) {' '.join(sys.argv[1:])}\n" + "\n".join(lines) + "\n"
-      f"SUMMARY rank {rank}: step {total:.1f} ms on the GPU (host done launching at {(host_end - t0) * 1e3:.1f}); "
+      f"SUMMARY rank {rank}: step {total:.1f} ms on the GPU (host done launching at {host_ms(host_end):.1f}); "
       f"actions {busy:.1f} ms (waits for received inputs included), gaps between actions {gaps:.1f} ms, "
       f"before the first {begin.elapsed_time(trace[0][4]):.1f} ms, after the last (finalise, optimizer) "
       f"{total - previous_end:.1f} ms", flush=True)

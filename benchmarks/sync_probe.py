@@ -38,11 +38,15 @@ torch.cuda.set_sync_debug_mode("warn")
 with warnings.catch_warnings():
     warnings.simplefilter("always")
     warnings.showwarning = record
+    seen.clear()  # the mode's own "prototype feature" warning
+    torch.ones((), device="cuda").item()  # the control: one synchronising call the mode must see
+    control, _ = sum(seen.values()), seen.clear()
     results = [step() for _ in range(2)]
 torch.cuda.set_sync_debug_mode("default")
 [r.loss for r in results]  # read the figures after the probe: the trainer reads them one step late
 lines = [f"  {n // 2:4d} per step  {m}\n      at {where}" for (m, where), n in seen.most_common()]
-print(f"SYNC rank {b.rank} {' '.join(sys.argv[1:])}: {sum(seen.values()) // 2} synchronising calls per step\n"
+print(f"SYNC rank {b.rank} {' '.join(sys.argv[1:])}: {sum(seen.values()) // 2} synchronising calls per step "
+      f"(the control .item() {'was' if control else 'was NOT'} seen)\n"
       + "\n".join(lines), flush=True)
 for g in b.graphs:
     g.release()
