@@ -167,23 +167,15 @@ class ParallelConfig:
     (session 7). Off by default."""
     overlap_param_gather: bool = True
     """zero 1-2: all-gather the updated parameters asynchronously after the optimizer step, each
-    bucket waited for only by the first forward that uses it."""
-    overlap_param_gather_with_optimizer_step: bool = False
-    """zero 1-2 with overlap_param_gather: step the optimizer one bucket at a time, in the order
-    the next forward reads them, and start each bucket's all-gather as soon as its shard is
-    updated, so the gathers overlap the rest of the optimizer step rather than the first
-    forward (which they slowed by 2-6 ms at dp=2, BENCHMARKS.md session 9; Megatron's option of
-    this name does it per model chunk). The same numbers either way. Off until measured on GPUs."""
+    bucket waited for only by the first forward that uses it. (Stepping the optimizer bucket by
+    bucket with each gather started after its update, Megatron's
+    overlap_param_gather_with_optimizer_step, was measured 4.8 % slower at dp=2 on 2x H100:
+    the gathers then stall the first forward, BENCHMARKS.md session 10.)"""
 
     def __post_init__(self) -> None:
         _check(self.zero in (0, 1, 2, 3), "parallel.zero", f"{self.zero!r} is not 0, 1, 2 or 3",
                "use 0 (replicated), 1 (distributed optimizer), 2 (+ sharded gradients) or 3 (FSDP)")
         _check(self.bucket_size >= 1, "parallel.bucket_size", "must be >= 1", "give elements per bucket, e.g. 40000000")
-        _check(not self.overlap_param_gather_with_optimizer_step or (self.zero in (1, 2) and self.overlap_param_gather),
-               "parallel.overlap_param_gather_with_optimizer_step",
-               "overlaps the distributed optimizer's parameter all-gather (zero 1-2, overlap_param_gather) "
-               f"with its step; here zero={self.zero}, overlap_param_gather={self.overlap_param_gather}",
-               "set parallel.zero=1 or 2 with parallel.overlap_param_gather=true, or turn it off")
         for name in ("tp", "pp", "vpp"):
             _check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1", "use 1 for no parallelism on this axis")
         _check(self.dp >= 0, "parallel.dp", "must be >= 0", "use 0 to derive it from the world size")
@@ -206,12 +198,6 @@ class TrainConfig:
     grad_dtype: Literal["fp32", "bf16"] = "fp32"
     """Precision in which gradients accumulate over micro-batches and are reduced over dp. bf16
     halves the gradient buffer; its reduce-scatter then accumulates in fp32."""
-    main_grad_add: Literal["auto", "eager", "compiled"] = "auto"
-    """How a micro-batch's weight gradient is added into its main gradient where no fused GEMM
-    does it (graphed layers at tp > 1, norms and biases): eager ``add_`` (fp32 += bf16 runs
-    PyTorch's unrolled mixed-dtype kernel: 34 ms of a 383 ms tp=2 step at a third of the memory
-    bandwidth, BENCHMARKS.md session 9) or one compiled kernel with the upcast in registers
-    (bitwise the same sums). auto: eager until the compiled one is measured on GPUs."""
     out_dir: str = "runs/default"
     """Directory for metrics.jsonl and other run outputs."""
     log_every: int = 10

@@ -24,9 +24,7 @@ Communication plan of one step (zero = ``parallel.zero``):
 4. :meth:`finish_grad_sync` waits for them (and starts any that backward did not).
 5. after the optimizer step (zero 1/2): every bucket's updated shards are all-gathered, in the
    order the next forward needs them, asynchronously (``overlap_param_gather``); a forward
-   pre-hook on each layer waits for the buckets it reads. With
-   ``overlap_param_gather_with_optimizer_step`` the optimizer steps bucket by bucket in that
-   order and each gather starts as soon as its bucket is updated (``MainParamOptimizer``).
+   pre-hook on each layer waits for the buckets it reads.
 
 The loss is already divided by the global token count, so every reduction is a sum.
 Zero-bubble schedules compute some weight gradients outside autograd (``WeightGradStore``); they
@@ -39,7 +37,6 @@ the arrival as the hook would.
 from __future__ import annotations
 
 import collections
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -51,20 +48,6 @@ from tessera.distributed.buffers import Bucket, ParamAndGradBuffer
 from tessera.distributed.collectives import Pending
 from tessera.tensor_parallel.wgrad import WeightGradStore, wgrad_into
 from tessera.topology import Topology
-
-
-def _eager_add(main: Tensor, grad: Tensor) -> None:
-    main.add_(grad)
-
-
-@functools.cache
-def _compiled_add():
-    """``main += grad`` as one compiled kernel over flat views (``train.main_grad_add=compiled``):
-    eager, an fp32 += bf16 ``add_`` runs PyTorch's unrolled mixed-dtype kernel; inductor's loads
-    the bf16 values vectorised and upcasts them in registers. One graph for every length
-    (dynamic); the sum is the same fp32 addition of the same upcast value."""
-    kernel = torch.compile(_eager_add, dynamic=True)
-    return lambda main, grad: kernel(main.view(-1), grad.reshape(-1))
 
 
 @dataclass
@@ -110,13 +93,12 @@ class DataParallel:
                  bucket_size: int = 40_000_000, overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = True, wgrad_store: WeightGradStore | None = None,
                  reduce_dtype: torch.dtype | None = None, fuse_wgrad: bool = False,
-                 embedding_group: dist.ProcessGroup | None = None, compiled_add: bool = False):
+                 embedding_group: dist.ProcessGroup | None = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
         self.zero, self.sharded, self.reduce_dtype = zero, zero >= 1, reduce_dtype
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
-        self._add = _compiled_add() if compiled_add else _eager_add  # main_grad += one micro-batch's grad
         self.buffers = [ParamAndGradBuffer([p for p in chunk.parameters() if p.requires_grad],
                                            param_dtype=param_dtype, grad_dtype=grad_dtype,
                                            bucket_size=bucket_size, dp=self.dp_size, device=topo.device,
@@ -209,7 +191,7 @@ class DataParallel:
         if self._count[p] == 0 and st.buffer.grad_data is not None:
             p.main_grad.copy_(grad.view(p.main_grad.shape))  # the buffer still holds last step's
         else:
-            self._add(p.main_grad, grad.view(p.main_grad.shape))
+            p.main_grad.add_(grad.view(p.main_grad.shape))
         self._arrived(p, st)
 
     def accumulate_product(self, p: nn.Parameter, grad_out: Tensor, x: Tensor) -> None:
@@ -353,12 +335,12 @@ class DataParallel:
             first += len(buffer.buckets)
         return order
 
-    def start_param_gather(self, ranges: list[int] | None = None) -> None:
-        """zero 1/2, after the optimizer updated this rank's shards: all-gather the buckets of
-        ``ranges`` (indices into ``ranges``; default every bucket, in :meth:`forward_order`)."""
+    def start_param_gather(self) -> None:
+        """zero 1/2, after the optimizer updated this rank's shards: all-gather every bucket, in
+        :meth:`forward_order`."""
         if not self.sharded or self.group is None:
             return
-        for i in self.forward_order() if ranges is None else ranges:
+        for i in self.forward_order():
             bucket = self.ranges[i].bucket
             pending = collectives.all_gather(bucket.param, self.group, async_op=self.overlap_param_gather)
             if self.overlap_param_gather:

@@ -73,12 +73,8 @@ class _AdamW:
 
 
 class MainParamOptimizer(_AdamW):
-    def __init__(self, dp: DataParallel, cfg: OptimConfig, gather_with_step: bool = False):
-        """``gather_with_step``: step bucket by bucket and start each bucket's parameter
-        all-gather right after its update (``parallel.overlap_param_gather_with_optimizer_step``;
-        only where there is an overlapped gather to start)."""
+    def __init__(self, dp: DataParallel, cfg: OptimConfig):
         self.dp, self.sharded = dp, dp.sharded
-        self.gather_with_step = gather_with_step and dp.sharded and dp.group is not None and dp.overlap_param_gather
         self.mains: list[Tensor] = []  # one flat fp32 tensor per range
         self.pieces: list[tuple[nn.Parameter, int, int, nn.Parameter]] = []  # (tensor, range, a..b, model param)
         for i, rng in enumerate(dp.ranges):
@@ -87,11 +83,6 @@ class MainParamOptimizer(_AdamW):
             for param, a, b in rng.fragments:
                 self.pieces.append((nn.Parameter(main[a:b]), i, slice(a, b), param))
         self._build([(t, p) for t, _, _, p in self.pieces], cfg)
-        # per range, its tensors in each of AdamW's groups (for stepping one bucket at a time)
-        decay = {id(t) for t in self.inner.param_groups[0]["params"]}
-        self.by_range: list[tuple[list[Tensor], list[Tensor]]] = [([], []) for _ in dp.ranges]
-        for tensor, i, _, _ in self.pieces:
-            self.by_range[i][0 if id(tensor) in decay else 1].append(tensor)
         # which ranges hold an fp32 copy (bf16/fp16 model) rather than the model's own storage
         self.copies = [m.data_ptr() != rng.param.data_ptr() for m, rng in zip(self.mains, dp.ranges)]
 
@@ -112,36 +103,18 @@ class MainParamOptimizer(_AdamW):
         elif grad_multiplier is not None:
             torch._foreach_mul_([t.grad for t, *_ in self.pieces], grad_multiplier)
         try:
-            if self.gather_with_step:
-                for i in self.dp.forward_order():  # each bucket's gather overlaps the next's update
-                    self._step_range(i)
-                    self._copy_to_model([i])
-                    self.dp.start_param_gather([i])
-            else:
-                self.inner.step()
-                self._copy_to_model(range(len(self.mains)))
-                self.dp.start_param_gather()
+            self.inner.step()
+            self._copy_to_model()
+            self.dp.start_param_gather()
         finally:
             self.inner.grad_scale = None
 
-    def _step_range(self, i: int) -> None:
-        """AdamW on range ``i``'s tensors only (its groups' settings, its own state)."""
-        groups = self.inner.param_groups
-        everything = [g["params"] for g in groups]
-        try:
-            for g, mine in zip(groups, self.by_range[i]):
-                g["params"] = mine
-            self.inner.step()
-        finally:
-            for g, params in zip(groups, everything):
-                g["params"] = params
-
     @torch.no_grad()
-    def _copy_to_model(self, ranges) -> None:
+    def _copy_to_model(self) -> None:
         """The updated fp32 main parameters into the model's (16-bit) buffer, where they are copies."""
-        for i in ranges:
-            if self.copies[i]:
-                self.dp.ranges[i].param.copy_(self.mains[i])
+        for main, rng, copy in zip(self.mains, self.dp.ranges, self.copies):
+            if copy:
+                rng.param.copy_(main)
 
     def zero_grad(self) -> None:
         for tensor, *_ in self.pieces:

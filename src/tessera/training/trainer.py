@@ -198,10 +198,8 @@ def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
                                  overlap_grad_reduce=p.overlap_grad_reduce,
                                  overlap_param_gather=p.overlap_param_gather, wgrad_store=stage.wgrad_store,
                                  reduce_dtype=DTYPES[p.grad_reduce_dtype], fuse_wgrad=stage.fuse_wgrad,
-                                 embedding_group=topo.group("embedding"),
-                                 compiled_add=t.main_grad_add == "compiled")  # auto: eager until measured
-    return data_parallel, MainParamOptimizer(data_parallel, cfg.optim,
-                                             gather_with_step=p.overlap_param_gather_with_optimizer_step)
+                                 embedding_group=topo.group("embedding"))
+    return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
 
 
 def train(cfg: Config) -> list[dict]:
