@@ -17,14 +17,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 LAYOUTS = {  # layout -> (processes, tessera overrides, megatron-core flags)
     "1gpu": (1, [], []),
     "dp2": (2, ["parallel.zero=1"], []),
     "tp2": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], ["--tp", "2"]),
     "pp2": (2, ["parallel.pp=2"], ["--pp", "2"]),
+    "pp2v": (2, ["parallel.pp=2", "parallel.vpp=2"], ["--pp", "2"]),  # tessera's recommended pp=2 (interleaved-zb)
 }
 PEER_MODEL = {"gpt-1.3b": [], "llama-1b": ["--llama", "1", "--kv-heads", "8", "--ffn", "8192", "--heads", "32",
                                           "--layers", "16", "--vocab", "128256"]}
@@ -61,15 +64,31 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
                         "/tmp/site", *[os.path.join(".whl", f) for f in os.listdir(".whl")]], check=True)
     rows, one_gpu = [], None
+    # the whole run's seconds (COMPARE_BUDGET, default 3600): a run that would pass it is cut
+    # short or skipped, so the table still prints inside a time-limited GPU call
+    deadline = time.monotonic() + float(os.environ.get("COMPARE_BUDGET", "3600"))
     for layout in layouts:
         for system, cmd, env in commands(model, layout):
             if dry:
                 print(" ".join(f"{k}={v}" for k, v in env.items()), " ".join(cmd))
                 continue
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=600)
-            tps = tokens_per_gpu(proc.stdout)
+            left = deadline - time.monotonic()
+            if left < 60:
+                print(f"{system} {layout}: skipped, {left:.0f} s left of COMPARE_BUDGET", file=sys.stderr)
+                rows.append((layout, system, None))
+                continue
+            # its own process group, so a run cut short takes its torchrun workers with it
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, **env}, start_new_session=True)
+            try:
+                out, err = proc.communicate(timeout=min(600, left - 10))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+                print(f"{system} {layout}: no result in time", file=sys.stderr)
+            tps = tokens_per_gpu(out)
             if tps is None:
-                print(f"{system} {layout} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}", file=sys.stderr)
+                print(f"{system} {layout} failed:\n{out[-2000:]}\n{err[-2000:]}", file=sys.stderr)
             rows.append((layout, system, tps))
             print(f"{layout} {system}: {tps}", flush=True)
             if system == "tessera" and layout == "1gpu":

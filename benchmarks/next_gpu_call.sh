@@ -6,21 +6,16 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 10's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
-# after 30 s, so send the next call at once; session 9 did 11 calls on one warm machine):
-#   1. s10a -- one GPU; pp=2 ZB-H1 (auto at vpp=1) and interleaved-zb vpp=2 (auto at vpp=2), now
-#      with the shapes negotiated once per run (P2P keep_shapes: no host wait for a header at a
-#      step's first receive), against session 9's 0.877 / 0.898 (H100); the pp=2 timeline (is the
-#      host ahead at the step's start now?); the gradient-accumulation probe (34 ms of fp32 += bf16
-#      add_ per tp=2 step at a third of the bandwidth: does a compiled add or _foreach_add_ do better?)
-#      and tp=2 + SP graphed with train.main_grad_add=eager (auto) against compiled
-#   2. s10b -- dp=2 zero=1 (one GPU from s10a, same machine): default against
-#      parallel.overlap_param_gather_with_optimizer_step=true (gathers beside the optimizer step,
-#      not the first forward, which they slowed by 2-6 ms), with its timeline; issue 4's 0.97
-#   3. tests "pipeline or curve or zero" -- the NCCL schedules through the trainer's P2P, the
-#      200-step curve, zero 0-3 and the gather-with-step run at dp=2
-#   4. if compiled pays, make train.main_grad_add=auto pick it (run `tests compiled_main_grad` first);
-#      tp=2 graphed against one GPU and megatron-core tp=2 in one call
+# Session 11's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
+# after 30 s, so send the next call at once):
+#   1. s11a -- step timelines with the corrected tool (the traced step follows an unsynchronised
+#      one, as in training; session 9-10 timelines synchronised before it, which inflated the first
+#      forwards: pp=2 vpp=2 read 346.9 ms against the 319 ms its tokens/s imply) and the tail split
+#      into its calls (reductions, norm, AdamW, copy, gathers): one GPU, dp=2 zero=1, pp=2 vpp=2;
+#      the dp=2 sync probe with its control. Question: what is in pp=2's and dp=2's 11-12 ms tails
+#      beyond half of one GPU's (~8.5 ms), and where pp=2's 33 ms over half of one GPU's step go
+#   2. s11b, s11c -- the targets with the peers (compare.py: 1gpu + dp2; then one GPU, pp2v, tp2)
+#   3. tests zero -- test_nccl_zero_matches_one_gpu (did not fit in session 10)
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split
@@ -182,14 +177,19 @@ case "${1:-tests}" in
     log="${OUT:-/tmp}/timeline_dp2_gather_with_step.log"
     timeout 90 torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.zero=1 \
       parallel.overlap_param_gather_with_optimizer_step=true > "$log" 2>&1; grep -h -E "SUMMARY|Error" "$log" | tail -4 ;;
-  s11a)  # dp=2 zero=1: the timeline with the traced step launched as in training (no sync before it),
-    # then the sync probe with its control (backward's warnings go to stderr: grep the log for them)
-    log="${OUT:-/tmp}/timeline_dp2.log"
-    timeout ${T1:-100} torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.zero=1 > "$log" 2>&1
-    grep -h -E "SUMMARY|Error" "$log" | tail -4
+  s11a)  # session 11, first call: see the plan at the top
+    for l in "" "parallel.zero=1" "parallel.pp=2 parallel.vpp=2"; do n=$([ -z "$l" ] && echo 1 || echo 2)
+      log="${OUT:-/tmp}/timeline_$(echo "n$n $l" | tr -c 'a-z0-9\n' _).log"
+      timeout ${T1:-110} torchrun --nproc-per-node $n benchmarks/pipeline_timeline.py $l > "$log" 2>&1
+      grep -h -E "SUMMARY|Error" "$log" | tail -4; grep -h -A8 "^TAIL" "$log"; done
     log="${OUT:-/tmp}/sync_dp2.log"
     timeout ${T2:-90} torchrun --nproc-per-node 2 benchmarks/sync_probe.py parallel.zero=1 > "$log" 2>&1
     grep -h -E "^SYNC|Error" "$log"; grep -c -i "synchroniz" "$log" ;;
+  s11b)  # issue 4's and 6's dp=2 target with the peers in one call (one GPU: tessera, megatron-core, compiled PyTorch)
+    COMPARE_BUDGET=560 python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 2>&1 | tee "${OUT:-/tmp}/compare_dp2.log" | tail -14 ;;
+  s11c)  # pp=2 (vpp=2, tessera's recommended) and tp=2 against one GPU and megatron-core, same call
+    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    COMPARE_BUDGET=480 python3 benchmarks/compare.py gpt-1.3b pp2v tp2 2>&1 | tee "${OUT:-/tmp}/compare_pp_tp.log" | tail -10 ;;
   s10c)  # which calls make the host wait for the GPU inside a step (1 GPU, dp=2 zero=1, pp=2 vpp=2);
     # dp=2's default timeline; then the 200-step fast-path curve test with the time left
     for l in "" "parallel.zero=1" "parallel.pp=2 parallel.vpp=2"; do n=$([ -z "$l" ] && echo 1 || echo 2)
@@ -212,5 +212,5 @@ case "${1:-tests}" in
     for bs in 40000000 20000000; do QT=90 q parallel.zero=1 parallel.bucket_size=$bs; done
     echo "with NCCL_MAX_CTAS=8:"; NCCL_MAX_CTAS=8 QT=90 q parallel.zero=1 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests [K]|s10a|s10b|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|s11a|s11b|s11c|s10a|s10b|s10c|s10b|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac

@@ -17,6 +17,7 @@ import time
 import torch
 from bench_setup import build
 
+from tessera.training import step as step_module
 from tessera.training.step import train_step
 
 b = build(sys.argv[1:])
@@ -27,6 +28,37 @@ def step():
     mbs = data.next()
     executor = stage.executor(len(mbs))
     return executor, train_step(opt, mbs, topo, executor, dp, clip_grad=1.0, scaler=None)
+
+
+def timed_tail() -> tuple[list, list]:
+    """Wrap the calls a step makes after its last pipeline action (train_step's tail) so each
+    records a CUDA event as it is entered and left. Returns the list the events go into,
+    [(label, start, end)] as the step runs, and the patches to undo."""
+    events, patches = [], []
+
+    def wrap(owner, name, label):
+        if not hasattr(owner, name):  # e.g. FSDP (zero=3) has no parameter gathers to start
+            return
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = original(*args, **kwargs)
+            end.record()
+            events.append((label, start, end))
+            return out
+        setattr(owner, name, timed)
+        patches.append((owner, name, original))
+
+    wrap(dp, "finish_grad_sync", "wait for / finish the gradient reductions")
+    wrap(opt, "grads", "point the main params at the reduced grads")
+    wrap(step_module, "finalize_model_grads", "finalize_model_grads (TP / embedding sums)")
+    wrap(step_module, "global_grad_norm", "global gradient norm")
+    wrap(getattr(opt, "inner", None), "step", "AdamW")
+    wrap(opt, "_copy_to_model", "copy the fp32 main params into the model")
+    wrap(dp, "start_param_gather", "start the parameter all-gathers")
+    return events, patches
 
 
 for _ in range(4):
@@ -43,8 +75,11 @@ begin.record()  # the end of the untraced step's work on the GPU: the traced ste
 mbs = data.next()
 executor = stage.executor(len(mbs))
 executor.trace = []
+tail_events, patches = timed_tail()
 train_step(opt, mbs, topo, executor, dp, clip_grad=1.0, scaler=None)
 host_end = time.perf_counter()
+for owner, name, original in patches:
+    setattr(owner, name, original)
 end = torch.cuda.Event(enable_timing=True)
 end.record()
 torch.cuda.synchronize()
@@ -74,6 +109,9 @@ print(f"TIMELINE rank {rank} ({topo.pp_rank=}) {' '.join(sys.argv[1:])}\n" + "\n
       f"actions {busy:.1f} ms (waits for received inputs included), gaps between actions {gaps:.1f} ms, "
       f"before the first {begin.elapsed_time(trace[0][4]):.1f} ms, after the last (finalise, optimizer) "
       f"{total - previous_end:.1f} ms", flush=True)
+tail = [f"  {label}: gpu {begin.elapsed_time(a):7.1f} +{a.elapsed_time(z):5.1f}" for label, a, z in tail_events]
+print(f"TAIL rank {rank}: the step's calls after its last action (nested calls overlap their caller's time)\n"
+      + "\n".join(tail), flush=True)
 for g in b.graphs:
     g.release()
 if torch.distributed.is_initialized():
