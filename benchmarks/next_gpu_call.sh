@@ -12,8 +12,12 @@
 #      one, as in training; session 9-10 timelines synchronised before it, which inflated the first
 #      forwards: pp=2 vpp=2 read 346.9 ms against the 319 ms its tokens/s imply) and the tail split
 #      into its calls (reductions, norm, AdamW, copy, gathers): one GPU, dp=2 zero=1, pp=2 vpp=2;
-#      the dp=2 sync probe with its control. Question: what is in pp=2's and dp=2's 11-12 ms tails
-#      beyond half of one GPU's (~8.5 ms), and where pp=2's 33 ms over half of one GPU's step go
+#      the dp=2 sync probe with its control. Questions: what is in pp=2's and dp=2's 11-12 ms tails
+#      beyond half of one GPU's (~8.5 ms); where pp=2's 33 ms over half of one GPU's step go; why,
+#      in session 10's pp=2 vpp=2 timeline, rank 0's host launched every I just as the GPU reached
+#      it (0.3-0.8 ms GPU gaps before each, 8.5 ms a step) after forwards that took its host
+#      12-15 ms against the GPU's 9-12 and rank 1's host 4.6: each action's host span and a
+#      cProfile of one step per rank (HOST lines) say where rank 0's host time goes
 #   2. s11b, s11c -- the targets with the peers (compare.py: 1gpu + dp2; then one GPU, pp2v, tp2)
 #   3. tests zero -- test_nccl_zero_matches_one_gpu (did not fit in session 10)
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
@@ -181,7 +185,7 @@ case "${1:-tests}" in
     for l in "" "parallel.zero=1" "parallel.pp=2 parallel.vpp=2"; do n=$([ -z "$l" ] && echo 1 || echo 2)
       log="${OUT:-/tmp}/timeline_$(echo "n$n $l" | tr -c 'a-z0-9\n' _).log"
       timeout ${T1:-110} torchrun --nproc-per-node $n benchmarks/pipeline_timeline.py $l > "$log" 2>&1
-      grep -h -E "SUMMARY|Error" "$log" | tail -4; grep -h -A8 "^TAIL" "$log"; done
+      grep -h -E "SUMMARY|Error" "$log" | tail -4; grep -h -A8 "^TAIL" "$log"; grep -h -A10 "^HOST" "$log"; done
     log="${OUT:-/tmp}/sync_dp2.log"
     timeout ${T2:-90} torchrun --nproc-per-node 2 benchmarks/sync_probe.py parallel.zero=1 > "$log" 2>&1
     grep -h -E "^SYNC|Error" "$log"; grep -c -i "synchroniz" "$log" ;;

@@ -11,6 +11,10 @@ right before the traced step, which made its first forward wait for the host's l
 The two clocks are tied by an event recorded on an idle GPU before the untraced step.
 `torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.pp=2 [k=v ...]`."""
 
+import cProfile
+import io
+import os
+import pstats
 import sys
 import time
 
@@ -94,7 +98,9 @@ def host_ms(t: float) -> float:
 
 lines, busy, previous_end = [], 0.0, None
 gaps = 0.0
-for op, mb, chunk, launched, s, e in trace:
+# the host's time per action: from its launch to the next action's (to the step's end for the last)
+host_spans = [b_[3] - a_[3] for a_, b_ in zip(trace, trace[1:])] + [host_end - trace[-1][3]]
+for (op, mb, chunk, launched, s, e), span in zip(trace, host_spans):
     start, stop = begin.elapsed_time(s), begin.elapsed_time(e)
     if previous_end is not None:  # the time before the first action is reported on its own
         gaps += max(0.0, start - previous_end)
@@ -102,7 +108,8 @@ for op, mb, chunk, launched, s, e in trace:
     else:
         previous_end = stop
     busy += stop - start
-    lines.append(f"  {op}{mb}.{chunk}: gpu {start:7.1f} +{stop - start:5.1f}   host launch {host_ms(launched):7.1f}")
+    lines.append(f"  {op}{mb}.{chunk}: gpu {start:7.1f} +{stop - start:5.1f}   host launch {host_ms(launched):7.1f}"
+                 f" +{span * 1e3:5.1f}")
 total = begin.elapsed_time(end)
 print(f"TIMELINE rank {rank} ({topo.pp_rank=}) {' '.join(sys.argv[1:])}\n" + "\n".join(lines) + "\n"
       f"SUMMARY rank {rank}: step {total:.1f} ms on the GPU (host done launching at {host_ms(host_end):.1f}); "
@@ -112,6 +119,19 @@ print(f"TIMELINE rank {rank} ({topo.pp_rank=}) {' '.join(sys.argv[1:])}\n" + "\n
 tail = [f"  {label}: gpu {begin.elapsed_time(a):7.1f} +{a.elapsed_time(z):5.1f}" for label, a, z in tail_events]
 print(f"TAIL rank {rank}: the step's calls after its last action (nested calls overlap their caller's time)\n"
       + "\n".join(tail), flush=True)
+if os.environ.get("HOST_PROFILE", "1") != "0":
+    # where the host's time goes in one more step (cProfile slows Python, so this step is not the
+    # one timed above): a call that blocks on the GPU shows up as a C function with a large own time
+    profile = cProfile.Profile()
+    torch.cuda.synchronize()
+    profile.enable()
+    step()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+    body = text.getvalue()
+    print(f"HOST rank {rank}: one step under cProfile, by own time\n" + body[body.find("   ncalls"):], flush=True)
 for g in b.graphs:
     g.release()
 if torch.distributed.is_initialized():
