@@ -18,8 +18,12 @@
 #      it (0.3-0.8 ms GPU gaps before each, 8.5 ms a step) after forwards that took its host
 #      12-15 ms against the GPU's 9-12 and rank 1's host 4.6: each action's host span and a
 #      cProfile of one step per rank (HOST lines) say where rank 0's host time goes
-#   2. s11b, s11c -- the targets with the peers (compare.py: 1gpu + dp2; then one GPU, pp2v, tp2)
-#   3. tests zero -- test_nccl_zero_matches_one_gpu (did not fit in session 10)
+#   2. s11d -- NCCL on high-priority streams (TORCH_NCCL_HIGH_PRIORITY=1: its kernels take SMs
+#      first, so an overlapped reduce-scatter or gather finishes sooner and gives them back) against
+#      the default at dp=2, pp=2 vpp=2 and tp=2, one GPU in the same call; if it pays, make it the
+#      default in Topology (ProcessGroupNCCL.Options.is_high_priority_stream) and test it
+#   3. s11b, s11c -- the targets with the peers (compare.py: 1gpu + dp2; then one GPU, pp2v, tp2)
+#   4. tests zero -- test_nccl_zero_matches_one_gpu (did not fit in session 10)
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split
@@ -189,6 +193,10 @@ case "${1:-tests}" in
     log="${OUT:-/tmp}/sync_dp2.log"
     timeout ${T2:-90} torchrun --nproc-per-node 2 benchmarks/sync_probe.py parallel.zero=1 > "$log" 2>&1
     grep -h -E "^SYNC|Error" "$log"; grep -c -i "synchroniz" "$log" ;;
+  s11d)  # NCCL streams at high priority against the default, per layout (see the plan at the top)
+    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    for l in "parallel.zero=1" "parallel.pp=2 parallel.vpp=2" "parallel.tp=2 parallel.sequence_parallel=true"; do
+      QT=80 q $l; echo "  with TORCH_NCCL_HIGH_PRIORITY=1:"; TORCH_NCCL_HIGH_PRIORITY=1 QT=80 q $l; done ;;
   s11b)  # issue 4's and 6's dp=2 target with the peers in one call (one GPU: tessera, megatron-core, compiled PyTorch)
     COMPARE_BUDGET=560 python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 2>&1 | tee "${OUT:-/tmp}/compare_dp2.log" | tail -14 ;;
   s11c)  # pp=2 (vpp=2, tessera's recommended) and tp=2 against one GPU and megatron-core, same call
@@ -216,5 +224,5 @@ case "${1:-tests}" in
     for bs in 40000000 20000000; do QT=90 q parallel.zero=1 parallel.bucket_size=$bs; done
     echo "with NCCL_MAX_CTAS=8:"; NCCL_MAX_CTAS=8 QT=90 q parallel.zero=1 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests [K]|s11a|s11b|s11c|s10a|s10b|s10c|s10b|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|s11a|s11b|s11c|s11d|s10a|s10b|s10c|s10b|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac
