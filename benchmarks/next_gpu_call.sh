@@ -21,7 +21,9 @@
 #   2. s11d -- NCCL on high-priority streams (TORCH_NCCL_HIGH_PRIORITY=1: its kernels take SMs
 #      first, so an overlapped reduce-scatter or gather finishes sooner and gives them back) against
 #      the default at dp=2, pp=2 vpp=2 and tp=2, one GPU in the same call; if it pays, make it the
-#      default in Topology (ProcessGroupNCCL.Options.is_high_priority_stream) and test it
+#      default in Topology (ProcessGroupNCCL.Options.is_high_priority_stream) and test it; and
+#      tp=2 graphed with train.grad_accum_fusion=true (the fused GEMMs captured in the graphs:
+#      run `tests graphed_layers_without_sp` first, ~2 min, for its GPU test)
 #   3. s11b, s11c -- the targets with the peers (compare.py: 1gpu + dp2; then one GPU, pp2v, tp2)
 #   4. tests zero -- test_nccl_zero_matches_one_gpu (did not fit in session 10)
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
@@ -196,7 +198,9 @@ case "${1:-tests}" in
   s11d)  # NCCL streams at high priority against the default, per layout (see the plan at the top)
     NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
     for l in "parallel.zero=1" "parallel.pp=2 parallel.vpp=2" "parallel.tp=2 parallel.sequence_parallel=true"; do
-      QT=80 q $l; echo "  with TORCH_NCCL_HIGH_PRIORITY=1:"; TORCH_NCCL_HIGH_PRIORITY=1 QT=80 q $l; done ;;
+      QT=80 q $l; echo "  with TORCH_NCCL_HIGH_PRIORITY=1:"; TORCH_NCCL_HIGH_PRIORITY=1 QT=80 q $l; done
+    echo "tp=2 + SP, graphed layers with the fused weight-gradient GEMMs captured:"
+    QT=80 q parallel.tp=2 parallel.sequence_parallel=true train.grad_accum_fusion=true ;;
   s11b)  # issue 4's and 6's dp=2 target with the peers in one call (one GPU: tessera, megatron-core, compiled PyTorch)
     COMPARE_BUDGET=560 python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 2>&1 | tee "${OUT:-/tmp}/compare_dp2.log" | tail -14 ;;
   s11c)  # pp=2 (vpp=2, tessera's recommended) and tp=2 against one GPU and megatron-core, same call

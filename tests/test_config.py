@@ -66,7 +66,8 @@ BAD = [
     (["train.cuda_graphs=true", "model.dropout=0.1"], 1, "train.cuda_graphs", "dropout"),
     (["train.cuda_graphs=true", "data.reset_attention_mask=true", "data.eod_id=0"], 1, "train.cuda_graphs", "packed sequences"),
     (["train.cuda_graphs=true", "train.compile=true"], 1, "train.cuda_graphs", "run eagerly"),
-    (["train.cuda_graphs=true", "train.grad_accum_fusion=true"], 1, "train.cuda_graphs", "run eagerly"),
+    (["train.cuda_graphs=true", "train.grad_accum_fusion=true", "parallel.zero=2"], 1, "train.cuda_graphs",
+     "zero=2 keeps each bucket's buffer"),
     (["train.cuda_graphs=true", "parallel.zero=3"], 2, "train.cuda_graphs", "forward hooks"),
     (["train.cuda_graphs=true", "parallel.zero=1"], 2, "train.cuda_graphs", "forward hooks"),
 ]
@@ -247,7 +248,10 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
         == (False, False, True)
     assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=p2p",
                      "train.cuda_graphs=true"]) == (False, False, True)
-    assert resolved(["parallel.tp=2", "train.grad_accum_fusion=true"]) == (False, True, False)
+    # fused weight gradients asked for at tp > 1: captured in the graphs (opt-in until measured)
+    assert resolved(["parallel.tp=2", "train.grad_accum_fusion=true"]) == (False, True, True)
+    assert resolved(["train.cuda_graphs=true", "train.grad_accum_fusion=true"]) == (False, True, True)
+    assert resolved(["parallel.tp=2", "train.grad_accum_fusion=true", "parallel.zero=2"]) == (False, True, False)
     assert resolved(["parallel.tp=2", "train.compile=true"]) == (True, False, False)
     assert resolved(["parallel.dp=2"]) == (False, True, False)
     assert resolved(["parallel.pp=2"], "zb-h1") == (False, True, False)
@@ -358,7 +362,7 @@ def test_trainer_releases_the_layer_graphs_after_training_and_after_an_error(mon
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(trainer, "fast_paths", lambda cfg, schedule, device: (False, False, True))
-    monkeypatch.setattr(trainer, "graph_stage", lambda chunks, cfg: [Recorded()])
+    monkeypatch.setattr(trainer, "graph_stage", lambda chunks, cfg, data_parallel=None: [Recorded()])
     sets = ["train.device=cpu", "data.source=synthetic", "model.layers=2", "model.hidden=32", "model.heads=2",
             "model.seq_len=16", "model.vocab_size=64", "train.steps=2", "train.micro_batch=1",
             "train.global_batch=2", "train.sample_tokens=0", f"train.out_dir={tmp_path}"]
@@ -460,7 +464,7 @@ def test_graph_stage_releases_what_it_captured_when_a_later_chunk_fails(monkeypa
 
     calls = []
 
-    def capture(chunk, micro_batch, seq_len):
+    def capture(chunk, micro_batch, seq_len, data_parallel=None):
         calls.append((micro_batch, seq_len))
         if len(calls) == 2:
             raise RuntimeError("capture failed")

@@ -64,12 +64,15 @@ def _recording_order(log: list[str]):
             (collectives, "all_reduce", all_reduce, patched(all_reduce, "sum"))]
 
 
-def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None) -> dict:
+def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None, prepare=None) -> dict:
+    """``prepare(stage, data_parallel)``: called once both are built, before the first step."""
     cfg = load_config(None, BASE + overrides)
     validate(cfg, topo.world_size)
     rng = RNGTracker.for_rank(cfg.train.seed, topo.tp_rank, topo.pp_rank)
     stage = Stage(cfg, topo, rng)
     data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
+    if prepare is not None:
+        prepare(stage, data_parallel)
     memory = memory_report(data_parallel, optimizer)
     fused = []  # weights whose gradient the GEMM added straight into main_grad
     store = stage.wgrad_store
@@ -425,6 +428,63 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
         assert math.isnan(run["norms"][2]) and all(math.isfinite(n) for i, n in enumerate(run["norms"]) if i != 2)
     for name in out[0]["params"]:
         assert torch.equal(out[0]["params"][name], out[1]["params"][name]), f"replicas diverged: {name}"
+
+
+def _replay_graphs_of_fused_layers(stage, data_parallel, launched: list) -> None:
+    """What train.cuda_graphs does with fused weight gradients, without CUDA: the capture's
+    warm-up (a forward and autograd.grad to the input, inside ``capture_fused``), then every
+    layer called through ``after_backward`` with ``graphed_backward_done`` for its fused weights.
+    A replay runs only kernels; here the eager backward runs, and its ``accumulate_product``
+    for a weight in ``graph_fused`` does only what the replay does: the GEMM into main_grad.
+    ``launched`` gets, per step, whether every bucket's reduction had started when backward ended."""
+    from tessera.training.cuda_graphs import after_backward
+
+    for chunk in stage.chunks:
+        layers = list(chunk.layers.values())
+        x = torch.randn(SEQ, 1, chunk.cfg.hidden, requires_grad=True)
+        with data_parallel.capture_fused():
+            for layer in layers:
+                torch.autograd.grad(layer(x).sum(), [x])
+        for layer in layers:
+            weights = [p for p in layer.parameters() if p in data_parallel.graph_fused]
+            assert len(weights) == 4, "qkv, proj, fc1, fc2 of each layer"
+            own = layer.forward
+            layer.forward = (lambda x, seq=None, own=own, weights=weights:
+                             own(after_backward(x, lambda: data_parallel.graphed_backward_done(weights)), seq))
+    finish = data_parallel.finish_grad_sync
+    data_parallel.finish_grad_sync = lambda: (launched.append(all(st.launched for st in data_parallel._states)),
+                                              finish())[1]
+
+
+def _graphed_fused_worker(rank: int, world: int) -> dict:
+    topo = Topology.build()
+    sets = ["parallel.zero=1", "train.grad_accum_fusion=true"]
+    eager = train_run(topo, sets)
+    launched = []
+    graphed = train_run(topo, sets, prepare=lambda stage, dp: _replay_graphs_of_fused_layers(stage, dp, launched))
+    try:
+        train_run(topo, ["parallel.zero=2", "train.grad_accum_fusion=true"],
+                  prepare=lambda stage, dp: _replay_graphs_of_fused_layers(stage, dp, []))
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return dict(eager=eager, graphed=graphed, launched=launched, refused=refused)
+
+
+@pytest.mark.timeout(300)
+def test_fused_weight_gradients_replayed_by_graphs_match_eager_fusion():
+    """train.cuda_graphs with fused weight gradients, replayed without CUDA at dp=2 zero=1: the
+    same losses and parameters as eager fusion (the buffers zeroed at each step's start, every
+    replayed GEMM adding), the arrivals reported after each layer's backward start the bucket
+    reductions during backward, and zero=2 (buffers that come and go) is refused."""
+    for r, out in enumerate(run_ranks(_graphed_fused_worker, 2, timeout=240)):
+        a, b = out["eager"], out["graphed"]
+        assert a["fused_calls"] == 8 * (GLOBAL // 2) * STEPS
+        assert b["losses"] == a["losses"] and b["norms"] == a["norms"], (b["losses"], a["losses"])
+        for name in a["params"]:
+            torch.testing.assert_close(b["params"][name], a["params"][name], rtol=0, atol=0, msg=name)
+        assert out["launched"] == [True] * STEPS, out["launched"]
+        assert "zero 0 or 1, not zero=2" in out["refused"], out["refused"]
 
 
 def test_parameter_without_gradient_this_step_reduces_zeros():

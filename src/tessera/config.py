@@ -226,15 +226,17 @@ class TrainConfig:
     CUDA, the reference matmul-then-add), so no 16-bit weight gradient is stored and added. With
     parallel.zero 0-2. auto: on for CUDA runs at tp=1 with zero 0-2 whose layers are not
     compiled (measured +2% on GPT-1.3B against compiled layers, BENCHMARKS.md); off at tp > 1
-    (measured 15% slower at tp=2, where the smaller GEMMs leave the step bound by the CPU time per
-    layer that the fused path adds to) and on CPU."""
+    (in eager layers measured 15% slower at tp=2, where the smaller GEMMs leave the step bound by
+    the CPU time per layer that the fused path adds to) and on CPU. true at tp > 1 with CUDA-graphed
+    layers (train.cuda_graphs) captures the fused GEMMs in the graphs (zero 0/1; opt-in until
+    measured in the step)."""
     cuda_graphs: Literal["auto", "true", "false"] = "auto"
     """Capture each transformer layer's forward and backward as CUDA graphs and replay them
     (training/cuda_graphs.py): two graph launches per layer and micro-batch instead of dozens of
     kernels, for layouts bound by the host's launch time. Capturable: CUDA, pp=1, no dropout, no
-    packed sequences, eager layers with autograd weight gradients, and neither zero=3 nor
-    zero 1/2 with an overlapped parameter gather at dp > 1 (true refuses the rest with the
-    reason). auto: on for capturable CUDA runs at tp > 1 (GPT-1.3B at tp=2 + SP: 40,370
+    packed sequences, eager layers (with fused weight gradients only at zero 0/1), and neither
+    zero=3 nor zero 1/2 with an overlapped parameter gather at dp > 1 (true refuses the rest
+    with the reason). auto: on for capturable CUDA runs at tp > 1 (GPT-1.3B at tp=2 + SP: 40,370
     against 24,223 tokens/s eager on 2x H100, same call, BENCHMARKS.md session 6), also with the
     opt-in overlapped TP paths (parallel.tp_async, tp_comm_overlap, with or without SP), which
     graphed follow one GPU (GPU test) and run within 3 % of the plain graphed layers but eager far slower
@@ -581,9 +583,12 @@ def _check_cuda_graphs(cfg: Config, dp: int) -> None:
     _check(not (d.reset_position_ids or d.reset_attention_mask), "train.cuda_graphs",
            "packed sequences give every micro-batch its own positions and document layout",
            f"turn data.reset_position_ids and data.reset_attention_mask off {fix}")
-    _check(t.compile != "true" and t.grad_accum_fusion != "true", "train.cuda_graphs",
-           "graphed layers run eagerly with weight gradients left to autograd",
-           f"leave train.compile and train.grad_accum_fusion at auto or false {fix}")
+    _check(t.compile != "true", "train.cuda_graphs", "graphed layers run eagerly, not compiled",
+           f"leave train.compile at auto or false {fix}")
+    _check(not (t.grad_accum_fusion == "true" and p.zero == 2), "train.cuda_graphs",
+           "with train.grad_accum_fusion=true the graphs replay weight-gradient GEMMs into the gradient "
+           "buffers, and zero=2 keeps each bucket's buffer only until its reduction",
+           f"use parallel.zero=0 or 1, or train.grad_accum_fusion=false {fix}")
     _check(p.zero < 3 and not (p.zero > 0 and dp > 1 and p.overlap_param_gather), "train.cuda_graphs",
            "zero=3 and zero 1/2's overlapped parameter gather wait in forward hooks on the layers",
            f"use parallel.zero=0, or parallel.overlap_param_gather=false {fix}")

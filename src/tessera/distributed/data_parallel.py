@@ -37,6 +37,7 @@ the arrival as the hook would.
 from __future__ import annotations
 
 import collections
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -125,6 +126,11 @@ class DataParallel:
         self._tied_waiting: list[_BucketState] = []  # final, waiting for the pipeline's last message
         self._comm_done = False
         self.tied_reduced: set[nn.Parameter] = set()  # this step: summed over the embedding group here
+        # weights whose fused gradient GEMM a CUDA graph replays (capture_fused): it always adds
+        # into main_grad, so their buffers are zeroed at each step's start, and the graph's owner
+        # reports their arrival (graphed_backward_done)
+        self.graph_fused: set[nn.Parameter] = set()
+        self._capturing = False
         if wgrad_store is not None:
             wgrad_store.accumulate = self.accumulate
             wgrad_store.accumulate_product = self.accumulate_product if fuse_wgrad else None
@@ -173,6 +179,9 @@ class DataParallel:
         if self.zero == 2:  # the fp32 shards accumulate every round's reduce-scatter
             for rng in self.ranges:
                 rng.grad.zero_()
+        if self.graph_fused:  # a replayed GEMM adds into main_grad even for a step's first micro-batch
+            for buffer in self.buffers:
+                buffer.grad_data.zero_()
         for st in self._states:
             st.arrivals.clear()
             st.rounds_reduced, st.ready, st.launched = 0, False, False
@@ -197,10 +206,37 @@ class DataParallel:
     def accumulate_product(self, p: nn.Parameter, grad_out: Tensor, x: Tensor) -> None:
         """Gradient-accumulation fusion: add ``grad_out.T @ x`` (one micro-batch's gradient of
         the weight ``p``) into its main gradient inside the GEMM (``wgrad_into``)."""
+        if self._capturing or p in self.graph_fused:  # what a graph replays: the GEMM only
+            wgrad_into(p.main_grad, grad_out.t(), x, accumulate=True)
+            if self._capturing:
+                self.graph_fused.add(p)
+            return
         st = self._open(p)
         first = self._count[p] == 0 and st.buffer.grad_data is not None
         wgrad_into(p.main_grad, grad_out.t(), x, accumulate=not first)
         self._arrived(p, st)
+
+    @contextlib.contextmanager
+    def capture_fused(self):
+        """While CUDA graphs capture layers (their warm-up runs included): a fused weight
+        gradient only adds into ``main_grad`` (the GEMM the graph will replay) and its weight
+        joins :attr:`graph_fused`; nothing is counted, and what the warm-up added is zeroed by
+        the next :meth:`start_step`. Needs gradient buffers that stay in place (zero 0/1)."""
+        if any(buffer.grad_data is None for buffer in self.buffers):
+            raise ValueError("CUDA graphs with fused weight gradients need gradient buffers that stay in "
+                             "place: zero 0 or 1, not zero=2 (its buffers live one bucket reduction)")
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    def graphed_backward_done(self, params: list[nn.Parameter]) -> None:
+        """A graphed layer's backward replay has added one micro-batch's gradient of each of
+        ``params`` (weights in :attr:`graph_fused`) into their main gradients: count them, and
+        start the reductions that became possible, as :meth:`accumulate_product` does eagerly."""
+        for p in params:
+            self._arrived(p, self._open(p))
 
     def _open(self, p: nn.Parameter) -> _BucketState:
         st = self._state[p]

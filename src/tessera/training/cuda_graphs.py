@@ -16,13 +16,15 @@ parameters into their buffers: a graph reads the storage it was captured with.
 What it needs (config.validate refuses the rest, the trainer refuses a non-CUDA device): one
 micro-batch's activations live in each layer's static buffers, so pp=1 (no micro-batches in
 flight together); static shapes and no packed sequences; no dropout (the RNG tracker's streams
-are not graph-safe); eager layers with weight gradients left to autograd; no forward hooks on the layers (zero
-1/2's overlapped parameter gather at dp > 1, FSDP). In eval mode a layer runs
+are not graph-safe); eager layers; no forward hooks on the layers (zero 1/2's overlapped
+parameter gather at dp > 1, FSDP); with gradient-accumulation fusion, gradient buffers that stay
+in place (zero 0/1), since the captured weight-gradient GEMMs add into them. In eval mode a layer runs
 its ordinary forward (``make_graphed_callables`` switches on ``module.training``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import torch
@@ -56,11 +58,38 @@ def _live_graphs() -> list:
     return [o for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)]
 
 
-def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmup: int = 3) -> LayerGraphs:
+class _AfterBackward(torch.autograd.Function):
+    """Identity; its backward calls ``callback()`` first. Put in front of a graphed layer, it runs
+    once the layer's backward graph has been replayed (the gradient of the layer's input exists)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, callback) -> Tensor:
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.callback()
+        return grad, None
+
+
+def after_backward(x: Tensor, callback) -> Tensor:
+    """``x``, with ``callback()`` called when the gradient reaches it in backward."""
+    return _AfterBackward.apply(x, callback)
+
+
+def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmup: int = 3,
+                 data_parallel=None) -> LayerGraphs:
     """Capture every transformer layer of ``chunk`` (``chunk.layers``) for inputs of
     ``[sequence_length, micro_batch, hidden]`` (sequence_length is this rank's: divided by tp
     under sequence parallelism), in the parameters' dtype and device. Layers are captured in
-    forward order, the order they then run. Call ``release()`` on the result when done."""
+    forward order, the order they then run. Call ``release()`` on the result when done.
+
+    ``data_parallel`` (gradient-accumulation fusion): the layers' weight-gradient GEMMs, which
+    add straight into the main gradients, are captured with them
+    (``DataParallel.capture_fused``), and after each layer's backward replay the data-parallel
+    bookkeeping is told that those gradients arrived (``graphed_backward_done``): the Python
+    that counts them eagerly does not run inside a replay."""
     layers = list(chunk.layers.values())
     if not layers:
         return LayerGraphs([], [])
@@ -73,8 +102,11 @@ def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmu
     torch.cuda.synchronize(weight.device)
     # make_graphed_callables keeps its graphs in closures only: find the ones it made
     before = {id(g) for g in _live_graphs()}
+    fused = data_parallel.capture_fused() if data_parallel is not None else contextlib.nullcontext()
     try:
-        torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup)
+        with fused:  # fused weights get no gradient from autograd: allow_unused_input
+            torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup,
+                                              allow_unused_input=data_parallel is not None)
     except BaseException:  # the graphs captured so far would hang destroy_process_group
         _reset([g for g in _live_graphs() if id(g) not in before])
         for layer in layers:
@@ -88,19 +120,22 @@ def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmu
                            f"{2 * len(layers)}: this torch keeps make_graphed_callables' graphs elsewhere, "
                            "so they could not be freed before the process group; set train.cuda_graphs=false")
     for layer, (sample,) in zip(layers, samples):
-        _accept_unpacked_sequence(layer, sample.shape, sample.dtype)
+        weights = [p for p in layer.parameters() if data_parallel is not None and p in data_parallel.graph_fused]
+        done = (lambda weights=weights: data_parallel.graphed_backward_done(weights)) if weights else None
+        _accept_unpacked_sequence(layer, sample.shape, sample.dtype, done)
     return handle
 
 
-def graph_stage(chunks: list[nn.Module], cfg) -> list[LayerGraphs]:
+def graph_stage(chunks: list[nn.Module], cfg, data_parallel=None) -> list[LayerGraphs]:
     """Capture the layers of this rank's model chunks for the configuration's micro-batch and
-    (under sequence parallelism, per-rank) sequence length; a failure releases what was taken."""
+    (under sequence parallelism, per-rank) sequence length; a failure releases what was taken.
+    ``data_parallel``: with fused weight gradients (``graph_layers``)."""
     p = cfg.parallel
     seq = cfg.model.seq_len // (p.tp if p.sequence_parallel else 1)
     graphs: list[LayerGraphs] = []
     try:
         for chunk in chunks:
-            graphs.append(graph_layers(chunk, cfg.train.micro_batch, seq))
+            graphs.append(graph_layers(chunk, cfg.train.micro_batch, seq, data_parallel=data_parallel))
     except BaseException:
         for g in graphs:
             g.release()
@@ -108,11 +143,12 @@ def graph_stage(chunks: list[nn.Module], cfg) -> list[LayerGraphs]:
     return graphs
 
 
-def _accept_unpacked_sequence(layer: nn.Module, shape: torch.Size, dtype: torch.dtype) -> None:
+def _accept_unpacked_sequence(layer: nn.Module, shape: torch.Size, dtype: torch.dtype, done=None) -> None:
     """The graphed forward takes exactly the captured tensors; the model calls ``layer(x, seq)``
     with an empty ``PackedSequence``: in training accept that, refuse packed positions or
     documents and an input of another shape or dtype than captured (the graph would broadcast or
-    cast into its static input). In eval mode the layer's own forward runs, with any input."""
+    cast into its static input). In eval mode the layer's own forward runs, with any input.
+    ``done``: called after each backward replay (fused weight gradients)."""
     graphed = layer.forward
 
     def forward(x: Tensor, seq=None) -> Tensor:
@@ -124,6 +160,6 @@ def _accept_unpacked_sequence(layer: nn.Module, shape: torch.Size, dtype: torch.
         if x.shape != shape or x.dtype != dtype:
             raise ValueError(f"a CUDA-graphed layer was captured for {tuple(shape)} {dtype} inputs, "
                              f"got {tuple(x.shape)} {x.dtype}")
-        return graphed(x)
+        return graphed(x if done is None else after_backward(x, done))
 
     layer.forward = forward

@@ -124,14 +124,16 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
       sequence parallelism (parallel.tp_async, tp_comm_overlap) and tp_comm_overlap without SP (an
       overlapped all-reduce): graphed, each follows one GPU (GPU test) and runs
       within 3 % of the plain graphed layers, while eager they are far slower (symmetric-memory
-      async TP 12,206 eager against 41,315 graphed, session 8). Neither fusion (15% slower at tp=2: it adds
-      Python work per linear layer) nor compiled layers (correct since the collectives became
-      opaque ops, but slower than eager at tp=2: 19,184 against 21,686).
+      async TP 12,206 eager against 41,315 graphed, session 8). Not fusion (in eager layers 15%
+      slower at tp=2: it adds Python work per linear layer; train.grad_accum_fusion=true captures
+      the fused GEMMs in the graphs, opt-in until measured: the fused fp32-accumulating fc1
+      weight-gradient GEMM took 102 us against 125 us for GEMM + add_, session 10), nor compiled
+      layers (correct since the collectives became opaque ops, but slower than eager at tp=2:
+      19,184 against 21,686).
     Nothing on CPU."""
     t, p, cuda = cfg.train, cfg.parallel, device.type == "cuda"
     if t.cuda_graphs == "auto":
-        graphs = (cuda and p.tp > 1 and t.compile != "true" and t.grad_accum_fusion != "true"
-                  and can_graph_layers(cfg))
+        graphs = cuda and p.tp > 1 and t.compile != "true" and can_graph_layers(cfg)
     else:
         graphs = t.cuda_graphs == "true"
     if t.compile == "auto":
@@ -231,7 +233,7 @@ def train(cfg: Config) -> list[dict]:
 
     model.train()
     # captured after data parallelism placed the parameters in their buffers
-    graphs = graph_stage(stage.chunks, cfg) if stage.graphed else []
+    graphs = graph_stage(stage.chunks, cfg, data_parallel if stage.fuse_wgrad else None) if stage.graphed else []
     try:
         return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device)
     finally:  # a graph holding NCCL work would hang destroy_process_group
