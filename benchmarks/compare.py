@@ -81,10 +81,19 @@ def main() -> None:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     env={**os.environ, **env}, start_new_session=True)
             try:
-                out, err = proc.communicate(timeout=min(600, left - 10))
+                out, err = proc.communicate(timeout=min(600, left - 20))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, err = proc.communicate()
+                # torchrun starts its workers in sessions of their own: SIGTERM lets it stop them
+                # (a SIGKILL to the group would leave them holding the GPUs and our pipes)
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    out, err = proc.communicate(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    try:
+                        out, err = proc.communicate(timeout=15)
+                    except subprocess.TimeoutExpired:  # orphaned workers still hold the pipes
+                        out, err = "", ""
                 print(f"{system} {layout}: no result in time", file=sys.stderr)
             tps = tokens_per_gpu(out)
             if tps is None:

@@ -61,7 +61,7 @@ def timed_tail() -> tuple[list, list]:
     wrap(step_module, "global_grad_norm", "global gradient norm")
     wrap(getattr(opt, "inner", None), "step", "AdamW")
     wrap(opt, "_copy_to_model", "copy the fp32 main params into the model")
-    wrap(dp, "start_param_gather", "start the parameter all-gathers")
+    wrap(dp, "start_param_gather", "launch the parameter all-gathers (they run on NCCL's stream)")
     return events, patches
 
 
@@ -98,7 +98,8 @@ def host_ms(t: float) -> float:
 
 lines, busy, previous_end = [], 0.0, None
 gaps = 0.0
-# the host's time per action: from its launch to the next action's (to the step's end for the last)
+# the host's time per action: from its launch to the next action's (for the last, to the end of
+# the step's launches: the tail's included)
 host_spans = [b_[3] - a_[3] for a_, b_ in zip(trace, trace[1:])] + [host_end - trace[-1][3]]
 for (op, mb, chunk, launched, s, e), span in zip(trace, host_spans):
     start, stop = begin.elapsed_time(s), begin.elapsed_time(e)
@@ -110,6 +111,7 @@ for (op, mb, chunk, launched, s, e), span in zip(trace, host_spans):
     busy += stop - start
     lines.append(f"  {op}{mb}.{chunk}: gpu {start:7.1f} +{stop - start:5.1f}   host launch {host_ms(launched):7.1f}"
                  f" +{span * 1e3:5.1f}")
+lines[-1] += " (to the end of the step's launches)"
 total = begin.elapsed_time(end)
 print(f"TIMELINE rank {rank} ({topo.pp_rank=}) {' '.join(sys.argv[1:])}\n" + "\n".join(lines) + "\n"
       f"SUMMARY rank {rank}: step {total:.1f} ms on the GPU (host done launching at {host_ms(host_end):.1f}); "

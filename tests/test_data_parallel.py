@@ -95,11 +95,13 @@ def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None, p
         def key(rng):  # (model chunk, bucket)
             return data_parallel.buffers.index(rng.buffer), rng.bucket.index
 
-        def recording_gather():
-            chosen = data_parallel.forward_order()
-            opt_events.append(f"G{len(chosen)}")
-            gathered.extend(key(data_parallel.ranges[i]) for i in chosen)
-            return gather()
+        def recording_gather():  # the buckets in the order start_param_gather starts them
+            before = set(data_parallel._gathers)
+            out = gather()
+            started = [b for b in data_parallel._gathers if b not in before]  # dicts keep insertion order
+            opt_events.append(f"G{len(started)}")
+            gathered.extend(key(next(r for r in data_parallel.ranges if r.bucket is b)) for b in started)
+            return out
 
         def recording_wait(buckets=None):
             pending = set(data_parallel._gathers)

@@ -169,8 +169,8 @@ class ParallelConfig:
     """zero 1-2: all-gather the updated parameters asynchronously after the optimizer step, each
     bucket waited for only by the first forward that uses it. (Stepping the optimizer bucket by
     bucket with each gather started after its update, Megatron's
-    overlap_param_gather_with_optimizer_step, was measured 4.8 % slower at dp=2 on 2x H100:
-    the gathers then stall the first forward, BENCHMARKS.md session 10.)"""
+    overlap_param_gather_with_optimizer_step, was measured 4.8 % slower at dp=2 on 2x H100,
+    BENCHMARKS.md session 10, and removed.)"""
 
     def __post_init__(self) -> None:
         _check(self.zero in (0, 1, 2, 3), "parallel.zero", f"{self.zero!r} is not 0, 1, 2 or 3",
