@@ -450,6 +450,21 @@ def test_a_failing_step_still_logs_the_step_before_it(monkeypatch, tmp_path):
     assert logged == [1, 2]
 
 
+def test_released_graphs_give_their_fused_weights_back_to_eager_counting():
+    """After LayerGraphs.release (end of training, a failed capture) the layers' weights leave
+    DataParallel.graph_fused: an eager backward must count their gradients again."""
+    import types
+
+    import torch
+
+    from tessera.training.cuda_graphs import LayerGraphs
+
+    layer, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    dp = types.SimpleNamespace(graph_fused={layer.weight, layer.bias, other.weight})
+    LayerGraphs([layer], [], dp).release()
+    assert dp.graph_fused == {other.weight}
+
+
 def test_graph_stage_releases_what_it_captured_when_a_later_chunk_fails(monkeypatch):
     """A capture that fails part-way frees the graphs already taken (they would hang the
     process group's destruction) and raises."""

@@ -439,20 +439,20 @@ def _replay_graphs_of_fused_layers(stage, data_parallel, launched: list) -> None
     A replay runs only kernels; here the eager backward runs, and its ``accumulate_product``
     for a weight in ``graph_fused`` does only what the replay does: the GEMM into main_grad.
     ``launched`` gets, per step, whether every bucket's reduction had started when backward ended."""
-    from tessera.training.cuda_graphs import after_backward
+    from tessera.training.cuda_graphs import _accept_unpacked_sequence, fused_backward_done
 
     for chunk in stage.chunks:
         layers = list(chunk.layers.values())
         x = torch.randn(SEQ, 1, chunk.cfg.hidden, requires_grad=True)
-        with data_parallel.capture_fused():
+        with data_parallel.capture_fused():  # make_graphed_callables' warm-up: autograd.grad, unused allowed
             for layer in layers:
-                torch.autograd.grad(layer(x).sum(), [x])
+                params = [p for p in layer.parameters() if p.requires_grad]
+                grads = torch.autograd.grad(layer(x).sum(), [x, *params], allow_unused=True)
+                assert sum(g is None for g in grads) == 4, "qkv, proj, fc1, fc2: no autograd gradient"
         for layer in layers:
-            weights = [p for p in layer.parameters() if p in data_parallel.graph_fused]
-            assert len(weights) == 4, "qkv, proj, fc1, fc2 of each layer"
-            own = layer.forward
-            layer.forward = (lambda x, seq=None, own=own, weights=weights:
-                             own(after_backward(x, lambda: data_parallel.graphed_backward_done(weights)), seq))
+            assert sum(p in data_parallel.graph_fused for p in layer.parameters()) == 4
+            # the eager forward stands in for the graphed one; graph_layers' own wrapper around it
+            _accept_unpacked_sequence(layer, x.shape, x.dtype, fused_backward_done(layer, data_parallel))
     finish = data_parallel.finish_grad_sync
     data_parallel.finish_grad_sync = lambda: (launched.append(all(st.launched for st in data_parallel._states)),
                                               finish())[1]

@@ -305,7 +305,8 @@ def test_fast_paths_follow_the_reference_loss_curve(tmp_path):
     """200 bf16 steps follow the all-off curve within bf16 tolerance with each combination of
     fast paths: what auto picks for llama (compiled layers, fused cross entropy), fused weight
     gradients in eager layers (what auto picks for GPT), compiled layers with fusion, and
-    CUDA-graphed layers (what auto picks at tp > 1; forced here on one GPU)."""
+    CUDA-graphed layers (what auto picks at tp > 1; forced here on one GPU), and graphed layers
+    with the fused weight-gradient GEMMs captured in them."""
     model = ["model.hidden=256", "model.layers=4", "model.heads=4", "model.seq_len=256", "model.vocab_size=1000",
              "train.dtype=bf16", "train.steps=200", "train.log_every=50", "optim.lr=1e-3", "data.source=builtin",
              "model.family=llama", "model.kv_heads=2", "model.ffn_hidden=704"]
@@ -316,9 +317,12 @@ def test_fast_paths_follow_the_reference_loss_curve(tmp_path):
     both = _train(tmp_path, "both", 1, model + ["train.grad_accum_fusion=true", "train.compile=true"])
     graphed = _train(tmp_path, "graphed", 1, model + ["train.cuda_graphs=true", "train.compile=false",
                                                       "train.grad_accum_fusion=false"])
-    assert len(fast) == len(ref) == len(fused) == len(both) == len(graphed) == 200
+    # the bf16 weight-gradient GEMMs accumulating in fp32, captured in the graphs
+    graphed_fused = _train(tmp_path, "graphed-fused", 1, model + ["train.cuda_graphs=true", "train.compile=false",
+                                                                  "train.grad_accum_fusion=true"])
+    assert len(fast) == len(ref) == len(fused) == len(both) == len(graphed) == len(graphed_fused) == 200
     assert ref[-1]["loss"] < 0.6 * ref[0]["loss"], "the run must learn"
-    for run in (fast, fused, both, graphed):
+    for run in (fast, fused, both, graphed, graphed_fused):
         for w in range(0, 200, 10):  # windows of 10 steps: bf16 noise per step, the same curve
             a, b = (sum(m["loss"] for m in r[w:w + 10]) / 10 for r in (run, ref))
             assert a == pytest.approx(b, rel=3e-2), f"steps {w + 1}-{w + 10}"

@@ -4,8 +4,9 @@ Communication plan of one step (zero = ``parallel.zero``):
 
 1. backward of every micro-batch: each parameter's gradient is added into its fp32 (or bf16)
    ``main_grad`` by a post-accumulate hook (``param.grad`` is dropped); the step's first one is
-   copied in, so the buffer needs no zeroing pass. Nothing is reduced while earlier
-   micro-batches run.
+   copied in, so the buffer needs no zeroing pass (except under CUDA-graphed layers with fused
+   weight gradients, whose replayed GEMMs always add: their buffers are zeroed at the step's
+   start). Nothing is reduced while earlier micro-batches run.
 2. zero 0/1: when every parameter of a bucket has received its last micro-batch's gradient, the
    bucket's reduction starts, asynchronously (``overlap_grad_reduce``), while backward goes on
    with earlier layers: an all-reduce (zero=0) or a reduce-scatter into this rank's shard
@@ -168,7 +169,8 @@ class DataParallel:
     # -- gradients --------------------------------------------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
         """A new step: each parameter will receive ``num_microbatches`` gradients (the first is
-        copied into the buffer, so nothing is zeroed here but zero=2's accumulating shards)."""
+        copied into the buffer, so nothing is zeroed here but zero=2's accumulating shards and
+        the buffers of weights whose fused gradient GEMM a CUDA graph replays)."""
         self._expected = num_microbatches
         for p in self._count:
             self._count[p] = 0
@@ -180,7 +182,7 @@ class DataParallel:
             for rng in self.ranges:
                 rng.grad.zero_()
         if self.graph_fused:  # a replayed GEMM adds into main_grad even for a step's first micro-batch
-            for buffer in self.buffers:
+            for buffer in {self._state[p].buffer for p in self.graph_fused}:
                 buffer.grad_data.zero_()
         for st in self._states:
             st.arrivals.clear()

@@ -67,7 +67,11 @@ def _dtype_out_gemm(device: torch.device, out_dtype: torch.dtype, in_dtype: torc
     """Whether this torch has the ``in_dtype`` GEMM writing an ``out_dtype`` result: ``mm`` with
     ``out_dtype`` (``accumulate=False``) or ``addmm`` adding into an ``out_dtype`` matrix
     (``accumulate=True``; torch 2.11 wants the added matrix in the inputs' dtype). CUDA only,
-    fp32 out for bf16/fp16 inputs. Probed once per (device, dtypes, kind)."""
+    fp32 out for bf16/fp16 inputs. Probed once per (device, dtypes, kind), never inside a CUDA
+    graph capture (it reads the result on the host): a capture's warm-up probes first."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the fused weight-gradient GEMM was first probed inside a CUDA graph capture: "
+                           "capture after at least one warm-up iteration")
     try:
         acc = torch.ones(2, 2, dtype=out_dtype, device=device)
         m = torch.ones(2, 2, dtype=in_dtype, device=device)

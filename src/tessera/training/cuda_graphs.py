@@ -35,13 +35,14 @@ class LayerGraphs:
     """The CUDA graphs of some graphed layers. ``release()`` puts the layers' own forward back
     and frees the graphs (idempotent)."""
 
-    def __init__(self, layers: list[nn.Module], graphs: list) -> None:
-        self.layers, self.graphs = layers, graphs
+    def __init__(self, layers: list[nn.Module], graphs: list, data_parallel=None) -> None:
+        self.layers, self.graphs, self.data_parallel = layers, graphs, data_parallel
 
     def release(self) -> None:
         layers, graphs, self.layers, self.graphs = self.layers, self.graphs, [], []
         for layer in layers:
             layer.__dict__.pop("forward", None)  # the instance attribute the graphing set
+        _forget_fused(layers, self.data_parallel)
         try:
             if graphs and torch.cuda.is_available():
                 torch.cuda.synchronize()  # no replay still running when its graph goes
@@ -52,6 +53,20 @@ class LayerGraphs:
 def _reset(graphs: list) -> None:
     for graph in graphs:
         graph.reset()
+
+
+def _forget_fused(layers: list[nn.Module], data_parallel) -> None:
+    """The layers' weights leave ``data_parallel.graph_fused``: their eager backward counts its
+    fused gradients again (left in, it would only add them, and the step would drop them)."""
+    if data_parallel is not None:
+        data_parallel.graph_fused.difference_update(p for layer in layers for p in layer.parameters())
+
+
+def fused_backward_done(layer: nn.Module, data_parallel):
+    """The callback for after ``layer``'s backward replay: report its weights whose gradient
+    GEMM the graph replays (None when it has none)."""
+    weights = [p for p in layer.parameters() if data_parallel is not None and p in data_parallel.graph_fused]
+    return (lambda: data_parallel.graphed_backward_done(weights)) if weights else None
 
 
 def _live_graphs() -> list:
@@ -111,18 +126,17 @@ def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmu
         _reset([g for g in _live_graphs() if id(g) not in before])
         for layer in layers:
             layer.__dict__.pop("forward", None)
+        _forget_fused(layers, data_parallel)
         raise
     graphs = [g for g in _live_graphs() if id(g) not in before]
-    handle = LayerGraphs(layers, graphs)
+    handle = LayerGraphs(layers, graphs, data_parallel)
     if len(graphs) != 2 * len(layers):  # a forward and a backward graph per layer
         handle.release()
         raise RuntimeError(f"found {len(graphs)} CUDA graphs after capturing {len(layers)} layers, not "
                            f"{2 * len(layers)}: this torch keeps make_graphed_callables' graphs elsewhere, "
                            "so they could not be freed before the process group; set train.cuda_graphs=false")
     for layer, (sample,) in zip(layers, samples):
-        weights = [p for p in layer.parameters() if data_parallel is not None and p in data_parallel.graph_fused]
-        done = (lambda weights=weights: data_parallel.graphed_backward_done(weights)) if weights else None
-        _accept_unpacked_sequence(layer, sample.shape, sample.dtype, done)
+        _accept_unpacked_sequence(layer, sample.shape, sample.dtype, fused_backward_done(layer, data_parallel))
     return handle
 
 
