@@ -172,7 +172,8 @@ def apply_linear(function: type[torch.autograd.Function], store: WeightGradStore
     """``function.apply(*args)`` for a linear layer's autograd function; with a ``store`` (one of
     ``args`` too), run eagerly even inside a compiled layer (:func:`_apply_eager`). Outside
     compiled code it is called directly: the ``torch.compiler.disable`` wrapper costs host time
-    on every call (about a fifth of an eager layer's forward on the CPU, measured session 10)."""
+    on every call (with the autocast context skipped in ``_DeferrableLinear``, about 15 % of an
+    eager forward's host time on the CPU, benchmarks/host_forward.py, session 10)."""
     if store is None or not torch.compiler.is_compiling():
         return function.apply(*args)
     return _apply_eager(function, *args)

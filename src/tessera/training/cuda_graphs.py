@@ -65,7 +65,9 @@ def _forget_fused(layers: list[nn.Module], data_parallel) -> None:
 def fused_backward_done(layer: nn.Module, data_parallel):
     """The callback for after ``layer``'s backward replay: report its weights whose gradient
     GEMM the graph replays (None when it has none)."""
-    weights = [p for p in layer.parameters() if data_parallel is not None and p in data_parallel.graph_fused]
+    if data_parallel is None:
+        return None
+    weights = [p for p in layer.parameters() if p in data_parallel.graph_fused]
     return (lambda: data_parallel.graphed_backward_done(weights)) if weights else None
 
 
