@@ -32,6 +32,9 @@
 #       against the even one (pp=2), and the ring (p2p) async TP against plain SP (tp=2)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1; nvidia-smi topo -m | head -3; nproc
+# a timed-out pytest leaves its training runs behind (holding the GPUs and torchrun's port, so
+# every later run fails): kill them (the pattern is anchored, so it never matches this shell)
+reap() { pgrep -f "^\S*python3? (-u )?-m (tessera|torch.distributed.run)" | xargs -r kill -9; sleep 1; }
 q() { NPROC=2 timeout ${QT:-100} python3 benchmarks/quick_train.py gpt-1.3b "$@" 2>&1 | grep -E "RESULT|Error" | tail -2; }
 case "${1:-tests}" in
   tests)  # each GPU test in its own pytest run, its log kept at once: a timeout loses one test's message only
@@ -40,6 +43,7 @@ case "${1:-tests}" in
       left=$((deadline - SECONDS)); [ "$left" -lt 30 ] && { echo "SKIPPED (no time left): $node"; continue; }
       log="${OUT:-/tmp}/gpu_$(echo "$node" | tr -c 'A-Za-z0-9_\n-' _).log"
       timeout "$left" python3 -m pytest -q -rsx "$node" > "$log" 2>&1; echo "rc=$? $node: $(tail -1 "$log")"
+      reap
     done ;;
   diag) timeout 270 python3 benchmarks/gpu_tp_diag.py 2>&1 | tee "${OUT:-/tmp}/diag.log" ;;
   ab)
