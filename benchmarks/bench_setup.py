@@ -32,6 +32,6 @@ def build(sets: list[str]) -> SimpleNamespace:
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device, timeout=datetime.timedelta(seconds=300))
     stage = Stage(cfg, topo, RNGTracker.for_rank(1, topo.tp_rank, topo.pp_rank, device))
     dp, opt = build_data_parallel(stage, topo, cfg)
-    graphs = graph_stage(stage.chunks, cfg, dp if stage.fuse_wgrad else None) if stage.graphed else []
+    graphs = graph_stage(stage.chunks, cfg, dp, fused=stage.fuse_wgrad) if stage.graphed else []
     return SimpleNamespace(cfg=cfg, rank=rank, world=world, topo=topo, stage=stage, dp=dp, opt=opt,
                            data=DataFeed(cfg, topo), graphs=graphs)

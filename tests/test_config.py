@@ -68,8 +68,7 @@ BAD = [
     (["train.cuda_graphs=true", "train.compile=true"], 1, "train.cuda_graphs", "run eagerly"),
     (["train.cuda_graphs=true", "train.grad_accum_fusion=true", "parallel.zero=2"], 1, "train.cuda_graphs",
      "zero=2 keeps each bucket's buffer"),
-    (["train.cuda_graphs=true", "parallel.zero=3"], 2, "train.cuda_graphs", "forward hooks"),
-    (["train.cuda_graphs=true", "parallel.zero=1"], 2, "train.cuda_graphs", "forward hooks"),
+    (["train.cuda_graphs=true", "parallel.zero=3"], 2, "train.cuda_graphs", "zero=3 (FSDP)"),
 ]
 
 
@@ -77,7 +76,8 @@ def test_cuda_graphs_accepts_what_it_can_capture():
     sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
     for sets, world in ((sp, 2), (sp + ["parallel.tp_async=p2p"], 2), (sp + ["parallel.tp_async=true"], 2),
                         (sp + ["parallel.tp_comm_overlap=true"], 2), ([], 2),
-                        (["parallel.zero=1", "parallel.overlap_param_gather=false"], 2), (["parallel.zero=1"], 1)):
+                        (["parallel.zero=1", "parallel.overlap_param_gather=false"], 2), (["parallel.zero=1"], 1),
+                        (["parallel.zero=1"], 2), (["parallel.zero=2"], 2)):  # gather hooks lifted for capture
         validate(load_config(None, ["train.cuda_graphs=true", *sets]), world)
 
 
@@ -236,7 +236,7 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "model.family=llama"]) == (False, False, True)
     assert resolved(["parallel.tp=2", "model.dropout=0.1"]) == (False, False, False)  # not capturable: eager
     assert resolved(["parallel.tp=2", "parallel.pp=2"], "1f1b") == (False, False, False)
-    assert resolved(["parallel.tp=2", "parallel.dp=2", "parallel.zero=1"]) == (False, False, False)  # gather hooks
+    assert resolved(["parallel.tp=2", "parallel.dp=2", "parallel.zero=1"]) == (False, False, True)  # hooks lifted
     assert resolved(["parallel.tp=2", "parallel.dp=2", "parallel.zero=1", "parallel.overlap_param_gather=false"]) \
         == (False, False, True)
     # the opt-in overlapped TP paths are graphed too: eager, they measured far slower (session 8)
@@ -362,7 +362,7 @@ def test_trainer_releases_the_layer_graphs_after_training_and_after_an_error(mon
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(trainer, "fast_paths", lambda cfg, schedule, device: (False, False, True))
-    monkeypatch.setattr(trainer, "graph_stage", lambda chunks, cfg, data_parallel=None: [Recorded()])
+    monkeypatch.setattr(trainer, "graph_stage", lambda chunks, cfg, data_parallel=None, fused=False: [Recorded()])
     sets = ["train.device=cpu", "data.source=synthetic", "model.layers=2", "model.hidden=32", "model.heads=2",
             "model.seq_len=16", "model.vocab_size=64", "train.steps=2", "train.micro_batch=1",
             "train.global_batch=2", "train.sample_tokens=0", f"train.out_dir={tmp_path}"]
@@ -479,7 +479,7 @@ def test_graph_stage_releases_what_it_captured_when_a_later_chunk_fails(monkeypa
 
     calls = []
 
-    def capture(chunk, micro_batch, seq_len, data_parallel=None):
+    def capture(chunk, micro_batch, seq_len, data_parallel=None, fused=False):
         calls.append((micro_batch, seq_len))
         if len(calls) == 2:
             raise RuntimeError("capture failed")

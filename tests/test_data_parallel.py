@@ -444,8 +444,12 @@ def _replay_graphs_of_fused_layers(stage, data_parallel, launched: list) -> None
     for chunk in stage.chunks:
         layers = list(chunk.layers.values())
         x = torch.randn(SEQ, 1, chunk.cfg.hidden, requires_grad=True)
-        with data_parallel.capture_fused():  # make_graphed_callables' warm-up: autograd.grad, unused allowed
+        assert all(len(layer._forward_pre_hooks) == 1 for layer in layers), "zero=1 at dp=2: gather waits"
+        # graph_layers' capture: make_graphed_callables refuses modules with hooks, and its
+        # warm-up is a forward and autograd.grad to the input, unused allowed
+        with data_parallel.gather_hooks_lifted(layers), data_parallel.capture_fused():
             for layer in layers:
+                assert not layer._forward_pre_hooks, "a gather hook left on a layer being captured"
                 params = [p for p in layer.parameters() if p.requires_grad]
                 grads = torch.autograd.grad(layer(x).sum(), [x, *params], allow_unused=True)
                 assert sum(g is None for g in grads) == 4, "qkv, proj, fc1, fc2: no autograd gradient"
@@ -478,7 +482,8 @@ def test_fused_weight_gradients_replayed_by_graphs_match_eager_fusion():
     """train.cuda_graphs with fused weight gradients, replayed without CUDA at dp=2 zero=1: the
     same losses and parameters as eager fusion (the buffers zeroed at each step's start, every
     replayed GEMM adding), the arrivals reported after each layer's backward start the bucket
-    reductions during backward, and zero=2 (buffers that come and go) is refused."""
+    reductions during backward, zero=2 (buffers that come and go) is refused, and the layers'
+    gather-waiting hooks, lifted for the capture, wait for the same buckets after it."""
     for r, out in enumerate(run_ranks(_graphed_fused_worker, 2, timeout=240)):
         a, b = out["eager"], out["graphed"]
         assert a["fused_calls"] == 8 * (GLOBAL // 2) * STEPS
@@ -487,6 +492,8 @@ def test_fused_weight_gradients_replayed_by_graphs_match_eager_fusion():
             torch.testing.assert_close(b["params"][name], a["params"][name], rtol=0, atol=0, msg=name)
         assert out["launched"] == [True] * STEPS, out["launched"]
         assert "zero 0 or 1, not zero=2" in out["refused"], out["refused"]
+        # the gather hooks lifted for the capture came back: every layer waits for its buckets
+        assert a["waited"] and b["waited"] == a["waited"], (b["waited"], a["waited"])
 
 
 def test_parameter_without_gradient_this_step_reduces_zeros():

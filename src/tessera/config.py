@@ -589,9 +589,9 @@ def _check_cuda_graphs(cfg: Config, dp: int) -> None:
            "with train.grad_accum_fusion=true the graphs replay weight-gradient GEMMs into the gradient "
            "buffers, and zero=2 keeps each bucket's buffer only until its reduction",
            f"use parallel.zero=0 or 1, or train.grad_accum_fusion=false {fix}")
-    _check(p.zero < 3 and not (p.zero > 0 and dp > 1 and p.overlap_param_gather), "train.cuda_graphs",
-           "zero=3 and zero 1/2's overlapped parameter gather wait in forward hooks on the layers",
-           f"use parallel.zero=0, or parallel.overlap_param_gather=false {fix}")
+    _check(p.zero < 3, "train.cuda_graphs", "zero=3 (FSDP) gathers and frees each layer's parameters "
+           "in forward hooks around it, and a graph reads the storage it was captured with",
+           f"use parallel.zero 0, 1 or 2 {fix}")
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

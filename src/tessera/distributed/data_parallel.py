@@ -123,6 +123,8 @@ class DataParallel:
         self._expected = 0
         self._in_flight: collections.deque[Pending] = collections.deque()
         self._gathers: dict[Bucket, Pending] = {}
+        # (module, its buckets, the hook's handle): the forward pre-hooks waiting for gathers
+        self._gather_hooks: list[list] = []
         self.embedding_group = embedding_group
         self._tied_waiting: list[_BucketState] = []  # final, waiting for the pipeline's last message
         self._comm_done = False
@@ -416,4 +418,23 @@ class DataParallel:
         # back to front)
         buckets = sorted({self._state[p].bucket for p in params if p in self._state}, key=lambda b: -b.index)
         if buckets:
-            module.register_forward_pre_hook(lambda *_: self.wait_param_gather(buckets))
+            self._gather_hooks.append([module, buckets, self._register_wait(module, buckets)])
+
+    def _register_wait(self, module: nn.Module, buckets: list[Bucket]):
+        return module.register_forward_pre_hook(lambda *_: self.wait_param_gather(buckets))
+
+    @contextlib.contextmanager
+    def gather_hooks_lifted(self, modules: list[nn.Module]):
+        """``modules`` without their gather-waiting forward pre-hooks, which are registered again
+        on leaving (the same waits, run before each call). For CUDA graph capture:
+        ``make_graphed_callables`` refuses modules with hooks, while a hook registered after it
+        runs before every replay: the wait for a layer's gathered parameters then makes the
+        replay's stream wait for the gather (outside the graph), as it does for an eager forward."""
+        lifted = [entry for entry in self._gather_hooks if any(entry[0] is m for m in modules)]
+        for entry in lifted:
+            entry[2].remove()
+        try:
+            yield
+        finally:
+            for entry in lifted:
+                entry[2] = self._register_wait(entry[0], entry[1])

@@ -16,10 +16,12 @@ parameters into their buffers: a graph reads the storage it was captured with.
 What it needs (config.validate refuses the rest, the trainer refuses a non-CUDA device): one
 micro-batch's activations live in each layer's static buffers, so pp=1 (no micro-batches in
 flight together); static shapes and no packed sequences; no dropout (the RNG tracker's streams
-are not graph-safe); eager layers; no forward hooks on the layers (zero 1/2's overlapped
-parameter gather at dp > 1, FSDP); with gradient-accumulation fusion, gradient buffers that stay
-in place (zero 0/1), since the captured weight-gradient GEMMs add into them. In eval mode a layer runs
-its ordinary forward (``make_graphed_callables`` switches on ``module.training``).
+are not graph-safe); eager layers; not FSDP (zero=3 frees each layer's parameters after it;
+zero 1/2's hooks that wait for a layer's gathered parameters are lifted for the capture and
+registered again after it, so they run before each replay); with gradient-accumulation fusion,
+gradient buffers that stay in place (zero 0/1), since the captured weight-gradient GEMMs add
+into them. In eval mode a layer runs its ordinary forward (``make_graphed_callables`` switches
+on ``module.training``).
 """
 
 from __future__ import annotations
@@ -96,17 +98,22 @@ def after_backward(x: Tensor, callback) -> Tensor:
 
 
 def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmup: int = 3,
-                 data_parallel=None) -> LayerGraphs:
+                 data_parallel=None, fused: bool = False) -> LayerGraphs:
     """Capture every transformer layer of ``chunk`` (``chunk.layers``) for inputs of
     ``[sequence_length, micro_batch, hidden]`` (sequence_length is this rank's: divided by tp
     under sequence parallelism), in the parameters' dtype and device. Layers are captured in
     forward order, the order they then run. Call ``release()`` on the result when done.
 
-    ``data_parallel`` (gradient-accumulation fusion): the layers' weight-gradient GEMMs, which
-    add straight into the main gradients, are captured with them
+    ``data_parallel``: its forward pre-hooks that wait for the layers' gathered parameters
+    (zero 1/2's overlapped gather) are lifted while capturing and registered again after
+    (``DataParallel.gather_hooks_lifted``): they then run before every replay.
+    ``fused`` (gradient-accumulation fusion, with ``data_parallel``): the layers' weight-gradient
+    GEMMs, which add straight into the main gradients, are captured with them
     (``DataParallel.capture_fused``), and after each layer's backward replay the data-parallel
     bookkeeping is told that those gradients arrived (``graphed_backward_done``): the Python
     that counts them eagerly does not run inside a replay."""
+    if fused and data_parallel is None:
+        raise ValueError("graph_layers with fused weight gradients needs the DataParallel that counts them")
     layers = list(chunk.layers.values())
     if not layers:
         return LayerGraphs([], [])
@@ -119,39 +126,44 @@ def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmu
     torch.cuda.synchronize(weight.device)
     # make_graphed_callables keeps its graphs in closures only: find the ones it made
     before = {id(g) for g in _live_graphs()}
-    fused = data_parallel.capture_fused() if data_parallel is not None else contextlib.nullcontext()
+    fusing = data_parallel if fused else None
     try:
-        with fused:  # fused weights get no gradient from autograd: allow_unused_input
+        with contextlib.ExitStack() as stack:
+            if data_parallel is not None:
+                stack.enter_context(data_parallel.gather_hooks_lifted(layers))
+            if fused:  # fused weights get no gradient from autograd: allow_unused_input
+                stack.enter_context(data_parallel.capture_fused())
             torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup,
-                                              allow_unused_input=data_parallel is not None)
+                                              allow_unused_input=fused)
     except BaseException:  # the graphs captured so far would hang destroy_process_group
         _reset([g for g in _live_graphs() if id(g) not in before])
         for layer in layers:
             layer.__dict__.pop("forward", None)
-        _forget_fused(layers, data_parallel)
+        _forget_fused(layers, fusing)
         raise
     graphs = [g for g in _live_graphs() if id(g) not in before]
-    handle = LayerGraphs(layers, graphs, data_parallel)
+    handle = LayerGraphs(layers, graphs, fusing)
     if len(graphs) != 2 * len(layers):  # a forward and a backward graph per layer
         handle.release()
         raise RuntimeError(f"found {len(graphs)} CUDA graphs after capturing {len(layers)} layers, not "
                            f"{2 * len(layers)}: this torch keeps make_graphed_callables' graphs elsewhere, "
                            "so they could not be freed before the process group; set train.cuda_graphs=false")
     for layer, (sample,) in zip(layers, samples):
-        _accept_unpacked_sequence(layer, sample.shape, sample.dtype, fused_backward_done(layer, data_parallel))
+        _accept_unpacked_sequence(layer, sample.shape, sample.dtype, fused_backward_done(layer, fusing))
     return handle
 
 
-def graph_stage(chunks: list[nn.Module], cfg, data_parallel=None) -> list[LayerGraphs]:
+def graph_stage(chunks: list[nn.Module], cfg, data_parallel=None, fused: bool = False) -> list[LayerGraphs]:
     """Capture the layers of this rank's model chunks for the configuration's micro-batch and
     (under sequence parallelism, per-rank) sequence length; a failure releases what was taken.
-    ``data_parallel``: with fused weight gradients (``graph_layers``)."""
+    ``data_parallel``, ``fused``: as for ``graph_layers``."""
     p = cfg.parallel
     seq = cfg.model.seq_len // (p.tp if p.sequence_parallel else 1)
     graphs: list[LayerGraphs] = []
     try:
         for chunk in chunks:
-            graphs.append(graph_layers(chunk, cfg.train.micro_batch, seq, data_parallel=data_parallel))
+            graphs.append(graph_layers(chunk, cfg.train.micro_batch, seq, data_parallel=data_parallel,
+                                       fused=fused))
     except BaseException:
         for g in graphs:
             g.release()

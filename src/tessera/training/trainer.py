@@ -233,7 +233,7 @@ def train(cfg: Config) -> list[dict]:
 
     model.train()
     # captured after data parallelism placed the parameters in their buffers
-    graphs = graph_stage(stage.chunks, cfg, data_parallel if stage.fuse_wgrad else None) if stage.graphed else []
+    graphs = graph_stage(stage.chunks, cfg, data_parallel, fused=stage.fuse_wgrad) if stage.graphed else []
     try:
         return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device)
     finally:  # a graph holding NCCL work would hang destroy_process_group
