@@ -6,26 +6,17 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 11's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
-# after 30 s, so send the next call at once):
-#   1. s11a -- step timelines with the corrected tool (the traced step follows an unsynchronised
-#      one, as in training; session 9-10 timelines synchronised before it, which inflated the first
-#      forwards: pp=2 vpp=2 read 346.9 ms against the 319 ms its tokens/s imply) and the tail split
-#      into its calls (reductions, norm, AdamW, copy, gathers): one GPU, dp=2 zero=1, pp=2 vpp=2;
-#      the dp=2 sync probe with its control. Questions: what is in pp=2's and dp=2's 11-12 ms tails
-#      beyond half of one GPU's (~8 ms); where pp=2's 33 ms over half of one GPU's step go; why,
-#      in session 10's pp=2 vpp=2 timeline, rank 0's host launched every I just as the GPU reached
-#      it (0.3-0.8 ms GPU gaps before each, 8.5 ms a step) after forwards that took its host
-#      12-15 ms against the GPU's 9-12 and rank 1's host 4.6: each action's host span and a
-#      cProfile of one step per rank (HOST lines) say where rank 0's host time goes
-#   2. s11d -- NCCL on high-priority streams (TORCH_NCCL_HIGH_PRIORITY=1: its kernels take SMs
-#      first, so an overlapped reduce-scatter or gather finishes sooner and gives them back) against
-#      the default at dp=2, pp=2 vpp=2 and tp=2, one GPU in the same call; if it pays, make it the
-#      default in Topology (ProcessGroupNCCL.Options.is_high_priority_stream) and test it; and
-#      tp=2 graphed with train.grad_accum_fusion=true (the fused GEMMs captured in the graphs:
-#      run `tests graphed_layers_without_sp` first, ~2 min, for its GPU test)
-#   3. s11b, s11c -- the targets with the peers (compare.py: 1gpu + dp2; then one GPU, pp2v, tp2)
-#   4. tests zero -- test_nccl_zero_matches_one_gpu (did not fit in session 10)
+# Session 12's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
+# after 30 s, so send the next call at once; a fresh machine costs ~60 s of the budget):
+#   1. BUDGET=450 bash benchmarks/next_gpu_call.sh tests graphed_layers_without_sp -- five layouts
+#      now (~250-300 s; it ran out of 250 s in session 11): graphs under zero=1's overlapped gather
+#      (hooks lifted for the capture). If it passes, let auto graph tp > 1, dp > 1, zero 1/2
+#      (trainer.fast_paths' gather_hooks) and say so in architecture.md / BENCHMARKS.md
+#   2. s12a -- dp=2: is rank 1's host still ~1.5x slower (session 11 timeline) with each rank
+#      pinned to its own cores (benchmarks/site_diag, PIN=1), and does bf16 on the wire pay now
+#      (parallel.grad_reduce_dtype=bf16, 0.928 in session 3 on older code)
+#   3. s11b -- dp=2 with the peers in one call (compare.py), for the record
+# Session 11's modes (s11a-d) are kept below for their commands.
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
 #   bash benchmarks/next_gpu_call.sh ab     -- first A/Bs: the FLOPs-balanced pipeline split
@@ -192,6 +183,13 @@ case "${1:-tests}" in
       QT=80 q $l; echo "  with TORCH_NCCL_HIGH_PRIORITY=1:"; TORCH_NCCL_HIGH_PRIORITY=1 QT=80 q $l; done
     echo "tp=2 + SP, graphed layers with the fused weight-gradient GEMMs captured:"
     QT=80 q parallel.tp=2 parallel.sequence_parallel=true train.grad_accum_fusion=true ;;
+  s12a)  # session 12, second call: see the plan at the top
+    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    QT=85 q parallel.zero=1; QT=85 q parallel.zero=1 parallel.grad_reduce_dtype=bf16
+    log="${OUT:-/tmp}/timeline_dp2_pinned.log"
+    PIN=1 PYTHONPATH=$PWD/benchmarks/site_diag:$PYTHONPATH timeout 110 torchrun --nproc-per-node 2 \
+      benchmarks/pipeline_timeline.py parallel.zero=1 > "$log" 2>&1
+    grep -h -E "PIN|SUMMARY|Error" "$log"; grep -h -E "^\s+F[0-9]" "$log" ;;
   s11b)  # issue 4's and 6's dp=2 target with the peers in one call (one GPU: tessera, megatron-core, compiled PyTorch)
     COMPARE_BUDGET=585 python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 2>&1 | tee "${OUT:-/tmp}/compare_dp2.log" | tail -14 ;;
   s11c)  # pp=2 (vpp=2, tessera's recommended) and tp=2 against one GPU and megatron-core, same call
@@ -210,5 +208,5 @@ case "${1:-tests}" in
     for bs in 40000000 20000000; do QT=90 q parallel.zero=1 parallel.bucket_size=$bs; done
     echo "with NCCL_MAX_CTAS=8:"; NCCL_MAX_CTAS=8 QT=90 q parallel.zero=1 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests [K]|s11a|s11b|s11c|s11d|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|s12a|s11a|s11b|s11c|s11d|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac
