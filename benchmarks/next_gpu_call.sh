@@ -14,7 +14,8 @@
 #      (trainer.fast_paths' gather_hooks) and say so in architecture.md / BENCHMARKS.md
 #   2. s12a -- dp=2: is rank 1's host still ~1.5x slower (session 11 timeline) with each rank
 #      pinned to its own cores (benchmarks/site_diag, PIN=1), and does bf16 on the wire pay now
-#      (parallel.grad_reduce_dtype=bf16, 0.928 in session 3 on older code)
+#      (parallel.grad_reduce_dtype=bf16, 0.928 in session 3 on older code); and whether this torch
+#      has the fp32-accumulating GEMM the graphed fused weight gradients rely on (PROBE line)
 #   3. s11b -- dp=2 with the peers in one call (compare.py), for the record
 # Session 11's modes (s11a-d) are kept below for their commands.
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
@@ -184,6 +185,10 @@ case "${1:-tests}" in
     echo "tp=2 + SP, graphed layers with the fused weight-gradient GEMMs captured:"
     QT=80 q parallel.tp=2 parallel.sequence_parallel=true train.grad_accum_fusion=true ;;
   s12a)  # session 12, second call: see the plan at the top
+    # does this torch have the fp32-accumulating bf16 GEMM (graphed tp=2 with fused weight
+    # gradients gained only 0.4 %: if accumulate is False the graphs replay GEMM + add_ anyway)
+    python3 -c "import torch; from tessera.tensor_parallel.wgrad import _dtype_out_gemm as g; d=torch.device('cuda')
+print('PROBE mm out_dtype', g(d, torch.float32, torch.bfloat16, False), 'addmm accumulate', g(d, torch.float32, torch.bfloat16, True))"
     NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
     QT=85 q parallel.zero=1; QT=85 q parallel.zero=1 parallel.grad_reduce_dtype=bf16
     log="${OUT:-/tmp}/timeline_dp2_pinned.log"
