@@ -8,10 +8,11 @@
 #       K="pipeline or curve" then K="zero"
 # Session 12's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
 # after 30 s, so send the next call at once; a fresh machine costs ~60 s of the budget):
-#   1. BUDGET=450 bash benchmarks/next_gpu_call.sh tests graphed_layers_without_sp -- five layouts
-#      now (~250-300 s; it ran out of 250 s in session 11): graphs under zero=1's overlapped gather
-#      (hooks lifted for the capture). If it passes, let auto graph tp > 1, dp > 1, zero 1/2
-#      (trainer.fast_paths' gather_hooks) and say so in architecture.md / BENCHMARKS.md
+#   1. BUDGET=400 bash benchmarks/next_gpu_call.sh tests "graphed_layers_under or graphed_layers_without"
+#      -- two tests of a reference and three layouts each (~200 s each; the five-layout test ran
+#      out of 250 s in session 11): graphs under zero 1/2's overlapped gather (hooks lifted for
+#      the capture). If they pass, let auto graph tp > 1, dp > 1, zero 1/2 (trainer.fast_paths'
+#      gather_hooks) and say so in config.py's cuda_graphs doc, architecture.md, BENCHMARKS.md
 #   2. s12a -- dp=2: is rank 1's host still ~1.5x slower (session 11 timeline) with each rank
 #      pinned to its own cores (benchmarks/site_diag, PIN=1), and does bf16 on the wire pay now
 #      (parallel.grad_reduce_dtype=bf16, 0.928 in session 3 on older code); and whether this torch

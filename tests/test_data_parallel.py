@@ -496,6 +496,68 @@ def test_fused_weight_gradients_replayed_by_graphs_match_eager_fusion():
         assert a["waited"] and b["waited"] == a["waited"], (b["waited"], a["waited"])
 
 
+def _lift_during_capture(stage, data_parallel, fused: bool, record: list) -> None:
+    """cuda_graphs.capture on each chunk's layers with make_graphed_callables stubbed (no CUDA
+    here): record whether the stub saw the layers without hooks (as make_graphed_callables
+    requires), with unused inputs allowed and the fused GEMMs being captured exactly when
+    ``fused``, and whether the hooks were back after it returned and after it raised."""
+    from tessera.training import cuda_graphs
+
+    real = torch.cuda.make_graphed_callables
+
+    def stub(callables, samples, num_warmup_iters, allow_unused_input, fail=False):
+        record.append(("captured", all(not m._forward_pre_hooks for m in callables), allow_unused_input,
+                       data_parallel._capturing))
+        if fail:
+            raise RuntimeError("capture failed")
+
+    try:
+        for chunk in stage.chunks:
+            layers = list(chunk.layers.values())
+            samples = tuple((torch.randn(SEQ, 1, chunk.cfg.hidden),) for _ in layers)
+            record.append(("hooked before", all(len(m._forward_pre_hooks) == 1 for m in layers)))
+            torch.cuda.make_graphed_callables = stub
+            cuda_graphs.capture(layers, samples, 1, data_parallel, fused)
+            record.append(("hooked after", all(len(m._forward_pre_hooks) == 1 for m in layers)))
+            torch.cuda.make_graphed_callables = lambda *a, **k: stub(*a, **k, fail=True)
+            try:
+                cuda_graphs.capture(layers, samples, 1, data_parallel, fused)
+            except RuntimeError as e:
+                record.append(("raised", str(e)))
+            record.append(("hooked after a failure", all(len(m._forward_pre_hooks) == 1 for m in layers)))
+    finally:
+        torch.cuda.make_graphed_callables = real
+
+
+def _capture_lift_worker(rank: int, world: int) -> dict:
+    topo = Topology.build()
+    out = {}
+    for name, sets, fused in (("zero1", ["parallel.zero=1"], False),
+                              ("zero1-fused", ["parallel.zero=1", "train.grad_accum_fusion=true"], True),
+                              ("zero2", ["parallel.zero=2"], False)):
+        record = []
+        lifted = train_run(topo, sets, prepare=lambda stage, dp: _lift_during_capture(stage, dp, fused, record))
+        out[name] = dict(record=record, lifted=lifted, plain=train_run(topo, sets), fused=fused)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_capture_lifts_the_gather_hooks_and_puts_them_back():
+    """cuda_graphs.capture at dp=2 under zero 1/2's overlapped gather: make_graphed_callables
+    sees the layers without their gather hooks, the hooks are back after the capture and after a
+    failed one, the fused GEMMs are captured only when asked, and training afterwards waits for
+    the same buckets and gives the same losses as without the capture."""
+    for out in run_ranks(_capture_lift_worker, 2, timeout=240):
+        for name, run in out.items():
+            fused = run["fused"]
+            assert run["record"] == [("hooked before", True), ("captured", True, fused, fused), ("hooked after", True),
+                                     ("captured", True, fused, fused), ("raised", "capture failed"),
+                                     ("hooked after a failure", True)], (name, run["record"])
+            a, b = run["plain"], run["lifted"]
+            assert a["waited"] and b["waited"] == a["waited"], name
+            assert b["losses"] == a["losses"], name
+
+
 def test_parameter_without_gradient_this_step_reduces_zeros():
     """The buffer is not zeroed between steps (a step's first gradient is copied in), so a
     parameter that gets no gradient in a step must be cleared before its bucket is reduced."""

@@ -111,23 +111,34 @@ def test_cuda_graphed_layers_follow_eager_layers(tmp_path):
                                                         "train.cuda_graphs=true"]))
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cuda_graphed_layers_without_sp_and_at_dp2_follow_one_gpu(tmp_path):
     """The other layouts auto may graph: tp=2 without SP (all-reduces captured) and, with the
     graphs asked for, dp=2 (the data-parallel gradient hooks and bucket reductions fed by the
-    graphs' weight gradients; zero=1's overlapped parameter gather waited for before each
-    replay); and with fused weight gradients captured in the graphs (tp=2 + SP, dp=2)."""
+    graphs' weight gradients); and with fused weight gradients captured in the graphs at tp=2 +
+    SP."""
     one = _train(tmp_path, "one", 1, [])
     _all_follow(tmp_path, one, {"tp2-nosp-graphs": ["parallel.tp=2"],
                                 "dp2-graphs": ["train.cuda_graphs=true", "parallel.zero=1",
                                                "parallel.overlap_param_gather=false"],
-                                # the gather hooks lifted for the capture, then run before replays
-                                "dp2-graphs-gather": ["train.cuda_graphs=true", "parallel.zero=1"],
                                 # the weight-gradient GEMMs captured in the graphs, adding into
-                                # the buffers; dp=2: their arrivals start the bucket reductions
+                                # the buffers
                                 "tp2-sp-graphs-fused": ["parallel.tp=2", "parallel.sequence_parallel=true",
-                                                        "train.grad_accum_fusion=true"],
+                                                        "train.grad_accum_fusion=true"]},
+                timeout=110)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_graphed_layers_under_the_overlapped_gather_follow_one_gpu(tmp_path):
+    """Graphed layers at dp=2 under zero 1/2's overlapped parameter gather (its waits lifted for
+    the capture, then run before each replay: a replay that read parameters before their gather
+    landed would drift from one GPU), without and with fused weight gradients (whose arrivals,
+    reported after each layer's replay, start the bucket reductions)."""
+    one = _train(tmp_path, "one", 1, [])
+    _all_follow(tmp_path, one, {"dp2-graphs-gather": ["train.cuda_graphs=true", "parallel.zero=1"],
+                                "dp2-graphs-gather-zero2": ["train.cuda_graphs=true", "parallel.zero=2"],
                                 "dp2-graphs-fused": ["train.cuda_graphs=true", "train.grad_accum_fusion=true",
                                                      "parallel.zero=1"]},
                 timeout=110)

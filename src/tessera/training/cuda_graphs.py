@@ -128,13 +128,7 @@ def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmu
     before = {id(g) for g in _live_graphs()}
     fusing = data_parallel if fused else None
     try:
-        with contextlib.ExitStack() as stack:
-            if data_parallel is not None:
-                stack.enter_context(data_parallel.gather_hooks_lifted(layers))
-            if fused:  # fused weights get no gradient from autograd: allow_unused_input
-                stack.enter_context(data_parallel.capture_fused())
-            torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup,
-                                              allow_unused_input=fused)
+        capture(layers, samples, warmup, data_parallel, fused)
     except BaseException:  # the graphs captured so far would hang destroy_process_group
         _reset([g for g in _live_graphs() if id(g) not in before])
         for layer in layers:
@@ -151,6 +145,20 @@ def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmu
     for layer, (sample,) in zip(layers, samples):
         _accept_unpacked_sequence(layer, sample.shape, sample.dtype, fused_backward_done(layer, fusing))
     return handle
+
+
+def capture(layers: list[nn.Module], samples: tuple, warmup: int, data_parallel=None, fused: bool = False) -> None:
+    """``make_graphed_callables`` on ``layers`` (it sets each one's ``forward``), with the
+    data-parallel gather waits lifted off them (it refuses hooked modules; they come back after,
+    also on an error) and, ``fused``, the weight-gradient GEMMs captured into the main gradients
+    (fused weights get no gradient from autograd: ``allow_unused_input``)."""
+    with contextlib.ExitStack() as stack:
+        if data_parallel is not None:
+            stack.enter_context(data_parallel.gather_hooks_lifted(layers))
+        if fused:
+            stack.enter_context(data_parallel.capture_fused())
+        torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup,
+                                          allow_unused_input=fused)
 
 
 def graph_stage(chunks: list[nn.Module], cfg, data_parallel=None, fused: bool = False) -> list[LayerGraphs]:
