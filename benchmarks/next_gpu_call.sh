@@ -16,7 +16,11 @@
 #   2. s12a -- dp=2: is rank 1's host still ~1.5x slower (session 11 timeline) with each rank
 #      pinned to its own cores (benchmarks/site_diag, PIN=1), and does bf16 on the wire pay now
 #      (parallel.grad_reduce_dtype=bf16, 0.928 in session 3 on older code); and whether this torch
-#      has the fp32-accumulating GEMM the graphed fused weight gradients rely on (PROBE line)
+#      has the fp32-accumulating GEMM the graphed fused weight gradients rely on (PROBE line);
+#      NCCL's CTA policies (NCCL_CTA_POLICY=1 efficiency / 2 zero-CTA, NCCL >= 2.27) at dp=2 and
+#      pp=2 vpp=2: fewer SMs taken from the GEMMs by overlapped reductions and waiting receives.
+#      If one pays, set it per communicator in Topology (ProcessGroupNCCL.Options' config, if
+#      this torch exposes cta_policy; else document the env var) and test it
 #   3. s11b -- dp=2 with the peers in one call (compare.py), for the record
 # Session 11's modes (s11a-d) are kept below for their commands.
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
@@ -191,7 +195,13 @@ case "${1:-tests}" in
     python3 -c "import torch; from tessera.tensor_parallel.wgrad import _dtype_out_gemm as g; d=torch.device('cuda')
 print('PROBE mm out_dtype', g(d, torch.float32, torch.bfloat16, False), 'addmm accumulate', g(d, torch.float32, torch.bfloat16, True))"
     NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    python3 -c "import torch; print('NCCL', torch.cuda.nccl.version())"
     QT=85 q parallel.zero=1; QT=85 q parallel.zero=1 parallel.grad_reduce_dtype=bf16
+    # NCCL >= 2.27's CTA policies: 1 = efficiency (fewest CTAs for decent speed: for overlap with
+    # compute), 2 = zero-CTA where it can (copy engines); the overlapped reduce-scatter slowed
+    # the GEMMs beside it by up to 13.5 % (session 9), and early-posted pipeline receives hold SMs
+    for pol in 1 2; do echo "NCCL_CTA_POLICY=$pol:"; NCCL_CTA_POLICY=$pol QT=85 q parallel.zero=1; done
+    QT=85 q parallel.pp=2 parallel.vpp=2; echo "NCCL_CTA_POLICY=1:"; NCCL_CTA_POLICY=1 QT=85 q parallel.pp=2 parallel.vpp=2
     log="${OUT:-/tmp}/timeline_dp2_pinned.log"
     PIN=1 PYTHONPATH=$PWD/benchmarks/site_diag:$PYTHONPATH timeout 110 torchrun --nproc-per-node 2 \
       benchmarks/pipeline_timeline.py parallel.zero=1 > "$log" 2>&1
