@@ -131,7 +131,7 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
       layers (correct since the collectives became opaque ops, but slower than eager at tp=2:
       19,184 against 21,686). Not yet with zero 1/2's overlapped parameter gather at dp > 1 (its
       hooks lifted for the capture, session 11): train.cuda_graphs=true takes it, auto waits for
-      its GPU test (test_cuda_graphed_layers_without_sp_and_at_dp2_follow_one_gpu) to pass.
+      its GPU test (test_cuda_graphed_layers_under_the_overlapped_gather_follow_one_gpu) to pass.
     Nothing on CPU."""
     t, p, cuda = cfg.train, cfg.parallel, device.type == "cuda"
     if t.cuda_graphs == "auto":
