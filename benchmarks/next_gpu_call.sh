@@ -22,6 +22,11 @@
 #      If one pays, set it per communicator in Topology (ProcessGroupNCCL.Options' config, if
 #      this torch exposes cta_policy; else document the env var) and test it
 #   3. s11b -- dp=2 with the peers in one call (compare.py), for the record
+#   Then, if s12a printed NCCL >= 2.28: copy-engine (zero-CTA) parameter all-gathers for zero=1
+#   (the first forward's +2-3 ms of contention): the dp group made with ProcessGroupNCCL.Options
+#   whose config.cta_policy = NCCL_CTA_POLICY_ZERO, the parameter buffers allocated as NCCL
+#   symmetric memory (torch.distributed._symmetric_memory with the NCCL backend) so the gathers
+#   into them can run on copy engines; probe the API on the device first (python3 -c)
 # Session 11's modes (s11a-d) are kept below for their commands.
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
