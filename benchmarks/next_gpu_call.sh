@@ -194,19 +194,20 @@ case "${1:-tests}" in
       QT=80 q $l; echo "  with TORCH_NCCL_HIGH_PRIORITY=1:"; TORCH_NCCL_HIGH_PRIORITY=1 QT=80 q $l; done
     echo "tp=2 + SP, graphed layers with the fused weight-gradient GEMMs captured:"
     QT=80 q parallel.tp=2 parallel.sequence_parallel=true train.grad_accum_fusion=true ;;
-  s12a)  # session 12, second call: see the plan at the top
-    # does this torch have the fp32-accumulating bf16 GEMM (graphed tp=2 with fused weight
-    # gradients gained only 0.4 %: if accumulate is False the graphs replay GEMM + add_ anyway)
+  s12a)  # session 12, second call (the PROBE and NCCL lines ran in the first): one GPU, dp=2 zero=1,
+    # and NCCL >= 2.27's CTA policies: 1 = efficiency (fewest CTAs for decent speed: for overlap
+    # with compute), 2 = zero-CTA where it can (copy engines); the overlapped reduce-scatter slowed
+    # the GEMMs beside it by up to 13.5 % (session 9), and early-posted pipeline receives hold SMs
+    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
+    QT=85 q parallel.zero=1
+    for pol in 1 2; do echo "NCCL_CTA_POLICY=$pol:"; NCCL_CTA_POLICY=$pol QT=85 q parallel.zero=1; done
+    QT=85 q parallel.pp=2 parallel.vpp=2; echo "NCCL_CTA_POLICY=1:"; NCCL_CTA_POLICY=1 QT=85 q parallel.pp=2 parallel.vpp=2 ;;
+  probe)  # whether this torch has the fp32-accumulating bf16 GEMM (graphed tp=2 with fused weight
+    # gradients gained only 0.4 %: if accumulate is False the graphs replay GEMM + add_ anyway); NCCL's version
     python3 -c "import torch; from tessera.tensor_parallel.wgrad import _dtype_out_gemm as g; d=torch.device('cuda')
 print('PROBE mm out_dtype', g(d, torch.float32, torch.bfloat16, False), 'addmm accumulate', g(d, torch.float32, torch.bfloat16, True))"
-    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -2
-    python3 -c "import torch; print('NCCL', torch.cuda.nccl.version())"
-    QT=85 q parallel.zero=1; QT=85 q parallel.zero=1 parallel.grad_reduce_dtype=bf16
-    # NCCL >= 2.27's CTA policies: 1 = efficiency (fewest CTAs for decent speed: for overlap with
-    # compute), 2 = zero-CTA where it can (copy engines); the overlapped reduce-scatter slowed
-    # the GEMMs beside it by up to 13.5 % (session 9), and early-posted pipeline receives hold SMs
-    for pol in 1 2; do echo "NCCL_CTA_POLICY=$pol:"; NCCL_CTA_POLICY=$pol QT=85 q parallel.zero=1; done
-    QT=85 q parallel.pp=2 parallel.vpp=2; echo "NCCL_CTA_POLICY=1:"; NCCL_CTA_POLICY=1 QT=85 q parallel.pp=2 parallel.vpp=2
+    python3 -c "import torch; print('NCCL', torch.cuda.nccl.version())" ;;
+  pin)  # dp=2 step timeline with each rank pinned to its own cores: is rank 1's host still ~1.5x slower
     log="${OUT:-/tmp}/timeline_dp2_pinned.log"
     PIN=1 PYTHONPATH=$PWD/benchmarks/site_diag:$PYTHONPATH timeout 110 torchrun --nproc-per-node 2 \
       benchmarks/pipeline_timeline.py parallel.zero=1 > "$log" 2>&1

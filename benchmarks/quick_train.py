@@ -39,6 +39,7 @@ def main() -> None:
         extra += f", MFU {statistics.median(m['mfu'] for m in steps[3:]):.1%}"
     if "peak_mem_gib" in steps[-1]:
         extra += f", peak memory {steps[-1]['peak_mem_gib']:.1f} GiB (the logging rank)"
+    print("STEPS tokens/s per GPU:", " ".join(f"{m['tokens_per_s'] / nproc:,.0f}" for m in steps))
     print(f"RESULT {name} nproc={nproc} {' '.join(sys.argv[2:])}: {tps:,.0f} tokens/s per GPU{extra}")
 
 

@@ -236,8 +236,10 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "model.family=llama"]) == (False, False, True)
     assert resolved(["parallel.tp=2", "model.dropout=0.1"]) == (False, False, False)  # not capturable: eager
     assert resolved(["parallel.tp=2", "parallel.pp=2"], "1f1b") == (False, False, False)
-    # graphs with the overlapped gather's hooks lifted for capture: asked for only, until GPU-tested
-    assert resolved(["parallel.tp=2", "parallel.dp=2", "parallel.zero=1"]) == (False, False, False)
+    # graphs with the overlapped gather's hooks lifted for capture (GPU test passed, session 12)
+    assert resolved(["parallel.tp=2", "parallel.dp=2", "parallel.zero=1"]) == (False, False, True)
+    assert resolved(["parallel.tp=2", "parallel.dp=2", "parallel.zero=2"]) == (False, False, True)
+    assert resolved(["parallel.tp=2", "parallel.dp=2", "parallel.zero=3"]) == (False, False, False)  # gather-and-free hooks
     assert resolved(["parallel.tp=2", "parallel.dp=2", "parallel.zero=1", "train.cuda_graphs=true"]) \
         == (False, False, True)
     assert resolved(["parallel.tp=2", "parallel.dp=2", "parallel.zero=1", "parallel.overlap_param_gather=false"]) \

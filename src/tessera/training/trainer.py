@@ -129,14 +129,14 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
       the fused GEMMs in the graphs, opt-in until measured: the fused fp32-accumulating fc1
       weight-gradient GEMM took 102 us against 125 us for GEMM + add_, session 10), nor compiled
       layers (correct since the collectives became opaque ops, but slower than eager at tp=2:
-      19,184 against 21,686). Not yet with zero 1/2's overlapped parameter gather at dp > 1 (its
-      hooks lifted for the capture, session 11): train.cuda_graphs=true takes it, auto waits for
-      its GPU test (test_cuda_graphed_layers_under_the_overlapped_gather_follow_one_gpu) to pass.
+      19,184 against 21,686). Also under zero 1/2's overlapped parameter gather at dp > 1 (its
+      hooks lifted for the capture): graphed, zero 1, zero 2 and zero 1 with fused weight
+      gradients follow one GPU (test_cuda_graphed_layers_under_the_overlapped_gather_follow_one_gpu,
+      passed on 2x H200 in session 12).
     Nothing on CPU."""
     t, p, cuda = cfg.train, cfg.parallel, device.type == "cuda"
     if t.cuda_graphs == "auto":
-        gather_hooks = p.zero in (1, 2) and p.dp > 1 and p.overlap_param_gather
-        graphs = cuda and p.tp > 1 and t.compile != "true" and not gather_hooks and can_graph_layers(cfg)
+        graphs = cuda and p.tp > 1 and t.compile != "true" and can_graph_layers(cfg)
     else:
         graphs = t.cuda_graphs == "true"
     if t.compile == "auto":
