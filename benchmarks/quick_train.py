@@ -30,7 +30,10 @@ def main() -> None:
     sets = MODELS[name] + ["train.micro_batch=2", "train.global_batch=16", "train.steps=12", "train.dtype=bf16",
                            "data.source=synthetic", "train.log_every=4", f"train.out_dir={out}", *sys.argv[2:]]
     command = [sys.executable, "-m", "tessera", "train", "--nproc-per-node", str(nproc)]
-    subprocess.run(command + [a for s in sets for a in ("--set", s)], check=True)
+    # the checkout's src/ first, so it runs without an install or PYTHONPATH (session 12 lost a call to that)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    subprocess.run(command + [a for s in sets for a in ("--set", s)], check=True, env=env)
     steps = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     tps = statistics.median(m["tokens_per_s"] for m in steps[3:]) / nproc
     tflops = statistics.median(m["tflops_per_gpu"] for m in steps[3:])
