@@ -88,6 +88,15 @@ def test_cuda_graphs_on_cpu_is_refused_before_any_work(monkeypatch):
         train(load_config(None, ["train.cuda_graphs=true", "train.device=cpu", "data.source=synthetic"]))
 
 
+def test_copy_engine_gather_on_cpu_is_refused_before_any_work(monkeypatch):
+    from tessera.training.trainer import train
+    monkeypatch.setenv("WORLD_SIZE", "2")  # dp=2: the layout it acts on (no process group is made)
+    with pytest.raises(ConfigError, match="parallel.param_gather_copy_engine: they need CUDA GPUs and NCCL, "
+                                          "this run is on cpu"):
+        train(load_config(None, ["parallel.zero=1", "parallel.param_gather_copy_engine=true", "train.device=cpu",
+                                 "data.source=synthetic"]))
+
+
 @pytest.mark.parametrize("overrides,world,key,words", BAD, ids=[b[2] + ":" + b[3][:20] for b in BAD])
 def test_bad_config_is_refused_with_key_and_fix(overrides, world, key, words):
     with pytest.raises(ConfigError) as info:
@@ -199,10 +208,17 @@ def test_fast_path_options_refused_where_they_cannot_act():
              (["parallel.schedule=zb-h2"], "zb-h2 fills pipeline bubbles; with pp=1 there are none"),
              (["parallel.schedule=zb-h2", "parallel.pp=2", "parallel.zero=3"], "zb-h2 defers weight gradients"),
              (["parallel.tp=2", "parallel.tp_async=true"], "async TP fuses sequence-parallel"),
-             (["parallel.tp=2", "parallel.tp_async=p2p"], "async TP fuses sequence-parallel")]
+             (["parallel.tp=2", "parallel.tp_async=p2p"], "async TP fuses sequence-parallel"),
+             (["parallel.param_gather_copy_engine=true"], "zero=0 at dp=2 does not have"),
+             (["parallel.param_gather_copy_engine=true", "parallel.zero=3"], "zero=3 at dp=2 does not have"),
+             (["parallel.param_gather_copy_engine=true", "parallel.zero=1", "parallel.tp=2"], "zero=1 at dp=1")]
     for sets, message in cases:
         with pytest.raises(ConfigError, match=message):
             validate(load_config(None, sets), 2)
+    ce_tp = ["parallel.param_gather_copy_engine=true", "parallel.zero=1", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    validate(load_config(None, ce_tp), 4)  # tp=2 x dp=2: taken
+    with pytest.raises(ConfigError, match="symmetric-memory backend"):
+        validate(load_config(None, ce_tp + ["parallel.tp_async=true"]), 4)
 
 
 @pytest.mark.parametrize("given,expected", [("true", "true"), ("True", "true"), ("1", "true"), ("yes", "true"),

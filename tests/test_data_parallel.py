@@ -640,3 +640,64 @@ def test_bf16_on_the_wire_rounds_but_replicas_agree():
     for name in ("zero0-bf16-wire", "zero1-bf16-wire", "zero2-bf16-wire"):
         for p in out[0][name]["params"]:
             assert torch.equal(out[0][name]["params"][p], out[1][name]["params"][p]), (name, p)
+
+
+def _gather_group_worker(rank: int, world: int) -> dict:
+    """zero 1/2 at dp=2, the parameter gathers on the dp group (default) and, with
+    parallel.param_gather_copy_engine, on the ``dp_gather`` group into buffers from its allocator.
+    On gloo a plain second dp group stands in for the zero-CTA NCCL one, and a recording
+    allocator for NCCL symmetric memory: what is checked is the plumbing (which group gathers,
+    which memory holds the parameters) and that the run is the same."""
+    from unittest import mock
+
+    from tessera.distributed import collectives
+    from tessera.training import trainer
+
+    topo = Topology.build()
+    topo.groups["dp_gather"] = topo.new_groups(topo.all_ranks_along("dp"))
+    allocated, used = [], []
+
+    class RecordingAllocator:
+        def __init__(self, group, device):
+            assert group is topo.group("dp_gather") and device == topo.device
+
+        def __call__(self, numel, dtype):
+            flat = torch.zeros(numel, dtype=dtype)
+            allocated.append(flat)
+            return flat
+
+    gather = collectives.all_gather
+
+    def recording_gather(flat, group, *, async_op):
+        used.append("dp_gather" if group is topo.group("dp_gather") else "dp" if group is topo.group("dp") else "?")
+        return gather(flat, group, async_op=async_op)
+
+    def buffers_from_allocator(stage, data_parallel):
+        out["in_allocated"] = [any(b.param_data is a for a in allocated) for b in data_parallel.buffers]
+
+    out = {}
+    with mock.patch.object(trainer, "SymmetricAllocator", RecordingAllocator), \
+            mock.patch.object(collectives, "all_gather", recording_gather):
+        for zero in (1, 2):
+            for ce in (False, True):
+                used.clear()
+                out.pop("in_allocated", None)
+                run = train_run(topo, [f"parallel.zero={zero}", "train.dtype=bf16",
+                                       f"parallel.param_gather_copy_engine={str(ce).lower()}"],
+                                prepare=buffers_from_allocator)
+                run["groups"], run["in_allocated"] = sorted(set(used)), out.pop("in_allocated")
+                run["gathers"] = len(used)
+                out[(zero, ce)] = run
+    return out
+
+
+def test_copy_engine_gather_runs_on_its_group_into_its_buffers_and_changes_nothing():
+    for out in run_ranks(_gather_group_worker, 2, timeout=240):
+        for zero in (1, 2):
+            sm, ce = out[(zero, False)], out[(zero, True)]
+            assert sm["groups"] == ["dp"] and sm["in_allocated"] == [False]
+            assert ce["groups"] == ["dp_gather"] and ce["in_allocated"] == [True]
+            assert ce["gathers"] == sm["gathers"] > 0
+            assert ce["losses"] == sm["losses"] and ce["norms"] == sm["norms"]
+            for name in sm["params"]:
+                assert torch.equal(ce["params"][name], sm["params"][name]), (zero, name)

@@ -171,6 +171,13 @@ class ParallelConfig:
     bucket with each gather started after its update, Megatron's
     overlap_param_gather_with_optimizer_step, was measured 4.8 % slower at dp=2 on 2x H100,
     BENCHMARKS.md session 10, and removed.)"""
+    param_gather_copy_engine: bool = False
+    """zero 1-2 at dp > 1 on CUDA (NCCL >= 2.28): the parameter all-gather runs on the GPUs' copy
+    engines, using no SM, so the forward it overlaps keeps every SM: the parameter buffers are
+    allocated in NCCL symmetric memory and gathered on a dp communicator of their own with
+    NCCL's zero-CTA policy (distributed/symmetric.py). Same bytes, same results. Not with
+    parallel.tp_async=true (torch's symmetric-memory backend is one per process). Off by
+    default: not yet measured."""
 
     def __post_init__(self) -> None:
         _check(self.zero in (0, 1, 2, 3), "parallel.zero", f"{self.zero!r} is not 0, 1, 2 or 3",
@@ -551,6 +558,12 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(t.grad_dtype == "fp32" or p.zero < 3, "train.grad_dtype",
            "bf16 gradients are a bucket option (zero 0-2); FSDP reduces in fp32",
            "set train.grad_dtype=fp32 with parallel.zero=3")
+    _check(not p.param_gather_copy_engine or (p.zero in (1, 2) and dp > 1), "parallel.param_gather_copy_engine",
+           f"it moves zero 1/2's parameter all-gather, which zero={p.zero} at dp={dp} does not have",
+           "use parallel.zero=1 or 2 with dp > 1, or set it false")
+    _check(not (p.param_gather_copy_engine and p.tp_async == "true"), "parallel.param_gather_copy_engine",
+           "it sets torch's symmetric-memory backend to NCCL for the process, and tp_async=true's fused "
+           "ops need torch's CUDA backend", "set parallel.tp_async=false or p2p, or param_gather_copy_engine=false")
     if t.cuda_graphs == "true":
         _check_cuda_graphs(cfg, dp)
     p.dp = dp

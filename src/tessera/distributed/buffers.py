@@ -18,6 +18,8 @@ it identically and its gradient shards can be summed over the embedding group.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -46,18 +48,24 @@ class ParamAndGradBuffer:
 
     ``keep_grads=False`` (zero=2) allocates no gradient buffer: a bucket's gradients live in a
     bucket-sized buffer from its first gradient of a micro-batch to its reduction
-    (:meth:`allocate_grad` / :meth:`release_grad`).
+    (:meth:`allocate_grad` / :meth:`release_grad`). ``param_alloc(numel, dtype)`` makes the
+    zeroed parameter buffer (default ``torch.zeros`` on ``device``; ``symmetric.SymmetricAllocator``
+    for copy-engine gathers).
     """
 
     def __init__(self, params: list[nn.Parameter], *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 bucket_size: int, dp: int, device: torch.device, keep_grads: bool = True):
+                 bucket_size: int, dp: int, device: torch.device, keep_grads: bool = True,
+                 param_alloc: Callable[[int, torch.dtype], Tensor] | None = None):
         self.param_dtype, self.grad_dtype, self.dp, self.device = param_dtype, grad_dtype, dp, device
         self.offsets: dict[nn.Parameter, tuple[int, int]] = {}  # param -> [lo, hi) in the buffer
         self.buckets: list[Bucket] = []
         self._layout(params[::-1], bucket_size)
         self.numel = self.buckets[-1].end if self.buckets else 0
 
-        self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+        if param_alloc is None:
+            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+        else:
+            self.param_data = param_alloc(self.numel, param_dtype)
         for p, (lo, hi) in self.offsets.items():
             self.param_data[lo:hi].copy_(p.detach().reshape(-1))
             p.data = self.param_data[lo:hi].view(p.shape)

@@ -22,6 +22,7 @@ from tessera.models import TPContext
 from tessera.distributed.data_parallel import DataParallel
 from tessera.distributed.fsdp import FullyShardedDataParallel
 from tessera.distributed.memory import memory_report
+from tessera.distributed.symmetric import SymmetricAllocator, unsupported
 from tessera.optim import DynamicLossScaler, LRScheduler, MicroBatchCalculator
 from tessera.optim.optimizers import FSDPOptimizer, MainParamOptimizer
 from tessera.pipeline_parallel.executor import PipelineExecutor
@@ -191,6 +192,16 @@ class Stage:
         return self._executors[m]
 
 
+def copy_engine_gather(topo: Topology, p) -> dict:
+    """DataParallel's arguments for zero 1/2's parameter all-gather on the copy engines
+    (parallel.param_gather_copy_engine): the zero-CTA dp group, and parameter buffers allocated in
+    NCCL symmetric memory registered with it. None asked: none."""
+    if not p.param_gather_copy_engine:
+        return {}
+    group = topo.group("dp_gather")
+    return {"gather_group": group, "param_alloc": SymmetricAllocator(group, topo.device)}
+
+
 def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
     """Data parallelism and the optimizer for this rank's chunks: bucketed buffers with a
     mixed-precision / distributed optimizer (zero 0-2), or FSDP (zero 3)."""
@@ -203,7 +214,7 @@ def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
                                  overlap_grad_reduce=p.overlap_grad_reduce,
                                  overlap_param_gather=p.overlap_param_gather, wgrad_store=stage.wgrad_store,
                                  reduce_dtype=DTYPES[p.grad_reduce_dtype], fuse_wgrad=stage.fuse_wgrad,
-                                 embedding_group=topo.group("embedding"))
+                                 embedding_group=topo.group("embedding"), **copy_engine_gather(topo, p))
     return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
 
 
@@ -216,10 +227,13 @@ def train(cfg: Config) -> list[dict]:
     if cfg.train.cuda_graphs == "true" and device.type != "cuda":
         raise ConfigError("train.cuda_graphs", f"CUDA graphs need a CUDA device, this run is on {device}",
                           "set train.cuda_graphs=false on CPU")
+    if cfg.parallel.param_gather_copy_engine and (why := unsupported(device)):
+        raise ConfigError("parallel.param_gather_copy_engine", why, "set it false")
     init_distributed(device, cfg.train.timeout_s)
     p, t = cfg.parallel, cfg.train
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device,
-                          timeout=datetime.timedelta(seconds=t.timeout_s))
+                          timeout=datetime.timedelta(seconds=t.timeout_s),
+                          copy_engine_gather=p.param_gather_copy_engine)
     rng = RNGTracker.for_rank(t.seed, topo.tp_rank, topo.pp_rank, device)
     stage = Stage(cfg, topo, rng)
     model = stage.model
@@ -228,7 +242,9 @@ def train(cfg: Config) -> list[dict]:
     logger = JsonlLogger(t.out_dir, t.log_every) if logs else NullLogger()
     n_params = sum(p.numel() for p in model.parameters())
     logger.print(f"tessera: {cfg.model.family} with {n_params:,} parameters on this rank, "
-                 f"{topo!r}, schedule {stage.schedule}, zero={p.zero}, device {device}, {t.dtype}, "
+                 f"{topo!r}, schedule {stage.schedule}, zero={p.zero}"
+                 f"{' (parameters gathered by the copy engines)' if p.param_gather_copy_engine else ''}, "
+                 f"device {device}, {t.dtype}, "
                  f"layers {'compiled' if stage.compiled else 'eager'}{' in CUDA graphs' if stage.graphed else ''}, "
                  f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
                  f"{f' (deferred, {stage.schedule})' if stage.schedule in SPLIT_BACKWARD else ''}")

@@ -1,0 +1,93 @@
+"""Whether zero 1/2's parameter all-gather on the copy engines (parallel.param_gather_copy_engine)
+leaves the GEMMs beside it faster than NCCL's kernels do, through tessera's own code
+(``Topology(copy_engine_gather=True)``, ``symmetric.SymmetricAllocator``,
+``collectives.all_gather``). GPT-1.3B's bf16 parameters (1.3B, cut into 40M buckets) gathered at
+dp=2 beside 60 GEMMs of its first forward's size, each way: the gathers alone, the GEMMs alone,
+both on two streams, the GEMMs' slowdown; then whether the copy-engine gather delivered every
+byte. Run with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL to see NCCL name the path it took.
+`torchrun --nproc-per-node 2 benchmarks/ce_gather_probe.py [buckets]`."""
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from comm_bench import cuda_ms
+
+from tessera.distributed import collectives
+from tessera.distributed.symmetric import SymmetricAllocator
+from tessera.topology import Topology
+
+rank = int(os.environ["RANK"])
+device = torch.device("cuda", rank)
+torch.cuda.set_device(device)
+dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=60))
+topo = Topology.build(dp=dist.get_world_size(), device=device, copy_engine_gather=True)
+BUCKET, COUNT = 40_000_000, int(sys.argv[1]) if len(sys.argv) > 1 else 32  # 32 x 40M ~ GPT-1.3B
+BUCKET -= BUCKET % topo.dp
+
+
+def report(line: str) -> None:  # as it comes: a later hang must not lose what was measured
+    if rank == 0:
+        print("RESULT " + line, flush=True)
+
+
+report(f"parameter all-gather contention, dp={topo.dp} ({torch.cuda.get_device_name()}), NCCL "
+       f"{'.'.join(map(str, torch.cuda.nccl.version()))}, {COUNT} buckets of {BUCKET / 1e6:.0f}M bf16")
+plain = torch.zeros(BUCKET * COUNT, dtype=torch.bfloat16, device=device)
+allocator = SymmetricAllocator(topo.group("dp_gather"), device)  # holds the window registration
+symmetric = allocator(BUCKET * COUNT, torch.bfloat16)
+a = torch.randn(4096, 2048, dtype=torch.bfloat16, device=device)
+b = torch.randn(2048, 8192, dtype=torch.bfloat16, device=device)
+GEMMS = 60
+comm = torch.cuda.Stream()
+
+
+def gemms():
+    for _ in range(GEMMS):
+        a @ b
+
+
+def gather(flat, group):
+    def run():
+        for i in range(COUNT):
+            collectives.all_gather(flat[i * BUCKET:(i + 1) * BUCKET], group, async_op=False)
+    return run
+
+
+def both(run_gather):
+    def run():
+        comm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(comm):
+            run_gather()
+        gemms()
+        torch.cuda.current_stream().wait_stream(comm)
+    return run
+
+
+alone = cuda_ms(gemms, 3)
+report(f"{GEMMS} GEMMs alone: {alone:.2f} ms")
+for name, flat, group in (("NCCL kernels (dp group)", plain, topo.group("dp")),
+                          ("copy engines (zero-CTA group, symmetric memory)", symmetric, topo.group("dp_gather"))):
+    try:
+        g, t = cuda_ms(gather(flat, group), 3), cuda_ms(both(gather(flat, group)), 3)
+        report(f"{name}: gathers alone {g:.2f} ms ({flat.numel() * 2 / 1e9 / topo.dp * (topo.dp - 1) / g * 1e3:.0f} "
+               f"GB/s received per rank); with the GEMMs {t:.2f} ms against {max(g, alone):.2f} if hidden "
+               f"perfectly (GEMMs slowed by up to {100 * (t - alone) / alone:.1f} %)")
+    except Exception as e:  # noqa: BLE001 - one way failing must not hide the other
+        report(f"{name}: FAILED {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+    dist.barrier()
+# every byte: each rank fills its shards with values that say whose they are and where
+n = BUCKET // topo.dp
+for i in range(COUNT):
+    collectives.shard(symmetric[i * BUCKET:(i + 1) * BUCKET], topo.dp_rank, topo.dp).copy_(
+        torch.arange(n, device=device, dtype=torch.float32).remainder(251).add_(1000 * topo.dp_rank + i)
+        .to(torch.bfloat16))
+gather(symmetric, topo.group("dp_gather"))()
+torch.cuda.synchronize()
+expected = torch.cat([torch.arange(n, device=device, dtype=torch.float32).remainder(251).add_(1000 * r + i)
+                      .to(torch.bfloat16) for i in range(COUNT) for r in range(topo.dp)])
+report(f"copy-engine gather exact: {bool(torch.equal(symmetric, expected))}")
+dist.barrier()
+dist.destroy_process_group()
