@@ -4,7 +4,9 @@ leaves the GEMMs beside it faster than NCCL's kernels do, through tessera's own 
 ``collectives.all_gather``). GPT-1.3B's bf16 parameters (1.3B, cut into 40M buckets) gathered at
 dp=2 beside 60 GEMMs of its first forward's size, each way: the gathers alone, the GEMMs alone,
 both on two streams, the GEMMs' slowdown; then whether the copy-engine gather delivered every
-byte. Run with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL to see NCCL name the path it took.
+byte. Then the same for the last backward's fp32 gradient reduce-scatters (8 buckets of 40M), with
+the buffers plain and in a symmetric window of the default-CTA dp communicator (NCCL's symmetric
+kernels; copy engines cannot add). Run with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL to see NCCL name the path it took.
 `torchrun --nproc-per-node 2 benchmarks/ce_gather_probe.py [buckets]`."""
 
 import datetime
@@ -89,5 +91,31 @@ torch.cuda.synchronize()
 expected = torch.cat([torch.arange(n, device=device, dtype=torch.float32).remainder(251).add_(1000 * r + i)
                       .to(torch.bfloat16) for i in range(COUNT) for r in range(topo.dp)])
 report(f"copy-engine gather exact: {bool(torch.equal(symmetric, expected))}")
+del expected, plain
 dist.barrier()
+
+RS = 8  # the last backward's gradient buckets, fp32, reduce-scattered in place into this rank's shard
+grad_alloc = SymmetricAllocator(topo.group("dp"), device)
+grads = {"plain buffers": torch.randn(BUCKET * RS, device=device),
+         "symmetric window (dp group)": grad_alloc(BUCKET * RS, torch.float32)}
+grads["symmetric window (dp group)"].copy_(grads["plain buffers"])
+
+
+def reduce_scatter(flat):
+    def run():
+        for i in range(RS):
+            bucket = flat[i * BUCKET:(i + 1) * BUCKET]
+            collectives.reduce_scatter(bucket, collectives.shard(bucket, topo.dp_rank, topo.dp), topo.group("dp"),
+                                       accumulate=False, async_op=False)
+    return run
+
+
+for name, flat in grads.items():
+    try:
+        r, t = cuda_ms(reduce_scatter(flat), 3), cuda_ms(both(reduce_scatter(flat)), 3)
+        report(f"fp32 reduce-scatter, {name}: {RS} buckets alone {r:.2f} ms; with the GEMMs {t:.2f} ms against "
+               f"{max(r, alone):.2f} if hidden perfectly (GEMMs slowed by up to {100 * (t - alone) / alone:.1f} %)")
+    except Exception as e:  # noqa: BLE001
+        report(f"fp32 reduce-scatter, {name}: FAILED {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+    dist.barrier()
 dist.destroy_process_group()

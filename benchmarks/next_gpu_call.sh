@@ -6,27 +6,19 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 12's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
+# Session 13's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
 # after 30 s, so send the next call at once; a fresh machine costs ~60 s of the budget):
-#   1. BUDGET=400 bash benchmarks/next_gpu_call.sh tests "graphed_layers_under or graphed_layers_without"
-#      -- two tests of a reference and three layouts each (~200 s each; the five-layout test ran
-#      out of 250 s in session 11): graphs under zero 1/2's overlapped gather (hooks lifted for
-#      the capture). If they pass, let auto graph tp > 1, dp > 1, zero 1/2 (trainer.fast_paths'
-#      gather_hooks) and say so in config.py's cuda_graphs doc, architecture.md, BENCHMARKS.md
-#   2. s12a -- dp=2: is rank 1's host still ~1.5x slower (session 11 timeline) with each rank
-#      pinned to its own cores (benchmarks/site_diag, PIN=1), and does bf16 on the wire pay now
-#      (parallel.grad_reduce_dtype=bf16, 0.928 in session 3 on older code); and whether this torch
-#      has the fp32-accumulating GEMM the graphed fused weight gradients rely on (PROBE line);
-#      NCCL's CTA policies (NCCL_CTA_POLICY=1 efficiency / 2 zero-CTA, NCCL >= 2.27) at dp=2 and
-#      pp=2 vpp=2: fewer SMs taken from the GEMMs by overlapped reductions and waiting receives.
-#      If one pays, set it per communicator in Topology (ProcessGroupNCCL.Options' config, if
-#      this torch exposes cta_policy; else document the env var) and test it
-#   3. s11b -- dp=2 with the peers in one call (compare.py), for the record
-#   Then, if s12a printed NCCL >= 2.28: copy-engine (zero-CTA) parameter all-gathers for zero=1
-#   (the first forward's +2-3 ms of contention): the dp group made with ProcessGroupNCCL.Options
-#   whose config.cta_policy = NCCL_CTA_POLICY_ZERO, the parameter buffers allocated as NCCL
-#   symmetric memory (torch.distributed._symmetric_memory with the NCCL backend) so the gathers
-#   into them can run on copy engines; probe the API on the device first (python3 -c)
+#   1. s13a -- copy-engine parameter gathers (parallel.param_gather_copy_engine, built in session 12,
+#      never run on a GPU): the contention probe (does NCCL take the copy-engine path: its INFO
+#      lines are counted; do the GEMMs beside the gather stay fast; is every byte gathered; and
+#      the gradient reduce-scatter with symmetric-window buffers), then its GPU test
+#   2. s13b -- if the probe and test passed: one GPU, dp=2 zero=1 with and without copy-engine
+#      gathers, zero=2 with; every run prints its steps (the one-GPU baseline had slow stretches
+#      in session 12: compare medians only when no run shows one). If it pays: default it on
+#      where supported (config doc, architecture.md, BENCHMARKS), else record and keep opt-in
+#   3. s11c -- pp=2 vpp=2 and tp=2 against one GPU and megatron-core (session 12's pp=2 ratio
+#      was spoiled by a slow one-GPU run), then the dp=2 peers (s11b) if time is left
+# Session 12's modes (probe, s12a, pin) are kept below for their commands.
 # Session 11's modes (s11a-d) are kept below for their commands.
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
 #       (train.cuda_graphs), compiled layers (now with opaque collectives), megatron-core tp=2
@@ -194,6 +186,19 @@ case "${1:-tests}" in
       QT=80 q $l; echo "  with TORCH_NCCL_HIGH_PRIORITY=1:"; TORCH_NCCL_HIGH_PRIORITY=1 QT=80 q $l; done
     echo "tp=2 + SP, graphed layers with the fused weight-gradient GEMMs captured:"
     QT=80 q parallel.tp=2 parallel.sequence_parallel=true train.grad_accum_fusion=true ;;
+  s13a)  # session 13, first call: see the plan at the top
+    log="${OUT:-/tmp}/ce_gather_probe.log"
+    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL timeout 200 torchrun --nproc-per-node 2 benchmarks/ce_gather_probe.py \
+      > "$log" 2>&1; grep -h -E "RESULT|Error" "$log"
+    echo "NCCL lines naming the copy engine: $(grep -c -i -E "copy engine|\[CE\]|CE " "$log")"
+    grep -i -m3 -E "copy engine|cta policy" "$log"
+    BUDGET=300 bash "$0" tests copy_engine ;;
+  s13b)  # session 13, second call: see the plan at the top
+    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "STEPS|RESULT|Error" | tail -3
+    for l in "parallel.zero=1" "parallel.zero=1 parallel.param_gather_copy_engine=true" \
+             "parallel.zero=2 parallel.param_gather_copy_engine=true" "parallel.zero=1"; do
+      NPROC=2 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b $l 2>&1 | grep -E "STEPS|RESULT|Error" | tail -3; done
+    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "STEPS|RESULT|Error" | tail -3 ;;
   s12a)  # session 12, second call (the PROBE and NCCL lines ran in the first): one GPU, dp=2 zero=1,
     # and NCCL >= 2.27's CTA policies: 1 = efficiency (fewest CTAs for decent speed: for overlap
     # with compute), 2 = zero-CTA where it can (copy engines); the overlapped reduce-scatter slowed
@@ -230,5 +235,5 @@ print('PROBE mm out_dtype', g(d, torch.float32, torch.bfloat16, False), 'addmm a
     for bs in 40000000 20000000; do QT=90 q parallel.zero=1 parallel.bucket_size=$bs; done
     echo "with NCCL_MAX_CTAS=8:"; NCCL_MAX_CTAS=8 QT=90 q parallel.zero=1 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests [K]|s12a|s11a|s11b|s11c|s11d|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|s13a|s13b|probe|pin|s12a|s11a|s11b|s11c|s11d|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac
