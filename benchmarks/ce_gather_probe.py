@@ -54,7 +54,8 @@ def gemms():
 def gather(flat, group):
     def run():
         for i in range(COUNT):
-            collectives.all_gather(flat[i * BUCKET:(i + 1) * BUCKET], group, async_op=False)
+            # on NCCL's stream, as DataParallel does: 2.28's copy-engine path fails on the default stream
+            collectives.all_gather(flat[i * BUCKET:(i + 1) * BUCKET], group, async_op=True).wait()
     return run
 
 
@@ -80,18 +81,24 @@ for name, flat, group in (("NCCL kernels (dp group)", plain, topo.group("dp")),
     except Exception as e:  # noqa: BLE001 - one way failing must not hide the other
         report(f"{name}: FAILED {type(e).__name__}: {' '.join(str(e).split())[:300]}")
     dist.barrier()
-# every byte: each rank fills its shards with values that say whose they are and where
-n = BUCKET // topo.dp
-for i in range(COUNT):
-    collectives.shard(symmetric[i * BUCKET:(i + 1) * BUCKET], topo.dp_rank, topo.dp).copy_(
-        torch.arange(n, device=device, dtype=torch.float32).remainder(251).add_(1000 * topo.dp_rank + i)
-        .to(torch.bfloat16))
-gather(symmetric, topo.group("dp_gather"))()
-torch.cuda.synchronize()
-expected = torch.cat([torch.arange(n, device=device, dtype=torch.float32).remainder(251).add_(1000 * r + i)
-                      .to(torch.bfloat16) for i in range(COUNT) for r in range(topo.dp)])
-report(f"copy-engine gather exact: {bool(torch.equal(symmetric, expected))}")
-del expected, plain
+
+
+def pattern(i: int, r: int, n: int) -> torch.Tensor:  # values that say whose shard and which bucket
+    return torch.arange(n, device=device, dtype=torch.float32).remainder(251).add_(1000 * r + i).to(torch.bfloat16)
+
+
+try:  # every byte: each rank fills its shards, the gather must bring the others'
+    n = BUCKET // topo.dp
+    for i in range(COUNT):
+        collectives.shard(symmetric[i * BUCKET:(i + 1) * BUCKET], topo.dp_rank, topo.dp).copy_(pattern(i, topo.dp_rank, n))
+    gather(symmetric, topo.group("dp_gather"))()
+    torch.cuda.synchronize()
+    exact = all(torch.equal(symmetric[i * BUCKET:(i + 1) * BUCKET].view(topo.dp, n)[r], pattern(i, r, n))
+                for i in range(COUNT) for r in range(topo.dp))
+    report(f"copy-engine gather exact: {exact}")
+except Exception as e:  # noqa: BLE001
+    report(f"copy-engine gather exactness: FAILED {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+del plain
 dist.barrier()
 
 RS = 8  # the last backward's gradient buckets, fp32, reduce-scattered in place into this rank's shard
@@ -106,7 +113,7 @@ def reduce_scatter(flat):
         for i in range(RS):
             bucket = flat[i * BUCKET:(i + 1) * BUCKET]
             collectives.reduce_scatter(bucket, collectives.shard(bucket, topo.dp_rank, topo.dp), topo.group("dp"),
-                                       accumulate=False, async_op=False)
+                                       accumulate=False, async_op=True).wait()
     return run
 
 

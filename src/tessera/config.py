@@ -175,7 +175,9 @@ class ParallelConfig:
     """zero 1-2 at dp > 1 on CUDA (NCCL >= 2.28): the parameter all-gather runs on the GPUs' copy
     engines, using no SM, so the forward it overlaps keeps every SM: the parameter buffers are
     allocated in NCCL symmetric memory and gathered on a dp communicator of their own with
-    NCCL's zero-CTA policy (distributed/symmetric.py). Same bytes, same results. Not with
+    NCCL's zero-CTA policy (distributed/symmetric.py). Same bytes, same results. Where NCCL cannot
+    use the copy engines (several nodes, an old driver, small buckets) it runs its kernels:
+    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL names the path ("AllGather [Copy Engine]"). Not with
     parallel.tp_async=true (torch's symmetric-memory backend is one per process). Off by
     default: not yet measured."""
 

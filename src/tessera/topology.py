@@ -63,10 +63,12 @@ class Topology:
 
     def new_groups(self, members: list[list[int]], options=None) -> dist.ProcessGroup | None:
         """Create a group for each rank list (all ranks must call this alike); return ours.
-        ``options``: the backend's options for every one of them (``pg_options``)."""
+        ``options(timeout)``: makes the backend's options for each of them (``pg_options``; c10d
+        writes into the object it is given, so each group gets its own)."""
         mine = None
         for ranks in members:
-            group = dist.new_group(ranks, timeout=self.timeout, pg_options=options)
+            group = dist.new_group(ranks, timeout=self.timeout,
+                                   pg_options=None if options is None else options(self.timeout))
             if self.rank in ranks:
                 mine = group
         return mine
@@ -124,7 +126,7 @@ class Topology:
             why = unsupported(device)
             if why:
                 raise RuntimeError(f"copy_engine_gather: {why}")
-            topo.groups["dp_gather"] = topo.new_groups(topo.all_ranks_along("dp"), zero_cta_options())
+            topo.groups["dp_gather"] = topo.new_groups(topo.all_ranks_along("dp"), zero_cta_options)
         return topo
 
     # -- coordinates ------------------------------------------------------------------------

@@ -107,7 +107,7 @@ class DataParallel:
         # zero 1/2's parameter all-gather: on the dp group, or on a dp communicator of its own
         # (symmetric.py: copy-engine gathers into buffers that ``param_alloc`` registered with it)
         self.gather_group = gather_group if gather_group is not None else self.group
-        self.param_alloc = param_alloc  # kept: it holds the buffers' window registrations
+        self.param_alloc = param_alloc  # kept with the buffers it allocated (and their registrations' handles)
         self.zero, self.sharded, self.reduce_dtype = zero, zero >= 1, reduce_dtype
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.buffers = [ParamAndGradBuffer([p for p in chunk.parameters() if p.requires_grad],
@@ -389,9 +389,16 @@ class DataParallel:
         :meth:`forward_order`."""
         if not self.sharded or self.group is None:
             return
+        # a bucket no forward waited for (its module did not run) must not be overwritten by this
+        # step's update while last step's gather may still write it: on a gather communicator of
+        # its own nothing else orders them (normally there is nothing left to wait for)
+        self.wait_param_gather()
         for i in self.forward_order():
             bucket = self.ranges[i].bucket
-            pending = collectives.all_gather(bucket.param, self.gather_group, async_op=self.overlap_param_gather)
+            # always asynchronous, on NCCL's own stream (waited for at once when not overlapped):
+            # NCCL 2.28's copy-engine collectives fail on the default stream (NVIDIA/nccl#2003),
+            # where torch runs a synchronous collective
+            pending = collectives.all_gather(bucket.param, self.gather_group, async_op=True)
             if self.overlap_param_gather:
                 self._gathers[bucket] = pending
             else:

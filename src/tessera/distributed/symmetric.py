@@ -10,6 +10,14 @@ transfers, using no SM, when (a) its communicator's CTA policy is ``NCCL_CTA_POL
 from its memory pool and ``rendezvous``'d with a group are registered with that group's
 communicator. The recipe is pytorch/pytorch#188697; torch's own FSDP RFC (#176418) does the same.
 
+NCCL takes the copy-engine path only where it can: one node, a CUDA driver with the virtual
+memory APIs NCCL's symmetric memory needs, both buffers in the window (the in-place gather's input
+is a shard of its output, so they are), and in NCCL >= 2.29 transfers above its size threshold
+(NCCL_SYM_CE_THRESHOLD); elsewhere it silently runs its kernels. `NCCL_DEBUG=INFO
+NCCL_DEBUG_SUBSYS=INIT,COLL` shows which ("AllGather [Copy Engine]" when it took the copy
+engines). Copy engines free the SMs, not the memory bandwidth: the gather still shares HBM
+with the forward.
+
 Only the gather moves to the copy engines: it runs on a dp communicator of its own
 (``Topology``'s ``dp_gather`` group, zero-CTA), while gradient reduce-scatters, which copy
 engines cannot do (they add), keep the default ``dp`` communicator. The bytes gathered are the
@@ -22,6 +30,8 @@ the config refuses that pair.
 """
 
 from __future__ import annotations
+
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -48,10 +58,13 @@ def unsupported(device: torch.device) -> str | None:
     return None
 
 
-def zero_cta_options() -> dist.ProcessGroupNCCL.Options:
-    """Options for an NCCL communicator that uses no SM where it can (copy-engine collectives)."""
+def zero_cta_options(timeout: datetime.timedelta | None = None) -> dist.ProcessGroupNCCL.Options:
+    """Options for an NCCL communicator that uses no SM where it can (copy-engine collectives),
+    with the group's ``timeout`` (else c10d warns that the options' differs)."""
     options = dist.ProcessGroupNCCL.Options()
     options.config.cta_policy = getattr(dist.ProcessGroupNCCL, "NCCL_CTA_POLICY_ZERO", _CTA_POLICY_ZERO)
+    if timeout is not None:
+        options._timeout = timeout
     return options
 
 
@@ -59,10 +72,12 @@ class SymmetricAllocator:
     """Allocates zeroed flat tensors in NCCL symmetric memory registered with ``group``: every rank
     of the group must allocate the same sizes in the same order (``rendezvous`` is collective)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
         why = unsupported(device)
         if why:
             raise RuntimeError(f"parallel.param_gather_copy_engine: {why}")
+        if group is None:
+            raise ValueError("SymmetricAllocator needs a process group of several ranks (the topology's dp_gather)")
         from torch.distributed import _symmetric_memory as symm
         self._symm, self.group, self.device = symm, group, device
         symm.set_backend("NCCL")  # per process (module docstring)
@@ -70,10 +85,10 @@ class SymmetricAllocator:
         # a window registration as the communicator's first operation fails (pytorch#188567):
         # one small collective first
         dist.all_reduce(torch.zeros(1, device=device), group=group)
-        self.handles: list = []  # kept alive with the tensors they registered
+        self.handles: list = []  # rendezvous handles (the registration lives with the allocation)
 
     def __call__(self, numel: int, dtype: torch.dtype) -> Tensor:
-        with torch.cuda.use_mem_pool(self.pool):
+        with torch.cuda.use_mem_pool(self.pool, device=self.device):
             flat = torch.zeros(numel, dtype=dtype, device=self.device)
         self.handles.append(self._symm.rendezvous(flat, group=self.group))
         return flat
