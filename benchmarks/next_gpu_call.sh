@@ -8,15 +8,17 @@
 #       K="pipeline or curve" then K="zero"
 # Session 13's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
 # after 30 s, so send the next call at once; a fresh machine costs ~60 s of the budget):
-#   1. s13a -- copy-engine parameter gathers (parallel.param_gather_copy_engine, built in session 12,
-#      never run on a GPU): the contention probe (does NCCL take the copy-engine path: its INFO
-#      lines are counted; do the GEMMs beside the gather stay fast; is every byte gathered; and
-#      the gradient reduce-scatter with symmetric-window buffers), then its GPU test
-#   2. s13b -- if the probe and test passed: one GPU, dp=2 zero=1 with and without copy-engine
-#      gathers, zero=2 with; every run prints its steps (the one-GPU baseline had slow stretches
-#      in session 12: compare medians only when no run shows one). If it pays: default it on
-#      where supported (config doc, architecture.md, BENCHMARKS), else record and keep opt-in
-#   3. s11c -- pp=2 vpp=2 and tp=2 against one GPU and megatron-core (session 12's pp=2 ratio
+#   1. s13a -- NCCL symmetric-memory buffers (built in session 12, never run on a GPU): the
+#      contention probe (do the GEMMs beside the parameter gather stay faster with copy engines;
+#      is every byte gathered; and the gradient reduce-scatter from symmetric-window buffers),
+#      a short run with NCCL's INFO log (which path it took), then the copy-engine GPU test
+#   2. s13b -- the symmetric-gradient GPU test; one GPU, dp=2 zero=1 plain and with copy-engine
+#      gathers (if its test passed)
+#   3. s13c -- one GPU, dp=2 zero=1 with symmetric gradient buffers, with both, plain.
+#      Every run prints its steps (the one-GPU baseline had slow stretches in session 12: compare
+#      medians only when no run shows one). What pays becomes the default where supported
+#      (config doc, architecture.md, BENCHMARKS); the rest is recorded and stays opt-in
+#   4. s11c -- pp=2 vpp=2 and tp=2 against one GPU and megatron-core (session 12's pp=2 ratio
 #      was spoiled by a slow one-GPU run), then the dp=2 peers (s11b) if time is left
 # Session 12's modes (probe, s12a, pin) are kept below for their commands.
 # Session 11's modes (s11a-d) are kept below for their commands.
@@ -188,19 +190,24 @@ case "${1:-tests}" in
     QT=80 q parallel.tp=2 parallel.sequence_parallel=true train.grad_accum_fusion=true ;;
   s13a)  # session 13, first call: see the plan at the top
     log="${OUT:-/tmp}/ce_gather_probe.log"
-    timeout 200 torchrun --nproc-per-node 2 benchmarks/ce_gather_probe.py > "$log" 2>&1; grep -h -E "RESULT|Error" "$log"
+    timeout 150 torchrun --nproc-per-node 2 benchmarks/ce_gather_probe.py > "$log" 2>&1; grep -h -E "RESULT|Error" "$log"
     log="${OUT:-/tmp}/ce_gather_nccl_info.log"  # which path NCCL took (its per-call logging would skew the timings above)
-    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL timeout 120 torchrun --nproc-per-node 2 benchmarks/ce_gather_probe.py 2 \
+    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL timeout 90 torchrun --nproc-per-node 2 benchmarks/ce_gather_probe.py 2 \
       > "$log" 2>&1; grep -h -E "RESULT.*exact|Error" "$log"
     echo "NCCL INFO lines naming the copy engine: $(grep "NCCL INFO" "$log" | grep -c "Copy Engine")"
     grep "NCCL INFO" "$log" | grep -i -m4 -E "copy engine|cta ?policy|AllGather.*Algo|Symk"
+    grep "NCCL INFO" "$log" | grep -i -m3 -E "ReduceScatter"
+    env | grep -E "NVLS|MULTICAST"  # NVLink multicast must stay off on these machines (KINDS.md)
     BUDGET=300 bash "$0" tests copy_engine ;;
   s13b)  # session 13, second call: see the plan at the top
-    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "STEPS|RESULT|Error" | tail -3
-    for l in "parallel.zero=1" "parallel.zero=1 parallel.param_gather_copy_engine=true" \
-             "parallel.zero=2 parallel.param_gather_copy_engine=true" "parallel.zero=1"; do
-      NPROC=2 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b $l 2>&1 | grep -E "STEPS|RESULT|Error" | tail -3; done
-    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "STEPS|RESULT|Error" | tail -3 ;;
+    BUDGET=220 bash "$0" tests symmetric_gradient | grep "rc="
+    ce=parallel.param_gather_copy_engine=true
+    for n_l in "1 " "2 parallel.zero=1" "2 parallel.zero=1 $ce"; do
+      NPROC=${n_l%% *} timeout 85 python3 benchmarks/quick_train.py gpt-1.3b ${n_l#* } 2>&1 | grep -E "STEPS|RESULT|Error" | tail -3; done ;;
+  s13c)  # session 13, third call: see the plan at the top
+    ce=parallel.param_gather_copy_engine=true; sym=parallel.grad_reduce_symmetric=true
+    for n_l in "1 " "2 parallel.zero=1 $sym" "2 parallel.zero=1 $ce $sym" "2 parallel.zero=1" "1 "; do
+      NPROC=${n_l%% *} timeout 85 python3 benchmarks/quick_train.py gpt-1.3b ${n_l#* } 2>&1 | grep -E "STEPS|RESULT|Error" | tail -3; done ;;
   s12a)  # session 12, second call (the PROBE and NCCL lines ran in the first): one GPU, dp=2 zero=1,
     # and NCCL >= 2.27's CTA policies: 1 = efficiency (fewest CTAs for decent speed: for overlap
     # with compute), 2 = zero-CTA where it can (copy engines); the overlapped reduce-scatter slowed
@@ -237,5 +244,5 @@ print('PROBE mm out_dtype', g(d, torch.float32, torch.bfloat16, False), 'addmm a
     for bs in 40000000 20000000; do QT=90 q parallel.zero=1 parallel.bucket_size=$bs; done
     echo "with NCCL_MAX_CTAS=8:"; NCCL_MAX_CTAS=8 QT=90 q parallel.zero=1 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests [K]|s13a|s13b|probe|pin|s12a|s11a|s11b|s11c|s11d|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|s13a|s13b|s13c|probe|pin|s12a|s11a|s11b|s11c|s11d|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac

@@ -88,12 +88,12 @@ def test_cuda_graphs_on_cpu_is_refused_before_any_work(monkeypatch):
         train(load_config(None, ["train.cuda_graphs=true", "train.device=cpu", "data.source=synthetic"]))
 
 
-def test_copy_engine_gather_on_cpu_is_refused_before_any_work(monkeypatch):
+@pytest.mark.parametrize("name", ["param_gather_copy_engine", "grad_reduce_symmetric"])
+def test_symmetric_buffers_on_cpu_are_refused_before_any_work(monkeypatch, name):
     from tessera.training.trainer import train
-    monkeypatch.setenv("WORLD_SIZE", "2")  # dp=2: the layout it acts on (no process group is made)
-    with pytest.raises(ConfigError, match="parallel.param_gather_copy_engine: they need CUDA GPUs and NCCL, "
-                                          "this run is on cpu"):
-        train(load_config(None, ["parallel.zero=1", "parallel.param_gather_copy_engine=true", "train.device=cpu",
+    monkeypatch.setenv("WORLD_SIZE", "2")  # dp=2: the layout they act on (no process group is made)
+    with pytest.raises(ConfigError, match=f"parallel.{name}: they need CUDA GPUs and NCCL, this run is on cpu"):
+        train(load_config(None, ["parallel.zero=1", f"parallel.{name}=true", "train.device=cpu",
                                  "data.source=synthetic"]))
 
 
@@ -211,7 +211,11 @@ def test_fast_path_options_refused_where_they_cannot_act():
              (["parallel.tp=2", "parallel.tp_async=p2p"], "async TP fuses sequence-parallel"),
              (["parallel.param_gather_copy_engine=true"], "zero=0 at dp=2 does not have"),
              (["parallel.param_gather_copy_engine=true", "parallel.zero=3"], "zero=3 at dp=2 does not have"),
-             (["parallel.param_gather_copy_engine=true", "parallel.zero=1", "parallel.tp=2"], "zero=1 at dp=1")]
+             (["parallel.param_gather_copy_engine=true", "parallel.zero=1", "parallel.tp=2"], "zero=1 at dp=1"),
+             (["parallel.grad_reduce_symmetric=true", "parallel.zero=2"], "zero=2 at dp=2 does not keep"),
+             (["parallel.grad_reduce_symmetric=true", "parallel.zero=1", "parallel.tp=2"], "zero=1 at dp=1"),
+             (["parallel.grad_reduce_symmetric=true", "train.grad_dtype=bf16"], "outside the registered buffers"),
+             (["parallel.grad_reduce_symmetric=true", "parallel.grad_reduce_dtype=bf16"], "outside the registered")]
     for sets, message in cases:
         with pytest.raises(ConfigError, match=message):
             validate(load_config(None, sets), 2)
@@ -219,6 +223,10 @@ def test_fast_path_options_refused_where_they_cannot_act():
     validate(load_config(None, ce_tp), 4)  # tp=2 x dp=2: taken
     with pytest.raises(ConfigError, match="symmetric-memory backend"):
         validate(load_config(None, ce_tp + ["parallel.tp_async=true"]), 4)
+    sym_tp = ["parallel.grad_reduce_symmetric=true", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    validate(load_config(None, sym_tp), 4)  # zero=0, tp=2 x dp=2: taken
+    with pytest.raises(ConfigError, match="parallel.grad_reduce_symmetric: it sets torch's symmetric-memory backend"):
+        validate(load_config(None, sym_tp + ["parallel.tp_async=true"]), 4)
 
 
 @pytest.mark.parametrize("given,expected", [("true", "true"), ("True", "true"), ("1", "true"), ("yes", "true"),

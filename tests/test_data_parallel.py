@@ -642,12 +642,13 @@ def test_bf16_on_the_wire_rounds_but_replicas_agree():
             assert torch.equal(out[0][name]["params"][p], out[1][name]["params"][p]), (name, p)
 
 
-def _gather_group_worker(rank: int, world: int) -> dict:
-    """zero 1/2 at dp=2, the parameter gathers on the dp group (default) and, with
-    parallel.param_gather_copy_engine, on the ``dp_gather`` group into buffers from its allocator.
+def _symmetric_buffers_worker(rank: int, world: int) -> dict:
+    """At dp=2, the default run against parallel.param_gather_copy_engine (zero 1/2: the gathers
+    on the ``dp_gather`` group, into parameter buffers from its allocator) and
+    parallel.grad_reduce_symmetric (zero 0/1: gradient buffers from an allocator for the dp group).
     On gloo a plain second dp group stands in for the zero-CTA NCCL one, and a recording
     allocator for NCCL symmetric memory: what is checked is the plumbing (which group gathers,
-    which memory holds the parameters) and that the run is the same."""
+    which memory holds the parameters and gradients) and that the run is the same."""
     from unittest import mock
 
     from tessera.distributed import collectives
@@ -655,49 +656,58 @@ def _gather_group_worker(rank: int, world: int) -> dict:
 
     topo = Topology.build()
     topo.groups["dp_gather"] = topo.new_groups(topo.all_ranks_along("dp"))
-    allocated, used = [], []
+    allocated, used = {}, []  # group name -> tensors
+
+    def name_of(group):
+        return "dp_gather" if group is topo.group("dp_gather") else "dp" if group is topo.group("dp") else "?"
 
     class RecordingAllocator:
         def __init__(self, group, device):
-            assert group is topo.group("dp_gather") and device == topo.device
+            assert device == topo.device
+            self.group = name_of(group)
 
         def __call__(self, numel, dtype):
             flat = torch.zeros(numel, dtype=dtype)
-            allocated.append(flat)
+            allocated.setdefault(self.group, []).append(flat)
             return flat
 
     gather = collectives.all_gather
 
     def recording_gather(flat, group, *, async_op):
-        used.append("dp_gather" if group is topo.group("dp_gather") else "dp" if group is topo.group("dp") else "?")
+        used.append(name_of(group))
         return gather(flat, group, async_op=async_op)
 
-    def buffers_from_allocator(stage, data_parallel):
-        out["in_allocated"] = [any(b.param_data is a for a in allocated) for b in data_parallel.buffers]
+    def buffers_from(stage, data_parallel):
+        out["memory"] = [[name for name, ts in allocated.items() if any(b.param_data is t for t in ts)]
+                         + [name for name, ts in allocated.items() if any(b.grad_data is t for t in ts)]
+                         for b in data_parallel.buffers]
 
     out = {}
+    runs = [(zero, opt) for zero in (1, 2) for opt in ("", "param_gather_copy_engine")] \
+        + [(zero, opt) for zero in (0, 1) for opt in ("", "grad_reduce_symmetric")] \
+        + [(1, "param_gather_copy_engine grad_reduce_symmetric")]
     with mock.patch.object(trainer, "SymmetricAllocator", RecordingAllocator), \
             mock.patch.object(collectives, "all_gather", recording_gather):
-        for zero in (1, 2):
-            for ce in (False, True):
-                used.clear()
-                out.pop("in_allocated", None)
-                run = train_run(topo, [f"parallel.zero={zero}", "train.dtype=bf16",
-                                       f"parallel.param_gather_copy_engine={str(ce).lower()}"],
-                                prepare=buffers_from_allocator)
-                run["groups"], run["in_allocated"] = sorted(set(used)), out.pop("in_allocated")
-                run["gathers"] = len(used)
-                out[(zero, ce)] = run
+        for zero, opts in runs:
+            used.clear()
+            allocated.clear()
+            run = train_run(topo, [f"parallel.zero={zero}", "train.dtype=bf16",
+                                   *[f"parallel.{o}=true" for o in opts.split()]], prepare=buffers_from)
+            run["groups"], run["memory"], run["gathers"] = sorted(set(used)), out.pop("memory"), len(used)
+            out[(zero, opts)] = run
     return out
 
 
-def test_copy_engine_gather_runs_on_its_group_into_its_buffers_and_changes_nothing():
-    for out in run_ranks(_gather_group_worker, 2, timeout=240):
-        for zero in (1, 2):
-            sm, ce = out[(zero, False)], out[(zero, True)]
-            assert sm["groups"] == ["dp"] and sm["in_allocated"] == [False]
-            assert ce["groups"] == ["dp_gather"] and ce["in_allocated"] == [True]
-            assert ce["gathers"] == sm["gathers"] > 0
-            assert ce["losses"] == sm["losses"] and ce["norms"] == sm["norms"]
-            for name in sm["params"]:
-                assert torch.equal(ce["params"][name], sm["params"][name]), (zero, name)
+def test_symmetric_buffers_come_from_their_allocators_use_their_groups_and_change_nothing():
+    for out in run_ranks(_symmetric_buffers_worker, 2, timeout=300):
+        for (zero, opts), run in out.items():
+            plain = out[(zero, "")]
+            assert run["losses"] == plain["losses"] and run["norms"] == plain["norms"], (zero, opts)
+            for name in plain["params"]:
+                assert torch.equal(run["params"][name], plain["params"][name]), (zero, opts, name)
+            ce, sym = "param_gather_copy_engine" in opts, "grad_reduce_symmetric" in opts
+            # parameters in dp_gather's memory, gradients in dp's, each only when asked
+            assert run["memory"] == [["dp_gather"] * ce + ["dp"] * sym], (zero, opts, run["memory"])
+            assert run["gathers"] == plain["gathers"] == (0 if zero == 0 else run["gathers"])
+            assert run["groups"] == ([] if zero == 0 else ["dp_gather"] if ce else ["dp"]), (zero, opts)
+        assert out[(1, "")]["gathers"] > 0

@@ -161,17 +161,20 @@ def test_cuda_graphed_overlapped_tp_paths_follow_one_gpu(tmp_path):
                                 "graphs-overlap": sp + ["parallel.tp_comm_overlap=true"]}, timeout=110)
 
 
+SYMMETRIC_BASE = ["model.hidden=512", "model.vocab_size=50304", "train.dtype=bf16", "parallel.bucket_size=4000000"]
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_copy_engine_param_gather_gives_the_same_run(tmp_path):
     """zero 1/2's parameter all-gather on the copy engines (parallel.param_gather_copy_engine:
     parameter buffers in NCCL symmetric memory, a zero-CTA dp communicator) gathers the same
     bytes as NCCL's kernels: bf16 at dp=2, a 32M-parameter model in buckets of 4M parameters or
-    more (8 MB: at or above NCCL's size threshold for the copy engines), the losses and gradient norms of the default
-    gather (to the run-to-run spread of flash attention's backward), the trainer saying which it
-    used, and NCCL's log naming the copy engine for the all-gathers."""
-    base = ["model.hidden=512", "model.vocab_size=50304", "train.dtype=bf16", "parallel.bucket_size=4000000"]
+    more (8 MB: at or above NCCL's size threshold for the copy engines), the losses and gradient
+    norms of the default gather (to the run-to-run spread of flash attention's backward), the
+    trainer saying which it used, and NCCL's log naming the copy engine for the all-gathers."""
     debug = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,COLL"}
+    base = SYMMETRIC_BASE
     for zero in (1, 2):
         sm = _train(tmp_path, f"sm-zero{zero}", 2, base + [f"parallel.zero={zero}"], timeout=110)
         ce = _train(tmp_path, f"ce-zero{zero}", 2, base + [f"parallel.zero={zero}", "parallel.param_gather_copy_engine=true"],
@@ -184,6 +187,22 @@ def test_copy_engine_param_gather_gives_the_same_run(tmp_path):
         for a, b in zip(sm, ce, strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (zero, a["step"], a["loss"], b["loss"])
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), (zero, a["step"])
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_symmetric_gradient_buffers_give_the_same_run(tmp_path):
+    """zero 0/1 with the gradient buffers in NCCL symmetric memory registered with the dp
+    communicator (parallel.grad_reduce_symmetric, for NCCL's symmetric-memory kernels): the
+    losses of the default buffers, and the trainer saying which it used."""
+    base = SYMMETRIC_BASE
+    for zero in (0, 1):
+        sm = _train(tmp_path, f"plain-grads-zero{zero}", 2, base + [f"parallel.zero={zero}"], timeout=110)
+        sym = _train(tmp_path, f"sym-grads-zero{zero}", 2, base + [f"parallel.zero={zero}", "parallel.grad_reduce_symmetric=true"],
+                     timeout=110)
+        assert "gradients reduced from symmetric memory" in (tmp_path / f"sym-grads-zero{zero}" / "output.log").read_text()
+        for a, b in zip(sm, sym, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (zero, a["step"], a["loss"], b["loss"])
 
 
 @pytest.mark.timeout(400)

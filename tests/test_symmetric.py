@@ -53,7 +53,7 @@ def test_zero_cta_options_carry_the_policy_and_the_timeout(monkeypatch):
 
 
 def test_allocator_refuses_where_it_cannot_run_and_without_a_group(monkeypatch):
-    with pytest.raises(RuntimeError, match="param_gather_copy_engine: they need CUDA GPUs and NCCL"):
+    with pytest.raises(RuntimeError, match="NCCL symmetric memory: they need CUDA GPUs and NCCL"):
         symmetric.SymmetricAllocator(object(), torch.device("cpu"))
     monkeypatch.setattr(symmetric, "unsupported", lambda device: None)
     with pytest.raises(ValueError, match="needs a process group of several ranks"):

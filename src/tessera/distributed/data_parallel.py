@@ -27,7 +27,8 @@ Communication plan of one step (zero = ``parallel.zero``):
    order the next forward needs them, asynchronously (``overlap_param_gather``); a forward
    pre-hook on each layer waits for the buckets it reads. With ``gather_group`` (a zero-CTA dp
    communicator) and parameter buffers from ``param_alloc`` (NCCL symmetric memory registered
-   with it), the gathers run on the copy engines (``symmetric.py``).
+   with it), the gathers run on the copy engines (``symmetric.py``); with gradient buffers from
+   ``grad_alloc`` (registered with the dp communicator), NCCL's symmetric-memory kernels reduce them.
 
 The loss is already divided by the global token count, so every reduction is a sum.
 Zero-bubble schedules compute some weight gradients outside autograd (``WeightGradStore``); they
@@ -100,20 +101,22 @@ class DataParallel:
                  reduce_dtype: torch.dtype | None = None, fuse_wgrad: bool = False,
                  embedding_group: dist.ProcessGroup | None = None,
                  gather_group: dist.ProcessGroup | None = None,
-                 param_alloc: Callable[[int, torch.dtype], Tensor] | None = None):
+                 param_alloc: Callable[[int, torch.dtype], Tensor] | None = None,
+                 grad_alloc: Callable[[int, torch.dtype], Tensor] | None = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
         # zero 1/2's parameter all-gather: on the dp group, or on a dp communicator of its own
         # (symmetric.py: copy-engine gathers into buffers that ``param_alloc`` registered with it)
         self.gather_group = gather_group if gather_group is not None else self.group
-        self.param_alloc = param_alloc  # kept with the buffers it allocated (and their registrations' handles)
+        # kept with the buffers they allocated (and their registrations' handles)
+        self.param_alloc, self.grad_alloc = param_alloc, grad_alloc
         self.zero, self.sharded, self.reduce_dtype = zero, zero >= 1, reduce_dtype
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.buffers = [ParamAndGradBuffer([p for p in chunk.parameters() if p.requires_grad],
                                            param_dtype=param_dtype, grad_dtype=grad_dtype,
                                            bucket_size=bucket_size, dp=self.dp_size, device=topo.device,
-                                           keep_grads=zero < 2, param_alloc=param_alloc)
+                                           keep_grads=zero < 2, param_alloc=param_alloc, grad_alloc=grad_alloc)
                         for chunk in chunks]
         self._state: dict[nn.Parameter, _BucketState] = {}
         self._states: list[_BucketState] = []  # one per bucket, in backward order per chunk

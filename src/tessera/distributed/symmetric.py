@@ -1,5 +1,7 @@
-"""Parameter buffers in NCCL symmetric memory, so zero 1/2's parameter all-gather runs on the
-GPUs' copy engines instead of their SMs (``parallel.param_gather_copy_engine``).
+"""Buffers in NCCL symmetric memory: parameter buffers, so zero 1/2's parameter all-gather runs
+on the GPUs' copy engines instead of their SMs (``parallel.param_gather_copy_engine``), and
+gradient buffers, so NCCL can reduce them with its symmetric-memory kernels
+(``parallel.grad_reduce_symmetric``: zero 0/1, fp32; fewer SMs, but SMs: copy engines cannot add).
 
 Why: the overlapped all-gather of the updated parameters runs beside the step's first forward,
 and an NCCL kernel takes SMs from its GEMMs (session 9 measured an overlapped dp collective
@@ -21,7 +23,10 @@ with the forward.
 Only the gather moves to the copy engines: it runs on a dp communicator of its own
 (``Topology``'s ``dp_gather`` group, zero-CTA), while gradient reduce-scatters, which copy
 engines cannot do (they add), keep the default ``dp`` communicator. The bytes gathered are the
-same, so a run gives bit-identical results either way (GPU test).
+same, so a run gives the same results either way (GPU test). Gradient buffers registered with
+the ``dp`` communicator (default CTA policy) let NCCL pick its symmetric-memory kernels for the
+in-place reduce-scatter (zero=1) or all-reduce (zero=0); ``benchmarks/ce_gather_probe.py``
+measures whether they slow the backward's GEMMs less.
 
 Side effect, said here because tessera keeps no hidden global state otherwise: torch's choice of
 symmetric-memory backend is per process (``set_backend("NCCL")``), so this cannot share a process
@@ -69,13 +74,14 @@ def zero_cta_options(timeout: datetime.timedelta | None = None) -> dist.ProcessG
 
 
 class SymmetricAllocator:
-    """Allocates zeroed flat tensors in NCCL symmetric memory registered with ``group``: every rank
-    of the group must allocate the same sizes in the same order (``rendezvous`` is collective)."""
+    """Allocates zeroed flat tensors in NCCL symmetric memory registered with ``group`` (a window
+    of that group's communicator): every rank of the group must allocate the same sizes in the
+    same order (``rendezvous`` is collective)."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
         why = unsupported(device)
         if why:
-            raise RuntimeError(f"parallel.param_gather_copy_engine: {why}")
+            raise RuntimeError(f"NCCL symmetric memory: {why}")
         if group is None:
             raise ValueError("SymmetricAllocator needs a process group of several ranks (the topology's dp_gather)")
         from torch.distributed import _symmetric_memory as symm

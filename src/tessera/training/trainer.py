@@ -192,14 +192,18 @@ class Stage:
         return self._executors[m]
 
 
-def copy_engine_gather(topo: Topology, p) -> dict:
-    """DataParallel's arguments for zero 1/2's parameter all-gather on the copy engines
-    (parallel.param_gather_copy_engine): the zero-CTA dp group, and parameter buffers allocated in
-    NCCL symmetric memory registered with it. None asked: none."""
-    if not p.param_gather_copy_engine:
-        return {}
-    group = topo.group("dp_gather")
-    return {"gather_group": group, "param_alloc": SymmetricAllocator(group, topo.device)}
+def symmetric_buffers(topo: Topology, p) -> dict:
+    """DataParallel's arguments for buffers in NCCL symmetric memory: zero 1/2's parameter
+    all-gather on the copy engines (parallel.param_gather_copy_engine: the zero-CTA dp group, and
+    parameter buffers registered with it), gradient buffers registered with the dp group
+    (parallel.grad_reduce_symmetric). None asked: none."""
+    out = {}
+    if p.param_gather_copy_engine:
+        group = topo.group("dp_gather")
+        out.update(gather_group=group, param_alloc=SymmetricAllocator(group, topo.device))
+    if p.grad_reduce_symmetric:
+        out.update(grad_alloc=SymmetricAllocator(topo.group("dp"), topo.device))
+    return out
 
 
 def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
@@ -214,7 +218,7 @@ def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
                                  overlap_grad_reduce=p.overlap_grad_reduce,
                                  overlap_param_gather=p.overlap_param_gather, wgrad_store=stage.wgrad_store,
                                  reduce_dtype=DTYPES[p.grad_reduce_dtype], fuse_wgrad=stage.fuse_wgrad,
-                                 embedding_group=topo.group("embedding"), **copy_engine_gather(topo, p))
+                                 embedding_group=topo.group("embedding"), **symmetric_buffers(topo, p))
     return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
 
 
@@ -227,8 +231,9 @@ def train(cfg: Config) -> list[dict]:
     if cfg.train.cuda_graphs == "true" and device.type != "cuda":
         raise ConfigError("train.cuda_graphs", f"CUDA graphs need a CUDA device, this run is on {device}",
                           "set train.cuda_graphs=false on CPU")
-    if cfg.parallel.param_gather_copy_engine and (why := unsupported(device)):
-        raise ConfigError("parallel.param_gather_copy_engine", why, "set it false")
+    for name in ("param_gather_copy_engine", "grad_reduce_symmetric"):
+        if getattr(cfg.parallel, name) and (why := unsupported(device)):
+            raise ConfigError(f"parallel.{name}", why, "set it false")
     init_distributed(device, cfg.train.timeout_s)
     p, t = cfg.parallel, cfg.train
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device,
@@ -243,7 +248,8 @@ def train(cfg: Config) -> list[dict]:
     n_params = sum(p.numel() for p in model.parameters())
     logger.print(f"tessera: {cfg.model.family} with {n_params:,} parameters on this rank, "
                  f"{topo!r}, schedule {stage.schedule}, zero={p.zero}"
-                 f"{' (parameters gathered by the copy engines)' if p.param_gather_copy_engine else ''}, "
+                 f"{' (parameters gathered by the copy engines)' if p.param_gather_copy_engine else ''}"
+                 f"{' (gradients reduced from symmetric memory)' if p.grad_reduce_symmetric else ''}, "
                  f"device {device}, {t.dtype}, "
                  f"layers {'compiled' if stage.compiled else 'eager'}{' in CUDA graphs' if stage.graphed else ''}, "
                  f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
