@@ -31,6 +31,10 @@ nvidia-smi --query-gpu=name --format=csv,noheader | head -1; nvidia-smi topo -m 
 # a timed-out pytest leaves its training runs behind (holding the GPUs and torchrun's port, so
 # every later run fails): kill them (the pattern is anchored, so it never matches this shell)
 reap() { pgrep -f "^\S*python3? (-u )?-m (tessera|torch.distributed.run)" | xargs -r kill -9; sleep 1; }
+# the GPUs' clocks, power and throttle reasons twice a second into $OUT (the one-GPU baseline had
+# slow stretches in session 12: were the clocks down then?)
+smi_log() { nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+              --format=csv,noheader -lms 500 > "${OUT:-/tmp}/smi_$1.csv" 2>&1 & }
 q() { NPROC=2 timeout ${QT:-100} python3 benchmarks/quick_train.py gpt-1.3b "$@" 2>&1 | grep -E "RESULT|Error" | tail -2; }
 case "${1:-tests}" in
   tests)  # each GPU test in its own pytest run, its log kept at once: a timeout loses one test's message only
@@ -201,10 +205,12 @@ case "${1:-tests}" in
     BUDGET=300 bash "$0" tests copy_engine ;;
   s13b)  # session 13, second call: see the plan at the top
     BUDGET=220 bash "$0" tests symmetric_gradient | grep "rc="
+    smi_log s13b; date +"runs from %T"
     ce=parallel.param_gather_copy_engine=true
     for n_l in "1 " "2 parallel.zero=1" "2 parallel.zero=1 $ce"; do
       NPROC=${n_l%% *} timeout 85 python3 benchmarks/quick_train.py gpt-1.3b ${n_l#* } 2>&1 | grep -E "STEPS|RESULT|Error" | tail -3; done ;;
   s13c)  # session 13, third call: see the plan at the top
+    smi_log s13c; date +"runs from %T"
     ce=parallel.param_gather_copy_engine=true; sym=parallel.grad_reduce_symmetric=true
     for n_l in "1 " "2 parallel.zero=1 $sym" "2 parallel.zero=1 $ce $sym" "2 parallel.zero=1" "1 "; do
       NPROC=${n_l%% *} timeout 85 python3 benchmarks/quick_train.py gpt-1.3b ${n_l#* } 2>&1 | grep -E "STEPS|RESULT|Error" | tail -3; done ;;
