@@ -34,7 +34,8 @@ reap() { pgrep -f "^\S*python3? (-u )?-m (tessera|torch.distributed.run)" | xarg
 # the GPUs' clocks, power and throttle reasons twice a second into $OUT (the one-GPU baseline had
 # slow stretches in session 12: were the clocks down then?)
 smi_log() { nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-              --format=csv,noheader -lms 500 > "${OUT:-/tmp}/smi_$1.csv" 2>&1 & }
+              --format=csv,noheader -lms 500 > "${OUT:-/tmp}/smi_$1.csv" 2>&1 &
+            trap "kill $! 2>/dev/null" EXIT; }  # stopped with this script (else the call would wait for it)
 q() { NPROC=2 timeout ${QT:-100} python3 benchmarks/quick_train.py gpt-1.3b "$@" 2>&1 | grep -E "RESULT|Error" | tail -2; }
 case "${1:-tests}" in
   tests)  # each GPU test in its own pytest run, its log kept at once: a timeout loses one test's message only
