@@ -212,8 +212,8 @@ def test_fast_path_options_refused_where_they_cannot_act():
              (["parallel.param_gather_copy_engine=true"], "zero=0 at dp=2 does not have"),
              (["parallel.param_gather_copy_engine=true", "parallel.zero=3"], "zero=3 at dp=2 does not have"),
              (["parallel.param_gather_copy_engine=true", "parallel.zero=1", "parallel.tp=2"], "zero=1 at dp=1"),
-             (["parallel.grad_reduce_symmetric=true", "parallel.zero=2"], "zero=2 at dp=2 does not keep"),
-             (["parallel.grad_reduce_symmetric=true", "parallel.zero=1", "parallel.tp=2"], "zero=1 at dp=1"),
+             (["parallel.grad_reduce_symmetric=true", "parallel.zero=2"], r"here zero=2, dp=2; zero=2 reduces short-lived"),
+             (["parallel.grad_reduce_symmetric=true", "parallel.zero=1", "parallel.tp=2"], r"here zero=1, dp=1"),
              (["parallel.grad_reduce_symmetric=true", "train.grad_dtype=bf16"], "outside the registered buffers"),
              (["parallel.grad_reduce_symmetric=true", "parallel.grad_reduce_dtype=bf16"], "outside the registered")]
     for sets, message in cases:

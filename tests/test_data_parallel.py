@@ -662,9 +662,10 @@ def _symmetric_buffers_worker(rank: int, world: int) -> dict:
         return "dp_gather" if group is topo.group("dp_gather") else "dp" if group is topo.group("dp") else "?"
 
     class RecordingAllocator:
-        def __init__(self, group, device):
+        def __init__(self, group, device, copy_engine=True):
             assert device == topo.device
             self.group = name_of(group)
+            assert copy_engine == (self.group == "dp_gather")  # only the gather needs the CTA policy
 
         def __call__(self, numel, dtype):
             flat = torch.zeros(numel, dtype=dtype)
@@ -677,6 +678,23 @@ def _symmetric_buffers_worker(rank: int, world: int) -> dict:
         used.append(name_of(group))
         return gather(flat, group, async_op=async_op)
 
+    # each gradient reduction over dp: were its tensors the registered gradient buffers (in place)?
+    import torch.distributed as tdist
+    reductions, reduce_scatter, all_reduce = [], tdist.reduce_scatter_tensor, tdist.all_reduce
+
+    def registered(t):
+        return any(t.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() for a in allocated.get("dp", []))
+
+    def recording_reduce_scatter(out_, in_, *args, group=None, **kwargs):
+        if group is topo.group("dp"):
+            reductions.append(registered(out_) and registered(in_))
+        return reduce_scatter(out_, in_, *args, group=group, **kwargs)
+
+    def recording_all_reduce(t, *args, group=None, **kwargs):
+        if group is topo.group("dp") and t.numel() > 1:  # (not the norm's scalar)
+            reductions.append(registered(t))
+        return all_reduce(t, *args, group=group, **kwargs)
+
     def buffers_from(stage, data_parallel):
         out["memory"] = [[name for name, ts in allocated.items() if any(b.param_data is t for t in ts)]
                          + [name for name, ts in allocated.items() if any(b.grad_data is t for t in ts)]
@@ -687,13 +705,17 @@ def _symmetric_buffers_worker(rank: int, world: int) -> dict:
         + [(zero, opt) for zero in (0, 1) for opt in ("", "grad_reduce_symmetric")] \
         + [(1, "param_gather_copy_engine grad_reduce_symmetric")]
     with mock.patch.object(trainer, "SymmetricAllocator", RecordingAllocator), \
-            mock.patch.object(collectives, "all_gather", recording_gather):
+            mock.patch.object(collectives, "all_gather", recording_gather), \
+            mock.patch.object(tdist, "reduce_scatter_tensor", recording_reduce_scatter), \
+            mock.patch.object(tdist, "all_reduce", recording_all_reduce):
         for zero, opts in runs:
             used.clear()
             allocated.clear()
+            reductions.clear()
             run = train_run(topo, [f"parallel.zero={zero}", "train.dtype=bf16",
                                    *[f"parallel.{o}=true" for o in opts.split()]], prepare=buffers_from)
             run["groups"], run["memory"], run["gathers"] = sorted(set(used)), out.pop("memory"), len(used)
+            run["reductions"] = list(reductions)
             out[(zero, opts)] = run
     return out
 
@@ -710,4 +732,7 @@ def test_symmetric_buffers_come_from_their_allocators_use_their_groups_and_chang
             assert run["memory"] == [["dp_gather"] * ce + ["dp"] * sym], (zero, opts, run["memory"])
             assert run["gathers"] == plain["gathers"] == (0 if zero == 0 else run["gathers"])
             assert run["groups"] == ([] if zero == 0 else ["dp_gather"] if ce else ["dp"]), (zero, opts)
+            # every gradient reduction in place on the registered buffers when asked, none otherwise
+            assert len(run["reductions"]) == len(plain["reductions"]) > 0, (zero, opts)
+            assert all(run["reductions"]) if sym else not any(run["reductions"]), (zero, opts, run["reductions"])
         assert out[(1, "")]["gathers"] > 0

@@ -53,6 +53,9 @@ def _train(tmp_path, name, nproc, extra, timeout=150, env=None):
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"{name}: no result in {timeout} s:\n{out[-3000:]}") from None
+    finally:  # also when pytest's own timeout interrupts the wait: the GPUs are freed for the next test
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     (tmp_path / name / "output.log").write_text(out)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -164,7 +167,7 @@ def test_cuda_graphed_overlapped_tp_paths_follow_one_gpu(tmp_path):
 SYMMETRIC_BASE = ["model.hidden=512", "model.vocab_size=50304", "train.dtype=bf16", "parallel.bucket_size=4000000"]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(480)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_copy_engine_param_gather_gives_the_same_run(tmp_path):
     """zero 1/2's parameter all-gather on the copy engines (parallel.param_gather_copy_engine:
@@ -189,20 +192,27 @@ def test_copy_engine_param_gather_gives_the_same_run(tmp_path):
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), (zero, a["step"])
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(540)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_symmetric_gradient_buffers_give_the_same_run(tmp_path):
     """zero 0/1 with the gradient buffers in NCCL symmetric memory registered with the dp
-    communicator (parallel.grad_reduce_symmetric, for NCCL's symmetric-memory kernels): the
-    losses of the default buffers, and the trainer saying which it used."""
-    base = SYMMETRIC_BASE
-    for zero in (0, 1):
-        sm = _train(tmp_path, f"plain-grads-zero{zero}", 2, base + [f"parallel.zero={zero}"], timeout=110)
-        sym = _train(tmp_path, f"sym-grads-zero{zero}", 2, base + [f"parallel.zero={zero}", "parallel.grad_reduce_symmetric=true"],
-                     timeout=110)
-        assert "gradients reduced from symmetric memory" in (tmp_path / f"sym-grads-zero{zero}" / "output.log").read_text()
-        for a, b in zip(sm, sym, strict=True):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (zero, a["step"], a["loss"], b["loss"])
+    communicator (parallel.grad_reduce_symmetric), and zero=1 with both symmetric options: the
+    losses and gradient norms of the default buffers, the trainer saying which it used, and
+    NCCL's log naming its symmetric kernels for the reductions."""
+    base, debug = SYMMETRIC_BASE, {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,COLL"}
+    both = ["parallel.grad_reduce_symmetric=true", "parallel.param_gather_copy_engine=true"]
+    plain = {zero: _train(tmp_path, f"plain-zero{zero}", 2, base + [f"parallel.zero={zero}"], timeout=100)
+             for zero in (0, 1)}
+    for zero, name, extra in ((0, "sym-grads-zero0", both[:1]), (1, "sym-grads-zero1", both[:1]), (1, "both-zero1", both)):
+        sym = _train(tmp_path, name, 2, base + [f"parallel.zero={zero}", *extra], timeout=100, env=debug)
+        out = (tmp_path / name / "output.log").read_text()
+        assert "gradients reduced from symmetric memory" in out
+        kind = "AllReduce" if zero == 0 else "ReduceScatter"
+        reductions = [line for line in out.splitlines() if "NCCL INFO" in line and kind in line]
+        assert any("Symmetric" in line for line in reductions), reductions[-5:] or out[-2000:]
+        for a, b in zip(plain[zero], sym, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (name, a["step"], a["loss"], b["loss"])
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), (name, a["step"])
 
 
 @pytest.mark.timeout(400)

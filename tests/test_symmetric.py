@@ -40,8 +40,15 @@ def test_each_reason_it_cannot_run_is_named(monkeypatch):
     assert "NCCL >= 2.28 (copy-engine collectives), this torch has (2, 27, 7)" in symmetric.unsupported(cuda)
     _fake_nccl(monkeypatch, with_policy=False)
     assert "cta_policy" in symmetric.unsupported(cuda)
+    assert symmetric.unsupported(cuda, copy_engine=False) is None  # symmetric kernels need no CTA policy
     _fake_nccl(monkeypatch)
     assert symmetric.unsupported(cuda) is None  # this torch has the symmetric-memory pool
+
+
+def test_a_group_spanning_nodes_is_seen():
+    assert not symmetric.spans_nodes([0, 1], 8) and not symmetric.spans_nodes([4, 6], 8)
+    assert symmetric.spans_nodes([7, 8], 8) and symmetric.spans_nodes([0, 8, 16], 8)
+    assert not symmetric.spans_nodes([3], 1)
 
 
 def test_zero_cta_options_carry_the_policy_and_the_timeout(monkeypatch):
@@ -55,7 +62,7 @@ def test_zero_cta_options_carry_the_policy_and_the_timeout(monkeypatch):
 def test_allocator_refuses_where_it_cannot_run_and_without_a_group(monkeypatch):
     with pytest.raises(RuntimeError, match="NCCL symmetric memory: they need CUDA GPUs and NCCL"):
         symmetric.SymmetricAllocator(object(), torch.device("cpu"))
-    monkeypatch.setattr(symmetric, "unsupported", lambda device: None)
+    monkeypatch.setattr(symmetric, "unsupported", lambda device, copy_engine=True: None)
     with pytest.raises(ValueError, match="needs a process group of several ranks"):
         symmetric.SymmetricAllocator(None, torch.device("cuda", 0))
 

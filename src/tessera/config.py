@@ -572,8 +572,8 @@ def validate(cfg: Config, world_size: int) -> Config:
            f"it moves zero 1/2's parameter all-gather, which zero={p.zero} at dp={dp} does not have",
            "use parallel.zero=1 or 2 with dp > 1, or set it false")
     _check(not p.grad_reduce_symmetric or (p.zero in (0, 1) and dp > 1), "parallel.grad_reduce_symmetric",
-           f"it registers the gradient buffers that zero 0/1 reduce over dp, which zero={p.zero} at dp={dp} does "
-           "not keep (zero=2 reduces short-lived bucket buffers; zero=3 is FSDP's)",
+           f"it registers the gradient buffers that zero 0/1 keep and reduce over dp > 1 (here zero={p.zero}, "
+           f"dp={dp}; zero=2 reduces short-lived bucket buffers, zero=3 is FSDP's)",
            "use parallel.zero=0 or 1 with dp > 1, or set it false")
     _check(not p.grad_reduce_symmetric or (t.grad_dtype == "fp32" and p.grad_reduce_dtype == "fp32"),
            "parallel.grad_reduce_symmetric", "bf16 gradients travel as copies or through an all-to-all, outside "

@@ -46,8 +46,9 @@ MIN_NCCL = (2, 28)
 _CTA_POLICY_ZERO = 2  # NCCL_CTA_POLICY_ZERO in nccl.h (0 default, 1 efficiency, 2 zero)
 
 
-def unsupported(device: torch.device) -> str | None:
-    """Why copy-engine parameter gathers cannot run here, or None when they can."""
+def unsupported(device: torch.device, copy_engine: bool = True) -> str | None:
+    """Why buffers in NCCL symmetric memory cannot be used here, or None when they can;
+    ``copy_engine``: for copy-engine collectives, which also need a CTA policy."""
     if device.type != "cuda":
         return f"they need CUDA GPUs and NCCL, this run is on {device.type}"
     if not dist.is_nccl_available():
@@ -55,12 +56,19 @@ def unsupported(device: torch.device) -> str | None:
     version = torch.cuda.nccl.version()
     if tuple(version[:2]) < MIN_NCCL:
         return f"they need NCCL >= {MIN_NCCL[0]}.{MIN_NCCL[1]} (copy-engine collectives), this torch has {version}"
-    if not hasattr(dist.ProcessGroupNCCL.Options().config, "cta_policy"):
+    if copy_engine and not hasattr(dist.ProcessGroupNCCL.Options().config, "cta_policy"):
         return "this torch cannot set an NCCL communicator's CTA policy (ProcessGroupNCCL.Options().config.cta_policy)"
     from torch.distributed import _symmetric_memory as symm
     if not hasattr(symm, "get_mem_pool"):
         return "this torch has no symmetric-memory pool (torch.distributed._symmetric_memory.get_mem_pool)"
     return None
+
+
+def spans_nodes(ranks: list[int], local_world_size: int) -> bool:
+    """Whether global ``ranks`` (one group's) sit on more than one node of ``local_world_size``
+    ranks each (torchrun's numbering): torch registers a symmetric window by mapping every peer's
+    memory, which NVLink gives inside one node only."""
+    return len({r // local_world_size for r in ranks}) > 1
 
 
 def zero_cta_options(timeout: datetime.timedelta | None = None) -> dist.ProcessGroupNCCL.Options:
@@ -78,12 +86,12 @@ class SymmetricAllocator:
     of that group's communicator): every rank of the group must allocate the same sizes in the
     same order (``rendezvous`` is collective)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
-        why = unsupported(device)
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, copy_engine: bool = True):
+        why = unsupported(device, copy_engine)
         if why:
             raise RuntimeError(f"NCCL symmetric memory: {why}")
         if group is None:
-            raise ValueError("SymmetricAllocator needs a process group of several ranks (the topology's dp_gather)")
+            raise ValueError("SymmetricAllocator needs a process group of several ranks")
         from torch.distributed import _symmetric_memory as symm
         self._symm, self.group, self.device = symm, group, device
         symm.set_backend("NCCL")  # per process (module docstring)

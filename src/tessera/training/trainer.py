@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ from tessera.models import TPContext
 from tessera.distributed.data_parallel import DataParallel
 from tessera.distributed.fsdp import FullyShardedDataParallel
 from tessera.distributed.memory import memory_report
-from tessera.distributed.symmetric import SymmetricAllocator, unsupported
+from tessera.distributed.symmetric import SymmetricAllocator, spans_nodes, unsupported
 from tessera.optim import DynamicLossScaler, LRScheduler, MicroBatchCalculator
 from tessera.optim.optimizers import FSDPOptimizer, MainParamOptimizer
 from tessera.pipeline_parallel.executor import PipelineExecutor
@@ -202,7 +203,7 @@ def symmetric_buffers(topo: Topology, p) -> dict:
         group = topo.group("dp_gather")
         out.update(gather_group=group, param_alloc=SymmetricAllocator(group, topo.device))
     if p.grad_reduce_symmetric:
-        out.update(grad_alloc=SymmetricAllocator(topo.group("dp"), topo.device))
+        out.update(grad_alloc=SymmetricAllocator(topo.group("dp"), topo.device, copy_engine=False))
     return out
 
 
@@ -232,13 +233,19 @@ def train(cfg: Config) -> list[dict]:
         raise ConfigError("train.cuda_graphs", f"CUDA graphs need a CUDA device, this run is on {device}",
                           "set train.cuda_graphs=false on CPU")
     for name in ("param_gather_copy_engine", "grad_reduce_symmetric"):
-        if getattr(cfg.parallel, name) and (why := unsupported(device)):
+        if getattr(cfg.parallel, name) and (why := unsupported(device, copy_engine=name == "param_gather_copy_engine")):
             raise ConfigError(f"parallel.{name}", why, "set it false")
     init_distributed(device, cfg.train.timeout_s)
     p, t = cfg.parallel, cfg.train
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device,
                           timeout=datetime.timedelta(seconds=t.timeout_s),
                           copy_engine_gather=p.param_gather_copy_engine)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    for name in ("param_gather_copy_engine", "grad_reduce_symmetric"):
+        if getattr(p, name) and spans_nodes(topo.ranks_of("dp"), local):
+            raise ConfigError(f"parallel.{name}", f"the dp group {topo.ranks_of('dp')} spans nodes of {local} "
+                              "ranks, and NCCL symmetric memory maps its peers' memory over one node's NVLink",
+                              "set it false, or lay out tp x cp x dp within one node")
     rng = RNGTracker.for_rank(t.seed, topo.tp_rank, topo.pp_rank, device)
     stage = Stage(cfg, topo, rng)
     model = stage.model
