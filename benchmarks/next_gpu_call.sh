@@ -18,7 +18,12 @@
 #      Every run prints its steps (the one-GPU baseline had slow stretches in session 12: compare
 #      medians only when no run shows one). What pays becomes the default where supported
 #      (config doc, architecture.md, BENCHMARKS); the rest is recorded and stays opt-in
-#   4. s11c -- pp=2 vpp=2 and tp=2 against one GPU and megatron-core (session 12's pp=2 ratio
+#   4. s13d -- tp=2 + SP graphed layers, a step's kernels with the fused weight-gradient GEMMs
+#      captured (train.grad_accum_fusion=true) and without: session 9's profile put 34 ms of the
+#      383 ms step in main_grad.add_, the fused GEMM measured 102 against 125 us for fc1 alone
+#      (session 10) and the PROBE (session 12) says this torch fuses it, yet the step gained 0.4 %
+#      (session 11): where did the saving go?
+#   5. s11c -- pp=2 vpp=2 and tp=2 against one GPU and megatron-core (session 12's pp=2 ratio
 #      was spoiled by a slow one-GPU run), then the dp=2 peers (s11b) if time is left
 # Session 12's modes (probe, s12a, pin) are kept below for their commands.
 # Session 11's modes (s11a-d) are kept below for their commands.
@@ -215,6 +220,10 @@ case "${1:-tests}" in
     ce=parallel.param_gather_copy_engine=true; sym=parallel.grad_reduce_symmetric=true
     for n_l in "1 " "2 parallel.zero=1 $sym" "2 parallel.zero=1 $ce $sym" "2 parallel.zero=1" "1 "; do
       NPROC=${n_l%% *} timeout 85 python3 benchmarks/quick_train.py gpt-1.3b ${n_l#* } 2>&1 | grep -E "STEPS|RESULT|Error" | tail -3; done ;;
+  s13d)  # session 13: see the plan at the top
+    for f in false true; do log="${OUT:-/tmp}/kernels_tp2_graphs_fusion_$f.log"
+      timeout 150 torchrun --nproc-per-node 2 benchmarks/kernel_table.py parallel.tp=2 parallel.sequence_parallel=true \
+        train.cuda_graphs=true train.grad_accum_fusion=$f > "$log" 2>&1; grep -h -E "SUMMARY|Error" "$log" | tail -4; done ;;
   s12a)  # session 12, second call (the PROBE and NCCL lines ran in the first): one GPU, dp=2 zero=1,
     # and NCCL >= 2.27's CTA policies: 1 = efficiency (fewest CTAs for decent speed: for overlap
     # with compute), 2 = zero-CTA where it can (copy engines); the overlapped reduce-scatter slowed
@@ -251,5 +260,5 @@ print('PROBE mm out_dtype', g(d, torch.float32, torch.bfloat16, False), 'addmm a
     for bs in 40000000 20000000; do QT=90 q parallel.zero=1 parallel.bucket_size=$bs; done
     echo "with NCCL_MAX_CTAS=8:"; NCCL_MAX_CTAS=8 QT=90 q parallel.zero=1 ;;
   diag-ab) bash "$0" diag; bash "$0" ab ;;
-  *) echo "usage: $0 tests [K]|s13a|s13b|s13c|probe|pin|s12a|s11a|s11b|s11c|s11d|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [K]|s13a|s13b|s13c|s13d|probe|pin|s12a|s11a|s11b|s11c|s11d|s9a|s9b|pp2v|tpprof|dp2b|symm|zbh2|collectives|contention|overlap|pp2|dp2|nccl|profile|timeline|session7|graphs|llama|tp2|ab|diag|session5|session6|diag-ab" >&2; exit 2 ;;
 esac
