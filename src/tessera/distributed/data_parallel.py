@@ -213,10 +213,13 @@ class DataParallel:
     def accumulate(self, p: nn.Parameter, grad: Tensor) -> None:
         """Add one micro-batch's gradient of ``p``; start reductions that became possible."""
         st = self._open(p)
+        main = p.main_grad
+        if grad.shape != main.shape:  # (no view, a dispatcher call, for the usual same-shaped gradient)
+            grad = grad.view(main.shape)
         if self._count[p] == 0 and st.buffer.grad_data is not None:
-            p.main_grad.copy_(grad.view(p.main_grad.shape))  # the buffer still holds last step's
+            main.copy_(grad)  # the buffer still holds last step's
         else:
-            p.main_grad.add_(grad.view(p.main_grad.shape))
+            main.add_(grad)
         self._arrived(p, st)
 
     def accumulate_product(self, p: nn.Parameter, grad_out: Tensor, x: Tensor) -> None:
