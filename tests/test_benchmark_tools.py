@@ -19,6 +19,24 @@ def test_reads_both_result_formats():
 def test_dry_run_lists_tessera_and_both_peers():
     out = subprocess.run([sys.executable, "benchmarks/compare.py", "llama-1b", "1gpu", "tp2", "--dry-run"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
-    assert len(out) == 5  # 1gpu: tessera, megatron-core, PyTorch; tp2: tessera, megatron-core
+    assert len(out) == 6  # 1gpu: tessera, megatron-core, PyTorch; tp2: tessera, megatron-core; tessera 1gpu again
     assert "quick_train.py llama-1b" in out[0] and "mcore_gpt_bench.py" in out[1] and "--llama 1" in out[1]
     assert "parallel.tp=2" in out[3] and "--tp 2" in out[4]
+
+
+def test_one_gpu_baseline_runs_again_at_the_end_and_its_spread_is_shown():
+    out = subprocess.run([sys.executable, "benchmarks/compare.py", "gpt-1.3b", "1gpu", "dp2", "--dry-run"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(out) == 7 and out[-1] == out[0] and "NPROC=1" in out[-1]  # tessera's one GPU, first and last
+    only = subprocess.run([sys.executable, "benchmarks/compare.py", "gpt-1.3b", "1gpu", "--dry-run"],
+                          cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(only) == 3  # nothing to bracket: no second run
+    rows = [("1gpu", "tessera", 59000.0), ("1gpu", "megatron-core", 25000.0), ("dp2", "tessera", 56000.0),
+            (compare.AGAIN, "tessera", 61000.0)]
+    lines = compare.table(rows)
+    assert "| dp2 | tessera | 56,000 |  | 0.933 |" in lines  # against the mean, 60,000
+    assert "| 1gpu | megatron-core | 25,000 | 2.36 |  |" in lines
+    assert lines[-1] == ("tessera one-GPU baseline: 59,000, 61,000 (first and last run), mean 60,000, "
+                         "spread 3.3% -- UNSTABLE: compare nothing against it")
+    steady = compare.table([("1gpu", "tessera", 59000.0), (compare.AGAIN, "tessera", 59500.0)])
+    assert steady[-1].endswith("spread 0.8%") and compare.table([("dp2", "tessera", None)])[-1] == "| dp2 | tessera | failed | | |"
