@@ -253,10 +253,11 @@ def train(cfg: Config) -> list[dict]:
     logs = topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0
     logger = JsonlLogger(t.out_dir, t.log_every) if logs else NullLogger()
     n_params = sum(p.numel() for p in model.parameters())
+    symmetric = (" (parameter gathers zero-CTA from symmetric memory: copy engines where NCCL can)"
+                 if p.param_gather_copy_engine else "")
+    symmetric += " (gradients reduced from symmetric memory)" if p.grad_reduce_symmetric else ""
     logger.print(f"tessera: {cfg.model.family} with {n_params:,} parameters on this rank, "
-                 f"{topo!r}, schedule {stage.schedule}, zero={p.zero}"
-                 f"{' (parameters gathered by the copy engines)' if p.param_gather_copy_engine else ''}"
-                 f"{' (gradients reduced from symmetric memory)' if p.grad_reduce_symmetric else ''}, "
+                 f"{topo!r}, schedule {stage.schedule}, zero={p.zero}{symmetric}, "
                  f"device {device}, {t.dtype}, "
                  f"layers {'compiled' if stage.compiled else 'eager'}{' in CUDA graphs' if stage.graphed else ''}, "
                  f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
