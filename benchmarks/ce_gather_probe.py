@@ -15,7 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from comm_bench import cuda_ms
+from comm_bench import beside, cuda_ms
 
 from tessera.distributed import collectives
 from tessera.distributed.symmetric import SymmetricAllocator
@@ -59,14 +59,8 @@ def gather(flat, group):
     return run
 
 
-def both(run_gather):
-    def run():
-        comm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(comm):
-            run_gather()
-        gemms()
-        torch.cuda.current_stream().wait_stream(comm)
-    return run
+def both(run_gather):  # the collective on its own stream beside the GEMMs
+    return beside(run_gather, gemms, comm)
 
 
 alone = cuda_ms(gemms, 3)

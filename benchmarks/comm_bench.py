@@ -1,6 +1,7 @@
-"""What the GPU microbenchmarks (tp_collectives.py, dp_overlap_contention.py, grad_accumulate_probe.py) share:
-timing a callable on the GPU after every rank is ready, torch's symmetric memory switched on for
-a group, and NCCL user-buffer registration (tensors allocated from the backend's pool)."""
+"""What the GPU microbenchmarks (tp_collectives.py, dp_overlap_contention.py, ce_gather_probe.py,
+grad_accumulate_probe.py) share: timing a callable on the GPU after every rank is ready, a
+collective run beside compute on a second stream, torch's symmetric memory switched on for a
+group, and NCCL user-buffer registration (tensors allocated from the backend's pool)."""
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,19 @@ def cuda_ms(run, reps: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def beside(collective, compute, stream: torch.cuda.Stream):
+    """A callable running ``collective`` on ``stream`` while ``compute`` runs on the current
+    stream, both done when it returns to the stream: what an overlapped collective costs the
+    work it overlaps."""
+    def run():
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            collective()
+        compute()
+        torch.cuda.current_stream().wait_stream(stream)
+    return run
 
 
 def enable_symm_mem(group: dist.ProcessGroup) -> str | None:

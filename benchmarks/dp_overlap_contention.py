@@ -14,7 +14,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from comm_bench import RegisteredBuffers, cuda_ms, enable_symm_mem
+from comm_bench import RegisteredBuffers, beside, cuda_ms, enable_symm_mem
 
 rank = int(os.environ["RANK"])
 torch.cuda.set_device(rank)
@@ -60,14 +60,8 @@ def ms(fn) -> float:
     return cuda_ms(fn, 3)
 
 
-def both(reduce):
-    def run():
-        comm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(comm):
-            reduce()
-        gemms()
-        torch.cuda.current_stream().wait_stream(comm)
-    return run
+def both(reduce):  # the collective on its own stream beside the GEMMs
+    return beside(reduce, gemms, comm)
 
 
 def report(line: str) -> None:  # as it comes: a later hang must not lose what was measured

@@ -253,11 +253,12 @@ class TrainConfig:
     kernels, for layouts bound by the host's launch time. Capturable: CUDA, pp=1, no dropout, no
     packed sequences, eager layers (with fused weight gradients only at zero 0/1), not zero=3
     (true refuses the rest with the reason). Zero 1/2's overlapped parameter gather is taken:
-    its waits are lifted for the capture and run before each replay (GPU test, session 12). auto: on for capturable CUDA runs at tp > 1 (GPT-1.3B at tp=2 + SP: 40,370
-    against 24,223 tokens/s eager on 2x H100, same call, BENCHMARKS.md session 6), also with the
-    opt-in overlapped TP paths (parallel.tp_async, tp_comm_overlap, with or without SP), which
-    graphed follow one GPU (GPU test) and run within 3 % of the plain graphed layers but eager far slower
-    (tp_async=true: 12,206 eager against 41,315 graphed, session 8), and with zero 1/2's
+    its waits are lifted for the capture and run before each replay (GPU test, session 12).
+    auto: on for capturable CUDA runs at tp > 1 (GPT-1.3B at tp=2 + SP: 40,370 against 24,223
+    tokens/s eager on 2x H100, same call, BENCHMARKS.md session 6), also with the opt-in
+    overlapped TP paths (parallel.tp_async, tp_comm_overlap, with or without SP), which graphed
+    follow one GPU (GPU test) and run within 3 % of the plain graphed layers but eager far
+    slower (tp_async=true: 12,206 eager against 41,315 graphed, session 8), and with zero 1/2's
     overlapped gather at dp > 1; off at tp=1, where fused weight gradients are faster."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
