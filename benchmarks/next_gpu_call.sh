@@ -198,6 +198,21 @@ case "${1:-tests}" in
       QT=80 q $l; echo "  with TORCH_NCCL_HIGH_PRIORITY=1:"; TORCH_NCCL_HIGH_PRIORITY=1 QT=80 q $l; done
     echo "tp=2 + SP, graphed layers with the fused weight-gradient GEMMs captured:"
     QT=80 q parallel.tp=2 parallel.sequence_parallel=true train.grad_accum_fusion=true ;;
+  s13e)  # session 13, last call: the GPUs run power-capped (s13b's clock log: ~690 W, SM clocks
+    # 1650-1800 of 1980 MHz), so SMs that NCCL kernels hold spinning cost twice. pp=2 vpp=2 with
+    # fewer point-to-point channels (a 16 MB activation over 4-8 channels is still ~50-100 us;
+    # session 8's one channel was too slow), one GPU first and last
+    smi_log s13e; date +"runs from %T"
+    run() { NPROC=$1 timeout 85 python3 benchmarks/quick_train.py gpt-1.3b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
+    run 1; run 2 parallel.pp=2 parallel.vpp=2
+    for ch in 8 4; do echo "NCCL_MAX_P2P_NCHANNELS=$ch"; NCCL_MAX_P2P_NCHANNELS=$ch run 2 parallel.pp=2 parallel.vpp=2; done
+    run 2 parallel.zero=1; run 1 ;;
+  s13f)  # session 13, after s13e: at pp=2 vpp=2 GPU 1 (the head's stage) ran power-capped at
+    # ~1715 MHz while GPU 0 ran below the cap at ~1940: move a layer to rank 0 (balanced: 7,6,6,5)
+    smi_log s13f; date +"runs from %T"
+    run() { NPROC=$1 timeout 80 python3 benchmarks/quick_train.py gpt-1.3b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
+    run 1; run 2 parallel.pp=2 parallel.vpp=2; run 2 parallel.pp=2 parallel.vpp=2 parallel.pp_layout=balanced
+    run 2 parallel.pp=2 parallel.vpp=2 parallel.pp_layout=6,6,7,5 ;;
   s13a)  # session 13, first call: see the plan at the top
     log="${OUT:-/tmp}/ce_gather_probe.log"
     timeout 150 torchrun --nproc-per-node 2 benchmarks/ce_gather_probe.py > "$log" 2>&1; grep -h -E "RESULT|Error" "$log"

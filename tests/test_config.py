@@ -169,7 +169,10 @@ def test_every_field_documented_and_reference_in_sync():
 
 PIPELINE_BAD = [
     (["parallel.pp=4", "model.layers=2"], 4, "parallel.pp", "exceeds model.layers=2"),
-    (["parallel.pp=2", "parallel.vpp=3", "model.layers=4"], 2, "parallel.vpp", "not divisible by pp*vpp = 6"),
+    (["parallel.pp=2", "parallel.vpp=3", "model.layers=4", "parallel.pp_layout=even"], 2, "parallel.vpp",
+     "not divisible by pp*vpp = 6"),
+    (["parallel.pp=2", "parallel.vpp=3", "model.layers=4"], 2, "parallel.vpp", "6 virtual stages for 4 layers"),
+    (["parallel.pp=2", "model.layers=5"], 2, "parallel.pp", "cannot be split into vpp=1 equal chunks"),
     (["parallel.pp=2", "parallel.pp_layout=1,2", "model.layers=4"], 2, "parallel.pp_layout", "sum to model.layers = 4"),
     (["parallel.pp=2", "parallel.pp_layout=2,2,0", "model.layers=4"], 2, "parallel.pp_layout", "3 entries"),
     (["parallel.pp=2", "parallel.pp_layout=a,b"], 2, "parallel.pp_layout", "not a comma-separated list"),

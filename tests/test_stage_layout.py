@@ -50,5 +50,10 @@ def test_balanced_is_parsed_from_the_config_and_refused_when_it_cannot_be():
     assert parse_layout(" BALANCED ", cfg.model, 2, 1) == [3, 2]
     with pytest.raises(LayoutError, match="every stage needs a layer"):
         parse_layout("balanced", cfg.model, 4, 2)
+    # auto (the default): balanced with virtual stages, even without; "even" and "" are even
+    assert load_config(None, []).parallel.pp_layout == "auto"
+    assert parse_layout("auto", cfg.model, 2, 2) == balanced_layout(cfg.model, 2, 2)
+    assert parse_layout("auto", cfg.model, 2, 1) is None
+    assert parse_layout(" Even ", cfg.model, 2, 2) is None and parse_layout("", cfg.model, 2, 2) is None
     with pytest.raises(LayoutError, match="needs the model config"):
         parse_layout("balanced")

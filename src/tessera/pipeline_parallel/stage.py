@@ -8,6 +8,11 @@ FLOPs, counting the output head as the layers it weighs (GPT-1.3B's head, 2 h V 
 forward, is 1.9 layers: an even 12/12 split at pp=2 leaves the last stage 15 % busier than the
 first, and a pipeline runs at the pace of its slowest stage; balanced gives 13/11). Megatron
 offers the same as ``account_for_embedding/loss_in_pipeline_split``, one layer each.
+
+``"auto"`` (the default) is balanced when ``vpp > 1`` and even otherwise, as measured on 2x H200
+(BENCHMARKS.md, session 13): GPT-1.3B at pp=2 vpp=2 runs 4.8 % faster balanced (7,6,6,5) than
+even (the head's GPU ran power-capped at a lower clock while the other waited); at vpp=1 the
+13/11 split measured no faster (sessions 4-5).
 """
 
 from __future__ import annotations
@@ -40,11 +45,16 @@ def balanced_layout(cfg: ModelConfig, pp: int, vpp: int = 1) -> list[int]:
     return counts
 
 
+NAMED = ("auto", "balanced", "even", "")  # the layouts given by name (empty: even)
+
+
 def parse_layout(text: str, cfg: ModelConfig | None = None, pp: int = 1, vpp: int = 1) -> list[int] | None:
-    """``parallel.pp_layout``: None (even), ``"balanced"`` (by FLOPs, needs ``cfg``) or the list."""
-    if not text.strip():
+    """``parallel.pp_layout``: None (``"even"`` or empty), ``"balanced"`` (by FLOPs, needs ``cfg``),
+    ``"auto"`` (balanced when ``vpp > 1``, else even) or the list."""
+    name = text.strip().lower()
+    if name in ("", "even") or (name == "auto" and vpp == 1):
         return None
-    if text.strip().lower() == "balanced":
+    if name in ("auto", "balanced"):
         if cfg is None:
             raise LayoutError("pp_layout=balanced needs the model config")
         return balanced_layout(cfg, pp, vpp)

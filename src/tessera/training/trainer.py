@@ -30,7 +30,7 @@ from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.pipeline_parallel.p2p import P2P
 from tessera.pipeline_parallel.schedules import SPLIT_BACKWARD, ScheduleError, build_all, build_schedule, check_kind
 from tessera.pipeline_parallel.simulator import simulate
-from tessera.pipeline_parallel.stage import LayoutError, build_stage_chunks, parse_layout, stage_layer_ranges
+from tessera.pipeline_parallel.stage import NAMED, LayoutError, build_stage_chunks, parse_layout, stage_layer_ranges
 from tessera.tensor_parallel import RNGTracker
 from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.topology import Topology
@@ -88,7 +88,8 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     try:
         stage_layer_ranges(m.layers, p.pp, p.vpp, parse_layout(p.pp_layout, m, p.pp, p.vpp))
     except LayoutError as e:
-        raise ConfigError("parallel.pp_layout" if p.pp_layout else "parallel.vpp", str(e),
+        named = p.pp_layout.strip().lower() in NAMED
+        raise ConfigError("parallel.pp_layout" if not named else "parallel.vpp" if p.vpp > 1 else "parallel.pp", str(e),
                           "change parallel.pp / parallel.vpp, or give an explicit parallel.pp_layout") from None
     microbatches = t.global_batch // (t.micro_batch * p.dp)
     count = microbatches
