@@ -1,4 +1,4 @@
-"""What the GPU microbenchmarks (tp_collectives.py, dp_overlap_contention.py, ce_gather_probe.py,
+"""What the GPU microbenchmarks (tp_collectives.py, dp_overlap_contention.py,
 grad_accumulate_probe.py) share: timing a callable on the GPU after every rank is ready, a
 collective run beside compute on a second stream, torch's symmetric memory switched on for a
 group, and NCCL user-buffer registration (tensors allocated from the backend's pool)."""

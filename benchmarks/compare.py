@@ -57,17 +57,20 @@ def tokens_per_gpu(output: str) -> float | None:
     return None
 
 
-AGAIN = "1gpu (again)"  # tessera's one-GPU baseline run a second time, after everything else
+AGAIN = "1gpu (again, GPU 1)"  # tessera's one-GPU baseline run a second time, last, on the second GPU
 
 
 def plan(model: str, layouts: list[str]) -> list[tuple[str, str, list[str], dict]]:
-    """(layout, system, command, env) of every run, in order. With 1gpu and another layout,
-    tessera's one-GPU run comes again at the end: its figure varied by up to 15 % between runs
-    on one machine (BENCHMARKS.md session 12), and every ratio stands on it."""
+    """(layout, system, command, env) of every run, in order. With 1gpu and another (two-GPU)
+    layout, tessera's one-GPU run comes again at the end, on the second GPU: its figure varied by
+    up to 15 % between runs on one machine (BENCHMARKS.md session 12), the GPUs train power-capped
+    and one card can hold a lower clock than the other at the cap (session 13: 1740 against
+    1800 MHz), and a two-GPU layout runs at its slower card's pace; the ratios stand on the mean
+    of both cards' runs."""
     runs = [(layout, system, cmd, env) for layout in layouts for system, cmd, env in commands(model, layout)]
     if "1gpu" in layouts and len(set(layouts)) > 1:
         system, cmd, env = commands(model, "1gpu")[0]
-        runs.append((AGAIN, system, cmd, env))
+        runs.append((AGAIN, system, cmd, {**env, "CUDA_VISIBLE_DEVICES": "1"}))
     return runs
 
 
@@ -80,8 +83,8 @@ def baseline(rows: list[tuple[str, str, float | None]]) -> tuple[float | None, s
     if len(runs) == 1:
         return mean, f"tessera one-GPU baseline: {runs[0]:,.0f} (one run)"
     spread = (max(runs) - min(runs)) / mean
-    flag = " -- UNSTABLE: compare nothing against it" if spread > 0.02 else ""
-    return mean, (f"tessera one-GPU baseline: {', '.join(f'{t:,.0f}' for t in runs)} (first and last run), "
+    flag = " -- over 2 %: read STEPS for a slow stretch (or one card is slower)" if spread > 0.02 else ""
+    return mean, (f"tessera one-GPU baseline: {', '.join(f'{t:,.0f}' for t in runs)} (first run on GPU 0, last on GPU 1), "
                   f"mean {mean:,.0f}, spread {spread:.1%}{flag}")
 
 

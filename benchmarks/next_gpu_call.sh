@@ -6,25 +6,13 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 13's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
-# after 30 s, so send the next call at once; a fresh machine costs ~60 s of the budget):
-#   1. s13a -- NCCL symmetric-memory buffers (built in session 12, never run on a GPU): the
-#      contention probe (do the GEMMs beside the parameter gather stay faster with copy engines;
-#      is every byte gathered; and the gradient reduce-scatter from symmetric-window buffers),
-#      a short run with NCCL's INFO log (which path it took), then the copy-engine GPU test
-#   2. s13b -- the symmetric-gradient GPU test; one GPU, dp=2 zero=1 plain and with copy-engine
-#      gathers (if its test passed)
-#   3. s13c -- one GPU, dp=2 zero=1 with symmetric gradient buffers, with both, plain.
-#      Every run prints its steps (the one-GPU baseline had slow stretches in session 12: compare
-#      medians only when no run shows one). What pays becomes the default where supported
-#      (config doc, architecture.md, BENCHMARKS); the rest is recorded and stays opt-in
-#   4. s13d -- tp=2 + SP graphed layers, a step's kernels with the fused weight-gradient GEMMs
-#      captured (train.grad_accum_fusion=true) and without: session 9's profile put 34 ms of the
-#      383 ms step in main_grad.add_, the fused GEMM measured 102 against 125 us for fc1 alone
-#      (session 10) and the PROBE (session 12) says this torch fuses it, yet the step gained 0.4 %
-#      (session 11): where did the saving go?
-#   5. s11c -- pp=2 vpp=2 and tp=2 against one GPU and megatron-core (session 12's pp=2 ratio
-#      was spoiled by a slow one-GPU run), then the dp=2 peers (s11b) if time is left
+# Session 14's calls (30 device minutes; kind nvidia-h100-x2; a warm machine idles out after 30 s,
+# so send the next call at once; a fresh machine costs ~60 s of the budget):
+#   1. s11b -- compare.py 1gpu dp2 with the peers (the dp=2 target, 0.945-0.961 in session 13)
+#   2. s11c -- compare.py 1gpu pp2v tp2: pp=2 vpp=2 with the balanced layout now the default
+#      (0.916-0.919 in session 13, measured outside compare.py), tp=2 with megatron-core
+#   3. tests "pipeline or curve" -- the pipeline schedules on NCCL with the new default layout
+# Session 13's modes (s13d, s13e, s13f) are kept below for their commands.
 # Session 12's modes (probe, s12a, pin) are kept below for their commands.
 # Session 11's modes (s11a-d) are kept below for their commands.
 #   bash benchmarks/next_gpu_call.sh tp2    -- GPT-1.3B tp=2 + SP: eager, CUDA-graphed layers
@@ -213,29 +201,7 @@ case "${1:-tests}" in
     run() { NPROC=$1 timeout 80 python3 benchmarks/quick_train.py gpt-1.3b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
     run 1; run 2 parallel.pp=2 parallel.vpp=2; run 2 parallel.pp=2 parallel.vpp=2 parallel.pp_layout=balanced
     run 2 parallel.pp=2 parallel.vpp=2 parallel.pp_layout=6,6,7,5 ;;
-  s13a)  # session 13, first call: see the plan at the top
-    log="${OUT:-/tmp}/ce_gather_probe.log"
-    timeout 150 torchrun --nproc-per-node 2 benchmarks/ce_gather_probe.py > "$log" 2>&1; grep -h -E "RESULT|Error" "$log"
-    log="${OUT:-/tmp}/ce_gather_nccl_info.log"  # which path NCCL took (its per-call logging would skew the timings above)
-    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL timeout 90 torchrun --nproc-per-node 2 benchmarks/ce_gather_probe.py 2 \
-      > "$log" 2>&1; grep -h -E "RESULT.*exact|Error" "$log"
-    echo "NCCL INFO lines naming the copy engine: $(grep "NCCL INFO" "$log" | grep -c "Copy Engine")"
-    grep "NCCL INFO" "$log" | grep -i -m4 -E "copy engine|cta ?policy|AllGather.*Algo|Symk"
-    grep "NCCL INFO" "$log" | grep -i -m3 -E "ReduceScatter"
-    env | grep -E "NVLS|MULTICAST"  # NVLink multicast must stay off on these machines (KINDS.md)
-    BUDGET=300 bash "$0" tests copy_engine | grep -E "rc=|SKIPPED" ;;
-  s13b)  # session 13, second call: see the plan at the top
-    BUDGET=300 bash "$0" tests symmetric_gradient | grep -E "rc=|SKIPPED"
-    smi_log s13b; date +"runs from %T"
-    ce=parallel.param_gather_copy_engine=true
-    for n_l in "1 " "2 parallel.zero=1" "2 parallel.zero=1 $ce"; do
-      NPROC=${n_l%% *} timeout 85 python3 benchmarks/quick_train.py gpt-1.3b ${n_l#* } 2>&1 | grep -E "STEPS|RESULT|Error" | tail -3; done ;;
-  s13c)  # session 13, third call: see the plan at the top
-    smi_log s13c; date +"runs from %T"
-    ce=parallel.param_gather_copy_engine=true; sym=parallel.grad_reduce_symmetric=true
-    for n_l in "1 " "2 parallel.zero=1 $sym" "2 parallel.zero=1 $ce $sym" "2 parallel.zero=1" "1 "; do
-      NPROC=${n_l%% *} timeout 85 python3 benchmarks/quick_train.py gpt-1.3b ${n_l#* } 2>&1 | grep -E "STEPS|RESULT|Error" | tail -3; done ;;
-  s13d)  # session 13: see the plan at the top
+  s13d)  # session 13 (tp=2 graphed kernel tables with and without fused weight gradients)
     for f in false true; do log="${OUT:-/tmp}/kernels_tp2_graphs_fusion_$f.log"
       timeout 150 torchrun --nproc-per-node 2 benchmarks/kernel_table.py parallel.tp=2 parallel.sequence_parallel=true \
         train.cuda_graphs=true train.grad_accum_fusion=$f > "$log" 2>&1; grep -h -E "SUMMARY|Error" "$log" | tail -4; done ;;

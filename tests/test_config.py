@@ -88,15 +88,6 @@ def test_cuda_graphs_on_cpu_is_refused_before_any_work(monkeypatch):
         train(load_config(None, ["train.cuda_graphs=true", "train.device=cpu", "data.source=synthetic"]))
 
 
-@pytest.mark.parametrize("name", ["param_gather_copy_engine", "grad_reduce_symmetric"])
-def test_symmetric_buffers_on_cpu_are_refused_before_any_work(monkeypatch, name):
-    from tessera.training.trainer import train
-    monkeypatch.setenv("WORLD_SIZE", "2")  # dp=2: the layout they act on (no process group is made)
-    with pytest.raises(ConfigError, match=f"parallel.{name}: they need CUDA GPUs and NCCL, this run is on cpu"):
-        train(load_config(None, ["parallel.zero=1", f"parallel.{name}=true", "train.device=cpu",
-                                 "data.source=synthetic"]))
-
-
 @pytest.mark.parametrize("overrides,world,key,words", BAD, ids=[b[2] + ":" + b[3][:20] for b in BAD])
 def test_bad_config_is_refused_with_key_and_fix(overrides, world, key, words):
     with pytest.raises(ConfigError) as info:
@@ -211,25 +202,10 @@ def test_fast_path_options_refused_where_they_cannot_act():
              (["parallel.schedule=zb-h2"], "zb-h2 fills pipeline bubbles; with pp=1 there are none"),
              (["parallel.schedule=zb-h2", "parallel.pp=2", "parallel.zero=3"], "zb-h2 defers weight gradients"),
              (["parallel.tp=2", "parallel.tp_async=true"], "async TP fuses sequence-parallel"),
-             (["parallel.tp=2", "parallel.tp_async=p2p"], "async TP fuses sequence-parallel"),
-             (["parallel.param_gather_copy_engine=true"], "zero=0 at dp=2 does not have"),
-             (["parallel.param_gather_copy_engine=true", "parallel.zero=3"], "zero=3 at dp=2 does not have"),
-             (["parallel.param_gather_copy_engine=true", "parallel.zero=1", "parallel.tp=2"], "zero=1 at dp=1"),
-             (["parallel.grad_reduce_symmetric=true", "parallel.zero=2"], r"here zero=2, dp=2; zero=2 reduces short-lived"),
-             (["parallel.grad_reduce_symmetric=true", "parallel.zero=1", "parallel.tp=2"], r"here zero=1, dp=1"),
-             (["parallel.grad_reduce_symmetric=true", "train.grad_dtype=bf16"], "outside the registered buffers"),
-             (["parallel.grad_reduce_symmetric=true", "parallel.grad_reduce_dtype=bf16"], "outside the registered")]
+             (["parallel.tp=2", "parallel.tp_async=p2p"], "async TP fuses sequence-parallel")]
     for sets, message in cases:
         with pytest.raises(ConfigError, match=message):
             validate(load_config(None, sets), 2)
-    ce_tp = ["parallel.param_gather_copy_engine=true", "parallel.zero=1", "parallel.tp=2", "parallel.sequence_parallel=true"]
-    validate(load_config(None, ce_tp), 4)  # tp=2 x dp=2: taken
-    with pytest.raises(ConfigError, match="symmetric-memory backend"):
-        validate(load_config(None, ce_tp + ["parallel.tp_async=true"]), 4)
-    sym_tp = ["parallel.grad_reduce_symmetric=true", "parallel.tp=2", "parallel.sequence_parallel=true"]
-    validate(load_config(None, sym_tp), 4)  # zero=0, tp=2 x dp=2: taken
-    with pytest.raises(ConfigError, match="parallel.grad_reduce_symmetric: it sets torch's symmetric-memory backend"):
-        validate(load_config(None, sym_tp + ["parallel.tp_async=true"]), 4)
 
 
 @pytest.mark.parametrize("given,expected", [("true", "true"), ("True", "true"), ("1", "true"), ("yes", "true"),

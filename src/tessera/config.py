@@ -172,24 +172,6 @@ class ParallelConfig:
     bucket with each gather started after its update, Megatron's
     overlap_param_gather_with_optimizer_step, was measured 4.8 % slower at dp=2 on 2x H100,
     BENCHMARKS.md session 10, and removed.)"""
-    param_gather_copy_engine: bool = False
-    """zero 1-2 at dp > 1 on CUDA (NCCL >= 2.28): the parameter all-gather runs on the GPUs' copy
-    engines, using no SM, so the forward it overlaps keeps every SM: the parameter buffers are
-    allocated in NCCL symmetric memory and gathered on a dp communicator of their own with
-    NCCL's zero-CTA policy (distributed/symmetric.py). Same bytes, same results. Where NCCL cannot
-    use the copy engines (several nodes, an old driver, small buckets) it runs its kernels:
-    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL names the path ("AllGather [Copy Engine]"). Not with
-    parallel.tp_async=true (torch's symmetric-memory backend is one per process). Off by
-    default: not yet measured."""
-    grad_reduce_symmetric: bool = False
-    """zero 0-1 at dp > 1 on CUDA (NCCL >= 2.28), fp32 gradients sent in fp32: the gradient
-    buffers are allocated in NCCL symmetric memory registered with the dp communicator, so
-    NCCL can run its symmetric-memory reduce-scatter / all-reduce kernels, which take fewer SMs
-    from the backward they overlap (the default kernels slowed the GEMMs beside them by up to
-    13.5 %, session 9; copy engines cannot add, so these still use SMs). Same sums. Not with
-    parallel.tp_async=true (one symmetric-memory backend per process). Off by default: not yet
-    measured."""
-
     def __post_init__(self) -> None:
         _check(self.zero in (0, 1, 2, 3), "parallel.zero", f"{self.zero!r} is not 0, 1, 2 or 3",
                "use 0 (replicated), 1 (distributed optimizer), 2 (+ sharded gradients) or 3 (FSDP)")
@@ -570,20 +552,6 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(t.grad_dtype == "fp32" or p.zero < 3, "train.grad_dtype",
            "bf16 gradients are a bucket option (zero 0-2); FSDP reduces in fp32",
            "set train.grad_dtype=fp32 with parallel.zero=3")
-    _check(not p.param_gather_copy_engine or (p.zero in (1, 2) and dp > 1), "parallel.param_gather_copy_engine",
-           f"it moves zero 1/2's parameter all-gather, which zero={p.zero} at dp={dp} does not have",
-           "use parallel.zero=1 or 2 with dp > 1, or set it false")
-    _check(not p.grad_reduce_symmetric or (p.zero in (0, 1) and dp > 1), "parallel.grad_reduce_symmetric",
-           f"it registers the gradient buffers that zero 0/1 keep and reduce over dp > 1 (here zero={p.zero}, "
-           f"dp={dp}; zero=2 reduces short-lived bucket buffers, zero=3 is FSDP's)",
-           "use parallel.zero=0 or 1 with dp > 1, or set it false")
-    _check(not p.grad_reduce_symmetric or (t.grad_dtype == "fp32" and p.grad_reduce_dtype == "fp32"),
-           "parallel.grad_reduce_symmetric", "bf16 gradients travel as copies or through an all-to-all, outside "
-           "the registered buffers", "set train.grad_dtype=fp32 and parallel.grad_reduce_dtype=fp32, or set it false")
-    for name in ("param_gather_copy_engine", "grad_reduce_symmetric"):
-        _check(not (getattr(p, name) and p.tp_async == "true"), f"parallel.{name}",
-               "it sets torch's symmetric-memory backend to NCCL for the process, and tp_async=true's fused "
-               "ops need torch's CUDA backend", f"set parallel.tp_async=false or p2p, or {name}=false")
     if t.cuda_graphs == "true":
         _check_cuda_graphs(cfg, dp)
     p.dp = dp

@@ -45,9 +45,7 @@ class Topology:
     ``groups[axis]`` is this rank's group along ``axis`` (``tp``, ``cp``, ``dp``, ``pp``), plus
     ``mp`` (tp x pp: the ranks holding one copy of the model), ``embedding`` (the first and
     last pipeline stage, which both hold a tied embedding), and ``dp_scalars`` (the dp ranks
-    again, on a communicator of their own, for the step's small reductions), and, when built with
-    ``copy_engine_gather``, ``dp_gather`` (the dp ranks on an NCCL communicator with the zero-CTA
-    policy, for zero 1/2's parameter all-gather: ``distributed/symmetric.py``). A group is ``None``
+    again, on a communicator of their own, for the step's small reductions). A group is ``None``
     when it would contain only this rank, and collectives over ``None`` are no-ops.
     """
 
@@ -61,14 +59,11 @@ class Topology:
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
     timeout: datetime.timedelta | None = None
 
-    def new_groups(self, members: list[list[int]], options=None) -> dist.ProcessGroup | None:
-        """Create a group for each rank list (all ranks must call this alike); return ours.
-        ``options(timeout)``: makes the backend's options for each of them (``pg_options``; c10d
-        writes into the object it is given, so each group gets its own)."""
+    def new_groups(self, members: list[list[int]]) -> dist.ProcessGroup | None:
+        """Create a group for each rank list (all ranks must call this alike); return ours."""
         mine = None
         for ranks in members:
-            group = dist.new_group(ranks, timeout=self.timeout,
-                                   pg_options=None if options is None else options(self.timeout))
+            group = dist.new_group(ranks, timeout=self.timeout)
             if self.rank in ranks:
                 mine = group
         return mine
@@ -84,11 +79,10 @@ class Topology:
 
     @classmethod
     def build(cls, tp: int = 1, pp: int = 1, dp: int = 0, cp: int = 1, device: torch.device | str = "cpu",
-              timeout: datetime.timedelta | None = None, copy_engine_gather: bool = False) -> "Topology":
+              timeout: datetime.timedelta | None = None) -> "Topology":
         """Make the groups for this layout over the default process group (every rank calls it).
 
         ``timeout`` bounds every collective on these groups (default: torch's, 30 min on gloo).
-        ``copy_engine_gather`` adds the zero-CTA ``dp_gather`` group (NCCL >= 2.28; at dp > 1).
         Without an initialised process group this gives the single-rank topology.
         """
         device = torch.device(device)
@@ -121,12 +115,6 @@ class Topology:
         # parameter all-gather, and the compute stream, waiting for them, would wait for the
         # whole gather the next forward is meant to overlap.
         topo.groups["dp_scalars"] = topo.new_groups(topo.all_ranks_along("dp")) if dp > 1 else None
-        if copy_engine_gather and dp > 1:
-            from tessera.distributed.symmetric import unsupported, zero_cta_options
-            why = unsupported(device)
-            if why:
-                raise RuntimeError(f"copy_engine_gather: {why}")
-            topo.groups["dp_gather"] = topo.new_groups(topo.all_ranks_along("dp"), zero_cta_options)
         return topo
 
     # -- coordinates ------------------------------------------------------------------------

@@ -18,7 +18,6 @@ it identically and its gradient shards can be summed over the embedding group.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -48,27 +47,22 @@ class ParamAndGradBuffer:
 
     ``keep_grads=False`` (zero=2) allocates no gradient buffer: a bucket's gradients live in a
     bucket-sized buffer from its first gradient of a micro-batch to its reduction
-    (:meth:`allocate_grad` / :meth:`release_grad`). ``param_alloc(numel, dtype)`` and
-    ``grad_alloc`` make the zeroed parameter and (kept) gradient buffers (default ``torch.zeros``
-    on ``device``; ``symmetric.SymmetricAllocator`` for NCCL symmetric memory).
+    (:meth:`allocate_grad` / :meth:`release_grad`).
     """
 
     def __init__(self, params: list[nn.Parameter], *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 bucket_size: int, dp: int, device: torch.device, keep_grads: bool = True,
-                 param_alloc: Callable[[int, torch.dtype], Tensor] | None = None,
-                 grad_alloc: Callable[[int, torch.dtype], Tensor] | None = None):
+                 bucket_size: int, dp: int, device: torch.device, keep_grads: bool = True):
         self.param_dtype, self.grad_dtype, self.dp, self.device = param_dtype, grad_dtype, dp, device
         self.offsets: dict[nn.Parameter, tuple[int, int]] = {}  # param -> [lo, hi) in the buffer
         self.buckets: list[Bucket] = []
         self._layout(params[::-1], bucket_size)
         self.numel = self.buckets[-1].end if self.buckets else 0
 
-        zeros = lambda numel, dtype: torch.zeros(numel, dtype=dtype, device=device)  # noqa: E731
-        self.param_data = (param_alloc or zeros)(self.numel, param_dtype)
+        self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
         for p, (lo, hi) in self.offsets.items():
             self.param_data[lo:hi].copy_(p.detach().reshape(-1))
             p.data = self.param_data[lo:hi].view(p.shape)
-        self.grad_data = (grad_alloc or zeros)(self.numel, grad_dtype) if keep_grads else None
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device) if keep_grads else None
         for bucket in self.buckets:
             bucket.param = self.param_data[bucket.start:bucket.end]
             if keep_grads:

@@ -25,10 +25,7 @@ Communication plan of one step (zero = ``parallel.zero``):
 4. :meth:`finish_grad_sync` waits for them (and starts any that backward did not).
 5. after the optimizer step (zero 1/2): every bucket's updated shards are all-gathered, in the
    order the next forward needs them, asynchronously (``overlap_param_gather``); a forward
-   pre-hook on each layer waits for the buckets it reads. With ``gather_group`` (a zero-CTA dp
-   communicator) and parameter buffers from ``param_alloc`` (NCCL symmetric memory registered
-   with it), the gathers run on the copy engines (``symmetric.py``); with gradient buffers from
-   ``grad_alloc`` (registered with the dp communicator), NCCL's symmetric-memory kernels reduce them.
+   pre-hook on each layer waits for the buckets it reads.
 
 The loss is already divided by the global token count, so every reduction is a sum.
 Zero-bubble schedules compute some weight gradients outside autograd (``WeightGradStore``); they
@@ -42,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -99,24 +95,16 @@ class DataParallel:
                  bucket_size: int = 40_000_000, overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = True, wgrad_store: WeightGradStore | None = None,
                  reduce_dtype: torch.dtype | None = None, fuse_wgrad: bool = False,
-                 embedding_group: dist.ProcessGroup | None = None,
-                 gather_group: dist.ProcessGroup | None = None,
-                 param_alloc: Callable[[int, torch.dtype], Tensor] | None = None,
-                 grad_alloc: Callable[[int, torch.dtype], Tensor] | None = None):
+                 embedding_group: dist.ProcessGroup | None = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
-        # zero 1/2's parameter all-gather: on the dp group, or on a dp communicator of its own
-        # (symmetric.py: copy-engine gathers into buffers that ``param_alloc`` registered with it)
-        self.gather_group = gather_group if gather_group is not None else self.group
-        # kept with the buffers they allocated (and their registrations' handles)
-        self.param_alloc, self.grad_alloc = param_alloc, grad_alloc
         self.zero, self.sharded, self.reduce_dtype = zero, zero >= 1, reduce_dtype
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.buffers = [ParamAndGradBuffer([p for p in chunk.parameters() if p.requires_grad],
                                            param_dtype=param_dtype, grad_dtype=grad_dtype,
                                            bucket_size=bucket_size, dp=self.dp_size, device=topo.device,
-                                           keep_grads=zero < 2, param_alloc=param_alloc, grad_alloc=grad_alloc)
+                                           keep_grads=zero < 2)
                         for chunk in chunks]
         self._state: dict[nn.Parameter, _BucketState] = {}
         self._states: list[_BucketState] = []  # one per bucket, in backward order per chunk
@@ -395,20 +383,15 @@ class DataParallel:
         :meth:`forward_order`."""
         if not self.sharded or self.group is None:
             return
-        # a bucket no forward waited for (its module did not run) must not be overwritten by this
-        # step's update while last step's gather may still write it: on a gather communicator of
-        # its own nothing else orders them (normally there is nothing left to wait for)
+        # a bucket no forward waited for (its module did not run) is overwritten by this step's
+        # update: its last gather must be done (the dp stream's order already says so; this makes
+        # it explicit and drops the handles)
         self.wait_param_gather()
         for i in self.forward_order():
             bucket = self.ranges[i].bucket
-            # always asynchronous, on NCCL's own stream (waited for at once when not overlapped):
-            # NCCL 2.28's copy-engine collectives fail on the default stream (NVIDIA/nccl#2003),
-            # where torch runs a synchronous collective
-            pending = collectives.all_gather(bucket.param, self.gather_group, async_op=True)
+            pending = collectives.all_gather(bucket.param, self.group, async_op=self.overlap_param_gather)
             if self.overlap_param_gather:
                 self._gathers[bucket] = pending
-            else:
-                pending.wait()
 
     def wait_param_gather(self, buckets=None) -> None:
         for bucket in list(self._gathers) if buckets is None else buckets:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 
 import torch
 from torch import nn
@@ -23,7 +22,6 @@ from tessera.models import TPContext
 from tessera.distributed.data_parallel import DataParallel
 from tessera.distributed.fsdp import FullyShardedDataParallel
 from tessera.distributed.memory import memory_report
-from tessera.distributed.symmetric import SymmetricAllocator, spans_nodes, unsupported
 from tessera.optim import DynamicLossScaler, LRScheduler, MicroBatchCalculator
 from tessera.optim.optimizers import FSDPOptimizer, MainParamOptimizer
 from tessera.pipeline_parallel.executor import PipelineExecutor
@@ -194,20 +192,6 @@ class Stage:
         return self._executors[m]
 
 
-def symmetric_buffers(topo: Topology, p) -> dict:
-    """DataParallel's arguments for buffers in NCCL symmetric memory: zero 1/2's parameter
-    all-gather on the copy engines (parallel.param_gather_copy_engine: the zero-CTA dp group, and
-    parameter buffers registered with it), gradient buffers registered with the dp group
-    (parallel.grad_reduce_symmetric). None asked: none."""
-    out = {}
-    if p.param_gather_copy_engine:
-        group = topo.group("dp_gather")
-        out.update(gather_group=group, param_alloc=SymmetricAllocator(group, topo.device))
-    if p.grad_reduce_symmetric:
-        out.update(grad_alloc=SymmetricAllocator(topo.group("dp"), topo.device, copy_engine=False))
-    return out
-
-
 def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
     """Data parallelism and the optimizer for this rank's chunks: bucketed buffers with a
     mixed-precision / distributed optimizer (zero 0-2), or FSDP (zero 3)."""
@@ -220,7 +204,7 @@ def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
                                  overlap_grad_reduce=p.overlap_grad_reduce,
                                  overlap_param_gather=p.overlap_param_gather, wgrad_store=stage.wgrad_store,
                                  reduce_dtype=DTYPES[p.grad_reduce_dtype], fuse_wgrad=stage.fuse_wgrad,
-                                 embedding_group=topo.group("embedding"), **symmetric_buffers(topo, p))
+                                 embedding_group=topo.group("embedding"))
     return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
 
 
@@ -233,20 +217,10 @@ def train(cfg: Config) -> list[dict]:
     if cfg.train.cuda_graphs == "true" and device.type != "cuda":
         raise ConfigError("train.cuda_graphs", f"CUDA graphs need a CUDA device, this run is on {device}",
                           "set train.cuda_graphs=false on CPU")
-    for name in ("param_gather_copy_engine", "grad_reduce_symmetric"):
-        if getattr(cfg.parallel, name) and (why := unsupported(device, copy_engine=name == "param_gather_copy_engine")):
-            raise ConfigError(f"parallel.{name}", why, "set it false")
     init_distributed(device, cfg.train.timeout_s)
     p, t = cfg.parallel, cfg.train
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device,
-                          timeout=datetime.timedelta(seconds=t.timeout_s),
-                          copy_engine_gather=p.param_gather_copy_engine)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    for name in ("param_gather_copy_engine", "grad_reduce_symmetric"):
-        if getattr(p, name) and spans_nodes(topo.ranks_of("dp"), local):
-            raise ConfigError(f"parallel.{name}", f"the dp group {topo.ranks_of('dp')} spans nodes of {local} "
-                              "ranks, and NCCL symmetric memory maps its peers' memory over one node's NVLink",
-                              "set it false, or lay out tp x cp x dp within one node")
+                          timeout=datetime.timedelta(seconds=t.timeout_s))
     rng = RNGTracker.for_rank(t.seed, topo.tp_rank, topo.pp_rank, device)
     stage = Stage(cfg, topo, rng)
     model = stage.model
@@ -254,11 +228,8 @@ def train(cfg: Config) -> list[dict]:
     logs = topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0
     logger = JsonlLogger(t.out_dir, t.log_every) if logs else NullLogger()
     n_params = sum(p.numel() for p in model.parameters())
-    symmetric = (" (parameter gathers zero-CTA from symmetric memory: copy engines where NCCL can)"
-                 if p.param_gather_copy_engine else "")
-    symmetric += " (gradients reduced from symmetric memory)" if p.grad_reduce_symmetric else ""
     logger.print(f"tessera: {cfg.model.family} with {n_params:,} parameters on this rank, "
-                 f"{topo!r}, schedule {stage.schedule}, zero={p.zero}{symmetric}, "
+                 f"{topo!r}, schedule {stage.schedule}, zero={p.zero}, "
                  f"device {device}, {t.dtype}, "
                  f"layers {'compiled' if stage.compiled else 'eager'}{' in CUDA graphs' if stage.graphed else ''}, "
                  f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
