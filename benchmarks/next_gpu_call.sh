@@ -6,12 +6,15 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 14's calls (30 device minutes; kind nvidia-h100-x2; a warm machine idles out after 30 s,
-# so send the next call at once; a fresh machine costs ~60 s of the budget):
-#   1. s11b -- compare.py 1gpu dp2 with the peers (the dp=2 target, 0.945-0.961 in session 13)
-#   2. s11c -- compare.py 1gpu pp2v tp2: pp=2 vpp=2 with the balanced layout now the default
-#      (0.916-0.919 in session 13, measured outside compare.py), tp=2 with megatron-core
-#   3. tests "pipeline or curve" -- the pipeline schedules on NCCL with the new default layout
+# Session 14's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
+# after 30 s, so send the next call at once; a fresh machine costs ~60 s of the budget):
+#   1. s14a -- compare.py 1gpu dp2 with the peers (~500 s): the dp=2 target (0.945-0.961 in
+#      session 13) against one GPU run on each card (the repeat now on GPU 1)
+#   2. s14b -- compare.py 1gpu pp2v tp2 (~420 s): pp=2 vpp=2 with the balanced layout, now the
+#      default (0.916-0.919 in session 13, outside compare.py), tp=2, megatron-core
+#   3. s14c -- pp=2 vpp=1 even against balanced (13/11: unmeasured since session 5, before the
+#      power-cap finding); the GPU tests "pipeline or curve" with the new default layout
+# Every mode logs the GPUs' clocks, power and throttle reasons (smi_*.csv under $OUT).
 # Session 13's modes (s13d, s13e, s13f) are kept below for their commands.
 # Session 12's modes (probe, s12a, pin) are kept below for their commands.
 # Session 11's modes (s11a-d) are kept below for their commands.
@@ -186,6 +189,20 @@ case "${1:-tests}" in
       QT=80 q $l; echo "  with TORCH_NCCL_HIGH_PRIORITY=1:"; TORCH_NCCL_HIGH_PRIORITY=1 QT=80 q $l; done
     echo "tp=2 + SP, graphed layers with the fused weight-gradient GEMMs captured:"
     QT=80 q parallel.tp=2 parallel.sequence_parallel=true train.grad_accum_fusion=true ;;
+  s14a)  # session 14, first call: see the plan at the top
+    smi_log s14a
+    COMPARE_BUDGET=585 python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 2>&1 | tee "${OUT:-/tmp}/compare_dp.log" \
+      | grep -v "^WARNING" | tail -20 ;;
+  s14b)  # session 14, second call: see the plan at the top
+    smi_log s14b
+    COMPARE_BUDGET=570 python3 benchmarks/compare.py gpt-1.3b 1gpu pp2v tp2 2>&1 | tee "${OUT:-/tmp}/compare_pp_tp.log" \
+      | grep -v "^WARNING" | tail -22 ;;
+  s14c)  # session 14, third call: see the plan at the top
+    smi_log s14c
+    for layout in even balanced; do
+      NPROC=2 timeout 85 python3 benchmarks/quick_train.py gpt-1.3b parallel.pp=2 "parallel.pp_layout=$layout" 2>&1 \
+        | grep -E "STEPS|RESULT|Error" | tail -2; done
+    BUDGET=420 bash "$0" tests "pipeline or curve" | grep -E "rc=|SKIPPED" ;;
   s13e)  # session 13, last call: the GPUs run power-capped (s13b's clock log: ~690 W, SM clocks
     # 1650-1800 of 1980 MHz), so SMs that NCCL kernels hold spinning cost twice. pp=2 vpp=2 with
     # fewer point-to-point channels (a 16 MB activation over 4-8 channels is still ~50-100 us;
