@@ -11,7 +11,8 @@
 #   1. s14a -- compare.py 1gpu dp2 with the peers (~500 s): the dp=2 target (0.945-0.961 in
 #      session 13) against one GPU run on each card (the repeat now on GPU 1)
 #   2. s14b -- compare.py 1gpu pp2v tp2 (~420 s): pp=2 vpp=2 with the balanced layout, now the
-#      default (0.916-0.919 in session 13, outside compare.py), tp=2, megatron-core
+#      default (0.916-0.919 in session 13, outside compare.py), tp=2, megatron-core; then tp=2
+#      with parallel.tp_comm_overlap=true (+2.6 % in its one A/B, session 5, never repeated)
 #   3. s14c -- pp=2 vpp=1 even against balanced (13/11: unmeasured since session 5, before the
 #      power-cap finding); the GPU tests "pipeline or curve" with the new default layout
 # Every mode logs the GPUs' clocks, power and throttle reasons (smi_*.csv under $OUT).
@@ -195,8 +196,11 @@ case "${1:-tests}" in
       | grep -v "^WARNING" | tail -20 ;;
   s14b)  # session 14, second call: see the plan at the top
     smi_log s14b
-    COMPARE_BUDGET=570 python3 benchmarks/compare.py gpt-1.3b 1gpu pp2v tp2 2>&1 | tee "${OUT:-/tmp}/compare_pp_tp.log" \
-      | grep -v "^WARNING" | tail -22 ;;
+    COMPARE_BUDGET=500 python3 benchmarks/compare.py gpt-1.3b 1gpu pp2v tp2 2>&1 | tee "${OUT:-/tmp}/compare_pp_tp.log" \
+      | grep -v "^WARNING" | tail -22
+    # the backward's TP comm overlap inside the graphs: +2.6 % in its one A/B (session 5), never repeated
+    NPROC=2 timeout 85 python3 benchmarks/quick_train.py gpt-1.3b parallel.tp=2 parallel.sequence_parallel=true \
+      parallel.tp_comm_overlap=true 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2 ;;
   s14c)  # session 14, third call: see the plan at the top
     smi_log s14c
     for layout in even balanced; do
