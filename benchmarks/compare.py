@@ -57,7 +57,7 @@ def tokens_per_gpu(output: str) -> float | None:
     return None
 
 
-AGAIN = "1gpu (again, GPU 1)"  # tessera's one-GPU baseline run a second time, last, on the second GPU
+AGAIN = "1gpu (again, 2nd GPU)"  # tessera's one-GPU baseline run a second time, last, on the second GPU
 
 
 def plan(model: str, layouts: list[str]) -> list[tuple[str, str, list[str], dict]]:
@@ -70,8 +70,14 @@ def plan(model: str, layouts: list[str]) -> list[tuple[str, str, list[str], dict
     runs = [(layout, system, cmd, env) for layout in layouts for system, cmd, env in commands(model, layout)]
     if "1gpu" in layouts and len(set(layouts)) > 1:
         system, cmd, env = commands(model, "1gpu")[0]
-        runs.append((AGAIN, system, cmd, {**env, "CUDA_VISIBLE_DEVICES": "1"}))
+        runs.append((AGAIN, system, cmd, {**env, "CUDA_VISIBLE_DEVICES": second_gpu()}))
     return runs
+
+
+def second_gpu() -> str:
+    """The second GPU the two-GPU runs use: the second of CUDA_VISIBLE_DEVICES when it is set."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[1] if len(visible) > 1 else "1"
 
 
 def baseline(rows: list[tuple[str, str, float | None]]) -> tuple[float | None, str]:
@@ -84,7 +90,7 @@ def baseline(rows: list[tuple[str, str, float | None]]) -> tuple[float | None, s
         return mean, f"tessera one-GPU baseline: {runs[0]:,.0f} (one run)"
     spread = (max(runs) - min(runs)) / mean
     flag = " -- over 2 %: read STEPS for a slow stretch (or one card is slower)" if spread > 0.02 else ""
-    return mean, (f"tessera one-GPU baseline: {', '.join(f'{t:,.0f}' for t in runs)} (first run on GPU 0, last on GPU 1), "
+    return mean, (f"tessera one-GPU baseline: {', '.join(f'{t:,.0f}' for t in runs)} (first run on the first GPU, last on the second), "
                   f"mean {mean:,.0f}, spread {spread:.1%}{flag}")
 
 

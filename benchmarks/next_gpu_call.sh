@@ -213,14 +213,15 @@ case "${1:-tests}" in
     # session 8's one channel was too slow), one GPU first and last
     smi_log s13e; date +"runs from %T"
     run() { NPROC=$1 timeout 85 python3 benchmarks/quick_train.py gpt-1.3b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
-    run 1; run 2 parallel.pp=2 parallel.vpp=2
-    for ch in 8 4; do echo "NCCL_MAX_P2P_NCHANNELS=$ch"; NCCL_MAX_P2P_NCHANNELS=$ch run 2 parallel.pp=2 parallel.vpp=2; done
+    ev=parallel.pp_layout=even  # the default then (auto has been balanced at vpp > 1 since)
+    run 1; run 2 parallel.pp=2 parallel.vpp=2 $ev
+    for ch in 8 4; do echo "NCCL_MAX_P2P_NCHANNELS=$ch"; NCCL_MAX_P2P_NCHANNELS=$ch run 2 parallel.pp=2 parallel.vpp=2 $ev; done
     run 2 parallel.zero=1; run 1 ;;
   s13f)  # session 13, after s13e: at pp=2 vpp=2 GPU 1 (the head's stage) ran power-capped at
     # ~1715 MHz while GPU 0 ran below the cap at ~1940: move a layer to rank 0 (balanced: 7,6,6,5)
     smi_log s13f; date +"runs from %T"
     run() { NPROC=$1 timeout 80 python3 benchmarks/quick_train.py gpt-1.3b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
-    run 1; run 2 parallel.pp=2 parallel.vpp=2; run 2 parallel.pp=2 parallel.vpp=2 parallel.pp_layout=balanced
+    run 1; run 2 parallel.pp=2 parallel.vpp=2 parallel.pp_layout=even; run 2 parallel.pp=2 parallel.vpp=2 parallel.pp_layout=balanced
     run 2 parallel.pp=2 parallel.vpp=2 parallel.pp_layout=6,6,7,5 ;;
   s13d)  # session 13 (tp=2 graphed kernel tables with and without fused weight gradients)
     for f in false true; do log="${OUT:-/tmp}/kernels_tp2_graphs_fusion_$f.log"

@@ -38,7 +38,15 @@ def test_one_gpu_baseline_runs_again_at_the_end_and_its_spread_is_shown():
     lines = compare.table(rows)
     assert "| dp2 | tessera | 56,000 |  | 0.933 |" in lines  # against the mean, 60,000
     assert "| 1gpu | megatron-core | 25,000 | 2.36 |  |" in lines
-    assert lines[-1] == ("tessera one-GPU baseline: 59,000, 61,000 (first run on GPU 0, last on GPU 1), "
+    assert lines[-1] == ("tessera one-GPU baseline: 59,000, 61,000 (first run on the first GPU, last on the second), "
                          "mean 60,000, spread 3.3% -- over 2 %: read STEPS for a slow stretch (or one card is slower)")
     steady = compare.table([("1gpu", "tessera", 59000.0), (compare.AGAIN, "tessera", 59500.0)])
     assert steady[-1].endswith("spread 0.8%") and compare.table([("dp2", "tessera", None)])[-1] == "| dp2 | tessera | failed | | |"
+
+
+def test_the_one_gpu_repeat_runs_on_the_second_gpu_the_two_gpu_runs_use(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert compare.second_gpu() == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 5")
+    assert compare.second_gpu() == "5"
+    assert compare.plan("gpt-1.3b", ["1gpu", "dp2"])[-1][3]["CUDA_VISIBLE_DEVICES"] == "5"

@@ -1,4 +1,5 @@
-"""parallel.pp_layout=balanced: layers per virtual stage by FLOPs, the output head counted."""
+"""parallel.pp_layout: balanced (layers per virtual stage by FLOPs, the output head counted), even,
+and auto (the default: balanced when vpp > 1, else even)."""
 
 import itertools
 
@@ -43,7 +44,7 @@ def test_gpt_1_3b_at_pp2_moves_two_layers_off_the_head_stage():
     assert flops_per_token(cfg) == pytest.approx(24 * layer_flops_per_token(cfg) + 6.0 * head_matmul_weights(cfg))
 
 
-def test_balanced_is_parsed_from_the_config_and_refused_when_it_cannot_be():
+def test_layouts_are_parsed_by_name_auto_by_default_and_refused_when_they_cannot_be():
     cfg = load_config(None, ["model.layers=5", "model.hidden=64", "model.heads=4", "model.vocab_size=256",
                              "parallel.pp_layout=balanced"])
     assert parse_layout(cfg.parallel.pp_layout, cfg.model, 2, 1) == [3, 2]
@@ -55,5 +56,7 @@ def test_balanced_is_parsed_from_the_config_and_refused_when_it_cannot_be():
     assert parse_layout("auto", cfg.model, 2, 2) == balanced_layout(cfg.model, 2, 2)
     assert parse_layout("auto", cfg.model, 2, 1) is None
     assert parse_layout(" Even ", cfg.model, 2, 2) is None and parse_layout("", cfg.model, 2, 2) is None
-    with pytest.raises(LayoutError, match="needs the model config"):
+    with pytest.raises(LayoutError, match="pp_layout=balanced needs the model config"):
         parse_layout("balanced")
+    with pytest.raises(LayoutError, match="pp_layout=auto needs the model config"):
+        parse_layout("auto", None, 2, 2)

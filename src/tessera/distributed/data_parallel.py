@@ -383,9 +383,8 @@ class DataParallel:
         :meth:`forward_order`."""
         if not self.sharded or self.group is None:
             return
-        # a bucket no forward waited for (its module did not run) is overwritten by this step's
-        # update: its last gather must be done (the dp stream's order already says so; this makes
-        # it explicit and drops the handles)
+        # gathers no forward waited for (their module did not run): done already (the dp stream
+        # ran them before this step's reductions, which the optimizer waited for); drop the handles
         self.wait_param_gather()
         for i in self.forward_order():
             bucket = self.ranges[i].bucket

@@ -56,7 +56,7 @@ def parse_layout(text: str, cfg: ModelConfig | None = None, pp: int = 1, vpp: in
         return None
     if name in ("auto", "balanced"):
         if cfg is None:
-            raise LayoutError("pp_layout=balanced needs the model config")
+            raise LayoutError(f"pp_layout={text.strip()} needs the model config")
         return balanced_layout(cfg, pp, vpp)
     try:
         return [int(part) for part in text.split(",")]
@@ -74,7 +74,7 @@ def stage_layer_ranges(layers: int, pp: int, vpp: int = 1, layout: list[int] | N
             per_rank = f"{layers // pp} layers per stage" if layers % pp == 0 else f"{layers} layers"
             raise LayoutError(f"{per_rank} cannot be split into vpp={vpp} equal chunks on pp={pp} stages "
                               f"({layers} layers are not divisible by pp*vpp = {stages}); "
-                              "give parallel.pp_layout with the layers of each virtual stage")
+                              "set parallel.pp_layout=balanced, or give the layers of each virtual stage")
         layout = [layers // stages] * stages
     if len(layout) != stages:
         raise LayoutError(f"pp_layout has {len(layout)} entries, but pp*vpp = {stages} virtual stages need one each")

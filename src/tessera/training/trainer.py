@@ -88,7 +88,7 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     except LayoutError as e:
         named = p.pp_layout.strip().lower() in NAMED
         raise ConfigError("parallel.pp_layout" if not named else "parallel.vpp" if p.vpp > 1 else "parallel.pp", str(e),
-                          "change parallel.pp / parallel.vpp, or give an explicit parallel.pp_layout") from None
+                          "change parallel.pp / parallel.vpp, or set parallel.pp_layout=balanced or a list") from None
     microbatches = t.global_batch // (t.micro_batch * p.dp)
     count = microbatches
     try:
@@ -167,6 +167,8 @@ class Stage:
                        comm_overlap=p.tp_comm_overlap,
                        async_tp={"false": False, "true": True, "p2p": "p2p"}[p.tp_async])
         layout = parse_layout(p.pp_layout, cfg.model, p.pp, p.vpp)
+        # layers per virtual stage, for the run's first line (auto's choice made visible)
+        self.layout = [len(r) for r in stage_layer_ranges(cfg.model.layers, p.pp, p.vpp, layout)]
         self.chunks = build_stage_chunks(cfg.model, tp, topo.pp_rank, p.pp, p.vpp, layout,
                                          topo.device)
         for chunk in self.chunks:
@@ -229,7 +231,8 @@ def train(cfg: Config) -> list[dict]:
     logger = JsonlLogger(t.out_dir, t.log_every) if logs else NullLogger()
     n_params = sum(p.numel() for p in model.parameters())
     logger.print(f"tessera: {cfg.model.family} with {n_params:,} parameters on this rank, "
-                 f"{topo!r}, schedule {stage.schedule}, zero={p.zero}, "
+                 f"{topo!r}, schedule {stage.schedule}"
+                 f"{f' (layers per stage {stage.layout}, pp_layout={p.pp_layout})' if p.pp > 1 else ''}, zero={p.zero}, "
                  f"device {device}, {t.dtype}, "
                  f"layers {'compiled' if stage.compiled else 'eager'}{' in CUDA graphs' if stage.graphed else ''}, "
                  f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
