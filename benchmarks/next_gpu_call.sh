@@ -13,9 +13,11 @@
 #   2. s14b -- compare.py 1gpu pp2v tp2 (~420 s): pp=2 vpp=2 with the balanced layout, now the
 #      default (0.916-0.919 in session 13, outside compare.py), tp=2, megatron-core; then tp=2
 #      with parallel.tp_comm_overlap=true (+2.6 % in its one A/B, session 5, never repeated)
-#   3. s14c -- pp=2 vpp=1 even against balanced (13/11: unmeasured since session 5, before the
-#      power-cap finding); the GPU tests "pipeline or curve" with the new default layout
-# Every mode logs the GPUs' clocks, power and throttle reasons (smi_*.csv under $OUT).
+#   3. s14c -- the NCCL pipeline-schedule GPU test, now with an uneven auto layout (5 layers,
+#      vpp=2) and the per-rank peak-memory line (~450 s)
+#   4. s14d -- if time is left: pp=2 vpp=1 even against balanced (13/11: unmeasured since session
+#      5, before the power-cap finding); rank 0's peak memory with balanced vpp=2
+# The benchmark modes log the GPUs' clocks, power and throttle reasons (smi_*.csv under $OUT).
 # Session 13's modes (s13d, s13e, s13f) are kept below for their commands.
 # Session 12's modes (probe, s12a, pin) are kept below for their commands.
 # Session 11's modes (s11a-d) are kept below for their commands.
@@ -202,11 +204,15 @@ case "${1:-tests}" in
     NPROC=2 timeout 85 python3 benchmarks/quick_train.py gpt-1.3b parallel.tp=2 parallel.sequence_parallel=true \
       parallel.tp_comm_overlap=true 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2 ;;
   s14c)  # session 14, third call: see the plan at the top
-    smi_log s14c
+    BUDGET=500 bash "$0" tests "pipeline_schedules" | grep -E "rc=|SKIPPED" ;;
+  s14d)  # session 14, if device time is left: see the plan at the top
+    smi_log s14d
     for layout in even balanced; do
       NPROC=2 timeout 85 python3 benchmarks/quick_train.py gpt-1.3b parallel.pp=2 "parallel.pp_layout=$layout" 2>&1 \
-        | grep -E "STEPS|RESULT|Error" | tail -2; done
-    BUDGET=420 bash "$0" tests "pipeline or curve" | grep -E "rc=|SKIPPED" ;;
+        | grep -E "STEPS|RESULT|Error|peak memory per rank" | tail -3; done
+    # rank 0's memory with the balanced layout at vpp=2 (it holds 13 layers and the most micro-batches in flight)
+    NPROC=2 timeout 85 python3 benchmarks/quick_train.py gpt-1.3b parallel.pp=2 parallel.vpp=2 2>&1 \
+      | grep -E "RESULT|Error|peak memory per rank" | tail -2 ;;
   s13e)  # session 13, last call: the GPUs run power-capped (s13b's clock log: ~690 W, SM clocks
     # 1650-1800 of 1980 MHz), so SMs that NCCL kernels hold spinning cost twice. pp=2 vpp=2 with
     # fewer point-to-point channels (a 16 MB activation over 4-8 channels is still ~50-100 us;

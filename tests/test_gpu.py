@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -178,6 +179,10 @@ def test_nccl_pipeline_schedules_match_one_gpu(tmp_path):
     curve = _train(tmp_path, "vpp2-five", 2, five + ["parallel.pp=2", "parallel.vpp=2"])
     for a, b in zip(one, curve):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), "vpp2-five"
+    out = (tmp_path / "vpp2-five" / "output.log").read_text()
+    assert "layers per stage [2, 1, 1, 1]" in out
+    peaks = re.search(r"peak memory per rank \(GiB\): \[([\d.]+), ([\d.]+)\]", out)  # both stages reported
+    assert peaks and all(float(g) > 0 for g in peaks.groups()), out[-2000:]
 
 
 @pytest.mark.timeout(540)

@@ -13,6 +13,7 @@ import contextlib
 import datetime
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tessera.config import Config, ConfigError, can_graph_layers, to_dict, validate
@@ -302,6 +303,12 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
         log(*pending)
 
     data_parallel.wait_param_gather()
+    if device.type == "cuda" and world > 1:
+        # the metrics carry the logging rank's peak only (the last stage); another rank may hold
+        # more (a pipeline's first stage keeps the most micro-batches in flight): one gather, at the end
+        peaks = [None] * world
+        dist.all_gather_object(peaks, round(torch.cuda.max_memory_allocated(device) / 2**30, 2))
+        logger.print(f"peak memory per rank (GiB): {peaks}")
     if t.sample_tokens:
         tokenizer = ByteTokenizer()
         ids = generate(list(model), tokenizer.encode(t.sample_prompt), t.sample_tokens, topo=topo,
