@@ -17,6 +17,8 @@
 #      vpp=2) and the per-rank peak-memory line (~450 s)
 #   4. s14d -- if time is left: pp=2 vpp=1 even against balanced (13/11: unmeasured since session
 #      5, before the power-cap finding); rank 0's peak memory with balanced vpp=2
+#   5. s14e -- Llama-1B's pp=2 and dp=2 targets, never measured (issue 6 asks both models):
+#      compare.py llama-1b 1gpu pp2v dp2 (9 runs; what does not fit in 585 s is skipped)
 # The benchmark modes log the GPUs' clocks, power and throttle reasons (smi_*.csv under $OUT).
 # Session 13's modes (s13d, s13e, s13f) are kept below for their commands.
 # Session 12's modes (probe, s12a, pin) are kept below for their commands.
@@ -213,6 +215,10 @@ case "${1:-tests}" in
     # rank 0's memory with the balanced layout at vpp=2 (it holds 13 layers and the most micro-batches in flight)
     NPROC=2 timeout 85 python3 benchmarks/quick_train.py gpt-1.3b parallel.pp=2 parallel.vpp=2 2>&1 \
       | grep -E "RESULT|Error|peak memory per rank" | tail -2 ;;
+  s14e)  # session 14: see the plan at the top
+    smi_log s14e
+    COMPARE_BUDGET=585 python3 benchmarks/compare.py llama-1b 1gpu pp2v dp2 2>&1 | tee "${OUT:-/tmp}/compare_llama.log" \
+      | grep -v "^WARNING" | tail -22 ;;
   s13e)  # session 13, last call: the GPUs run power-capped (s13b's clock log: ~690 W, SM clocks
     # 1650-1800 of 1980 MHz), so SMs that NCCL kernels hold spinning cost twice. pp=2 vpp=2 with
     # fewer point-to-point channels (a 16 MB activation over 4-8 channels is still ~50-100 us;
