@@ -90,8 +90,8 @@ def baseline(rows: list[tuple[str, str, float | None]]) -> tuple[float | None, s
         return mean, f"tessera one-GPU baseline: {runs[0]:,.0f} (one run)"
     spread = (max(runs) - min(runs)) / mean
     flag = " -- over 2 %: read STEPS for a slow stretch (or one card is slower)" if spread > 0.02 else ""
-    return mean, (f"tessera one-GPU baseline: {', '.join(f'{t:,.0f}' for t in runs)} (first run on the first GPU, last on the second), "
-                  f"mean {mean:,.0f}, spread {spread:.1%}{flag}")
+    return mean, (f"tessera one-GPU baseline: {', '.join(f'{t:,.0f}' for t in runs)} "
+                  f"(first run on the first GPU, last on the second), mean {mean:,.0f}, spread {spread:.1%}{flag}")
 
 
 def run_one(system: str, layout: str, cmd: list[str], env: dict, left: float) -> float | None:

@@ -172,6 +172,7 @@ class ParallelConfig:
     bucket with each gather started after its update, Megatron's
     overlap_param_gather_with_optimizer_step, was measured 4.8 % slower at dp=2 on 2x H100,
     BENCHMARKS.md session 10, and removed.)"""
+
     def __post_init__(self) -> None:
         _check(self.zero in (0, 1, 2, 3), "parallel.zero", f"{self.zero!r} is not 0, 1, 2 or 3",
                "use 0 (replicated), 1 (distributed optimizer), 2 (+ sharded gradients) or 3 (FSDP)")

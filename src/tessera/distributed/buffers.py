@@ -18,7 +18,6 @@ it identically and its gradient shards can be summed over the embedding group.
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor, nn
 

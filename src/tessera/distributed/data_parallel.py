@@ -383,9 +383,6 @@ class DataParallel:
         :meth:`forward_order`."""
         if not self.sharded or self.group is None:
             return
-        # gathers no forward waited for (their module did not run): done already (the dp stream
-        # ran them before this step's reductions, which the optimizer waited for); drop the handles
-        self.wait_param_gather()
         for i in self.forward_order():
             bucket = self.ranges[i].bucket
             pending = collectives.all_gather(bucket.param, self.group, async_op=self.overlap_param_gather)

@@ -67,8 +67,9 @@ def _dtype_out_gemm(device: torch.device, out_dtype: torch.dtype, in_dtype: torc
     """Whether this torch has the ``in_dtype`` GEMM writing an ``out_dtype`` result: ``mm`` with
     ``out_dtype`` (``accumulate=False``) or ``addmm`` adding into an ``out_dtype`` matrix
     (``accumulate=True``; whether this torch takes an fp32 added matrix with 16-bit inputs is
-    what the probe finds out). CUDA only, fp32 out for bf16/fp16 inputs. Probed once per (device, dtypes, kind), never inside a CUDA
-    graph capture (it reads the result on the host): a capture's warm-up probes first."""
+    what the probe finds out). CUDA only, fp32 out for bf16/fp16 inputs. Probed once per
+    (device, dtypes, kind), never inside a CUDA graph capture (it reads the result on the host):
+    a capture's warm-up probes first."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("the fused weight-gradient GEMM was first probed inside a CUDA graph capture: "
                            "capture after at least one warm-up iteration")
