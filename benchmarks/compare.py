@@ -5,11 +5,20 @@ Usage (repository root of the GPU machine, with .whl/ and .peers/ carried as
 
     python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 tp2 pp2      # runs everything, prints the table
     python3 benchmarks/compare.py llama-1b 1gpu tp2 --dry-run     # only print the commands
+    python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 1gpu+train.grad_dtype=bf16 dp2+train.grad_dtype=bf16 \
+        --skip mcore@1gpu,torch@1gpu    # variants: tessera alone, with more overrides; fewer peers
 
 For each layout it runs tessera (benchmarks/quick_train.py), megatron-core
 (.peers/mcore_gpt_bench.py) and, on 1 GPU and at dp=2, the compiled PyTorch model
 (.peers/torch_gpt_bench.py; torch DDP at dp=2), then prints a markdown table of tokens/s per
 GPU with tessera's ratio to each peer and to tessera's own 1-GPU figure, ready for BENCHMARKS.md.
+
+A layout written ``LAYOUT+key=value[+key=value...]`` is a variant: tessera alone, with these
+overrides after the layout's own; its ratio to one GPU is against the one-GPU variant with the
+same overrides when that runs too (``1gpu+train.grad_dtype=bf16`` for
+``dp2+train.grad_dtype=bf16``), else against the plain one-GPU baseline. ``--skip
+SYSTEM@LAYOUT[,...]`` (SYSTEM: mcore or torch) leaves a peer's run out where the call has no
+time for it.
 """
 
 from __future__ import annotations
@@ -33,18 +42,47 @@ PEER_MODEL = {"gpt-1.3b": [], "llama-1b": ["--llama", "1", "--kv-heads", "8", "-
                                           "--layers", "16", "--vocab", "128256"]}
 
 
-def commands(model: str, layout: str) -> list[tuple[str, list[str], dict]]:
-    nproc, sets, mcore = LAYOUTS[layout]
+SKIP_NAMES = {"mcore": "megatron-core", "torch": "PyTorch compiled"}
+
+
+def split_variant(layout: str) -> tuple[str, list[str]]:
+    """``dp2+train.grad_dtype=bf16`` -> ("dp2", ["train.grad_dtype=bf16"]); checks both parts."""
+    base, *extra = layout.split("+")
+    if base not in LAYOUTS:
+        raise SystemExit(f"unknown layout {base!r} in {layout!r}: choose from {', '.join(LAYOUTS)}")
+    bad = [e for e in extra if "=" not in e]
+    if bad:
+        raise SystemExit(f"a variant's overrides are key=value, not {bad} (in {layout!r})")
+    return base, extra
+
+
+def commands(model: str, layout: str, skip: frozenset[str] = frozenset()) -> list[tuple[str, list[str], dict]]:
+    """(system, command, env) of each run at ``layout``; ``skip`` holds "mcore@1gpu"-style names."""
+    base, extra = split_variant(layout)
+    nproc, sets, mcore = LAYOUTS[base]
     env = {"NPROC": str(nproc)}
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    out = [("tessera", [sys.executable, "benchmarks/quick_train.py", model, *sets], env)]
+    out = [("tessera", [sys.executable, "benchmarks/quick_train.py", model, *sets, *extra], env)]
+    if extra:  # a variant: tessera alone
+        return out
     site = {"PYTHONPATH": "/tmp/site:" + os.environ.get("PYTHONPATH", "")}
-    out.append(("megatron-core", launch + [".peers/mcore_gpt_bench.py", *mcore, *PEER_MODEL[model]], site))
-    if layout in ("1gpu", "dp2"):
+    if f"mcore@{base}" not in skip:
+        out.append(("megatron-core", launch + [".peers/mcore_gpt_bench.py", *mcore, *PEER_MODEL[model]], site))
+    if base in ("1gpu", "dp2") and f"torch@{base}" not in skip:
         torch_cmd = [".peers/torch_gpt_bench.py", "--mbs", "2", "--gbs", "16", *PEER_MODEL[model]]
         out.append(("PyTorch compiled" + (" + DDP" if nproc > 1 else ""),
                     (launch if nproc > 1 else [sys.executable]) + torch_cmd, {}))
     return out
+
+
+def parse_skip(text: str) -> frozenset[str]:
+    names = frozenset(t.strip() for t in text.split(",") if t.strip())
+    for name in names:
+        system, _, layout = name.partition("@")
+        if system not in SKIP_NAMES or layout not in LAYOUTS:
+            raise SystemExit(f"--skip takes SYSTEM@LAYOUT with SYSTEM in {sorted(SKIP_NAMES)} and a layout of "
+                             f"{', '.join(LAYOUTS)}; got {name!r}")
+    return names
 
 
 def tokens_per_gpu(output: str) -> float | None:
@@ -60,14 +98,14 @@ def tokens_per_gpu(output: str) -> float | None:
 AGAIN = "1gpu (again, 2nd GPU)"  # tessera's one-GPU baseline run a second time, last, on the second GPU
 
 
-def plan(model: str, layouts: list[str]) -> list[tuple[str, str, list[str], dict]]:
+def plan(model: str, layouts: list[str], skip: frozenset[str] = frozenset()) -> list[tuple[str, str, list[str], dict]]:
     """(layout, system, command, env) of every run, in order. With 1gpu and another (two-GPU)
     layout, tessera's one-GPU run comes again at the end, on the second GPU: its figure varied by
     up to 15 % between runs on one machine (BENCHMARKS.md session 12), the GPUs train power-capped
     and one card can hold a lower clock than the other at the cap (session 13: 1740 against
     1800 MHz), and a two-GPU layout runs at its slower card's pace; the ratios stand on the mean
     of both cards' runs."""
-    runs = [(layout, system, cmd, env) for layout in layouts for system, cmd, env in commands(model, layout)]
+    runs = [(layout, system, cmd, env) for layout in layouts for system, cmd, env in commands(model, layout, skip)]
     if "1gpu" in layouts and len(set(layouts)) > 1:
         system, cmd, env = commands(model, "1gpu")[0]
         runs.append((AGAIN, system, cmd, {**env, "CUDA_VISIBLE_DEVICES": second_gpu()}))
@@ -131,16 +169,26 @@ def table(rows: list[tuple[str, str, float | None]]) -> list[str]:
     for layout, system, tps in rows:
         mine = next((t for lay, s, t in rows if lay == layout and s == "tessera"), None)
         ratio = f"{mine / tps:.2f}" if tps and mine and system != "tessera" else ""
-        vs_one = f"{tps / one_gpu:.3f}" if tps and one_gpu and system == "tessera" else ""
+        base = one_gpu
+        if "+" in layout and layout != AGAIN:  # a variant: against the one-GPU run with the same overrides
+            twin = "1gpu" + layout[layout.index("+"):]
+            base = next((t for lay, s, t in rows if lay == twin and t), one_gpu) if layout != twin else one_gpu
+        vs_one = f"{tps / base:.3f}" if tps and base and system == "tessera" else ""
         lines.append(f"| {layout} | {system} | {tps:,.0f} | {ratio} | {vs_one} |" if tps
                      else f"| {layout} | {system} | failed | | |")
     return lines + ([note] if note else [])
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    model, layouts, dry = args[0], args[1:] or ["1gpu"], "--dry-run" in sys.argv
-    runs = plan(model, layouts)
+    argv, skip = sys.argv[1:], frozenset()
+    if "--skip" in argv:
+        at = argv.index("--skip")
+        if at + 1 >= len(argv):
+            raise SystemExit("--skip needs SYSTEM@LAYOUT[,...], e.g. --skip mcore@1gpu,torch@1gpu")
+        skip, argv = parse_skip(argv[at + 1]), argv[:at] + argv[at + 2:]
+    args = [a for a in argv if not a.startswith("--")]
+    model, layouts, dry = args[0], args[1:] or ["1gpu"], "--dry-run" in argv
+    runs = plan(model, layouts, skip)
     if dry:
         for layout, system, cmd, env in runs:
             print(" ".join(f"{k}={v}" for k, v in env.items()), " ".join(cmd))

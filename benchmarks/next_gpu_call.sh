@@ -8,17 +8,15 @@
 #       K="pipeline or curve" then K="zero"
 # Session 14's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
 # after 30 s, so send the next call at once; a fresh machine costs ~60 s of the budget):
-#   1. s14a -- compare.py 1gpu dp2 with the peers (~500 s): the dp=2 target (0.945-0.961 in
-#      session 13) against one GPU run on each card (the repeat now on GPU 1)
-#   2. s14b -- compare.py 1gpu pp2v tp2 (~420 s): pp=2 vpp=2 with the balanced layout, now the
-#      default (0.916-0.919 in session 13, outside compare.py), tp=2, megatron-core; then tp=2
-#      with parallel.tp_comm_overlap=true (+2.6 % in its one A/B, session 5, never repeated)
-#   3. s14c -- the NCCL pipeline-schedule GPU test, now with an uneven auto layout (5 layers,
-#      vpp=2) and the per-rank peak-memory line (~450 s)
-#   4. s14d -- if time is left: pp=2 vpp=1 even against balanced (13/11: unmeasured since session
-#      5, before the power-cap finding); rank 0's peak memory with balanced vpp=2
-#   5. s14e -- Llama-1B's pp=2 and dp=2 targets, never measured (issue 6 asks both models):
-#      compare.py llama-1b 1gpu pp2v dp2 (9 runs; what does not fit in 585 s is skipped)
+#   1. s14A -- GPT-1.3B dp=2 with torch DDP and megatron-core in the same call (issue 4's target),
+#      and dp=2 against one GPU with bf16 gradients on both sides (train.grad_dtype=bf16, the
+#      gradient precision megatron-core's DDP defaults to); one GPU on each card (~570 s)
+#   2. s14B -- Llama-1B's 1 GPU, pp=2 vpp=2 and dp=2 against the compiled PyTorch model and
+#      megatron-core (issue 6 asks both models; Llama's pp=2 and dp=2 never measured) (~500 s)
+#   3. s14C -- GPT-1.3B tp=2 with and without parallel.tp_comm_overlap, alternated twice (+2.6 %
+#      in its one A/B, session 5), dp=2 with fp32 gradients sent in bf16 (parallel.grad_reduce_dtype=bf16, its
+#      fp32 sum now one pass), one GPU first and last; then the uneven-layout pipeline GPU test
+#      (5 layers at vpp=2: 2,1,1,1, and the per-rank peak-memory line) (~520 s)
 # The benchmark modes log the GPUs' clocks, power and throttle reasons (smi_*.csv under $OUT).
 # Session 13's modes (s13d, s13e, s13f) are kept below for their commands.
 # Session 12's modes (probe, s12a, pin) are kept below for their commands.
@@ -194,6 +192,23 @@ case "${1:-tests}" in
       QT=80 q $l; echo "  with TORCH_NCCL_HIGH_PRIORITY=1:"; TORCH_NCCL_HIGH_PRIORITY=1 QT=80 q $l; done
     echo "tp=2 + SP, graphed layers with the fused weight-gradient GEMMs captured:"
     QT=80 q parallel.tp=2 parallel.sequence_parallel=true train.grad_accum_fusion=true ;;
+  s14A)  # session 14, first call: see the plan at the top
+    smi_log s14A
+    COMPARE_BUDGET=580 python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 1gpu+train.grad_dtype=bf16 \
+      dp2+train.grad_dtype=bf16 --skip mcore@1gpu,torch@1gpu 2>&1 | tee "${OUT:-/tmp}/compare_dp.log" \
+      | grep -v "^WARNING" | tail -20 ;;
+  s14B)  # session 14, second call: see the plan at the top
+    smi_log s14B
+    COMPARE_BUDGET=580 python3 benchmarks/compare.py llama-1b 1gpu pp2v dp2 --skip mcore@1gpu,torch@dp2 2>&1 \
+      | tee "${OUT:-/tmp}/compare_llama.log" | grep -v "^WARNING" | tail -20 ;;
+  s14C)  # session 14, third call: see the plan at the top
+    smi_log s14C; date +"runs from %T"
+    run() { NPROC=$1 timeout 85 python3 benchmarks/quick_train.py gpt-1.3b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    run 1; for i in 1 2; do run 2 $sp; run 2 $sp parallel.tp_comm_overlap=true; done  # alternated, twice
+    run 2 parallel.zero=1 parallel.grad_reduce_dtype=bf16
+    CUDA_VISIBLE_DEVICES=1 run 1
+    BUDGET=120 bash "$0" tests "uneven_default_layout" | grep -E "rc=|SKIPPED" ;;
   s14a)  # session 14, first call: see the plan at the top
     smi_log s14a
     COMPARE_BUDGET=585 python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 2>&1 | tee "${OUT:-/tmp}/compare_dp.log" \

@@ -50,3 +50,28 @@ def test_the_one_gpu_repeat_runs_on_the_second_gpu_the_two_gpu_runs_use(monkeypa
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 5")
     assert compare.second_gpu() == "5"
     assert compare.plan("gpt-1.3b", ["1gpu", "dp2"])[-1][3]["CUDA_VISIBLE_DEVICES"] == "5"
+
+
+def test_variants_run_tessera_alone_and_compare_with_their_one_gpu_twin():
+    runs = compare.plan("gpt-1.3b", ["1gpu", "dp2", "1gpu+train.grad_dtype=bf16", "dp2+train.grad_dtype=bf16"],
+                        compare.parse_skip("mcore@1gpu,torch@1gpu"))
+    systems = [(layout, system) for layout, system, _, _ in runs]
+    assert systems == [("1gpu", "tessera"), ("dp2", "tessera"), ("dp2", "megatron-core"),
+                       ("dp2", "PyTorch compiled + DDP"), ("1gpu+train.grad_dtype=bf16", "tessera"),
+                       ("dp2+train.grad_dtype=bf16", "tessera"), (compare.AGAIN, "tessera")]
+    assert runs[5][2][-2:] == ["parallel.zero=1", "train.grad_dtype=bf16"] and runs[5][3] == {"NPROC": "2"}
+    rows = [("1gpu", "tessera", 60000.0), ("dp2", "tessera", 57000.0), ("1gpu+x=1", "tessera", 62000.0),
+            ("dp2+x=1", "tessera", 61380.0), ("dp2+y=1", "tessera", 58800.0)]
+    lines = compare.table(rows)
+    assert "| dp2+x=1 | tessera | 61,380 |  | 0.990 |" in lines  # against its twin, 62,000
+    assert "| dp2+y=1 | tessera | 58,800 |  | 0.980 |" in lines  # no twin: against the plain baseline
+    assert "| 1gpu+x=1 | tessera | 62,000 |  | 1.033 |" in lines
+
+
+def test_bad_layouts_and_skips_are_refused_by_name():
+    import pytest
+    for bad in (lambda: compare.split_variant("dp3"), lambda: compare.split_variant("dp2+zero"),
+                lambda: compare.parse_skip("nemo@1gpu"), lambda: compare.parse_skip("mcore@tp4")):
+        with pytest.raises(SystemExit) as err:
+            bad()
+        assert any(word in str(err.value) for word in ("dp3", "zero", "nemo", "tp4"))

@@ -173,7 +173,13 @@ def test_nccl_pipeline_schedules_match_one_gpu(tmp_path):
         curve = _train(tmp_path, kind, 2, base + ["parallel.pp=2", f"parallel.vpp={vpp}", f"parallel.schedule={kind}"])
         for a, b in zip(one, curve):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), kind
-    # the default layout at vpp=2 (auto: balanced) with 5 layers: an uneven 2,1,1,1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_uneven_default_layout_matches_one_gpu(tmp_path):
+    """The default layout at vpp=2 (auto: FLOPs-balanced) with 5 layers: an uneven 2,1,1,1; and
+    the run's end reports both stages' peak memory."""
     five = ["model.layers=5"]
     one = _train(tmp_path, "pp1-five", 1, five)
     curve = _train(tmp_path, "vpp2-five", 2, five + ["parallel.pp=2", "parallel.vpp=2"])

@@ -50,9 +50,11 @@ def reduce_scatter(grad: Tensor, out: Tensor, group: dist.ProcessGroup, *, accum
         pieces = torch.empty_like(grad)
         work = dist.all_to_all_single(pieces, grad, group=group, async_op=async_op)
 
-        def add_in_fp32() -> None:
-            total = pieces.view(size, -1).float().sum(0)
-            out.add_(total) if accumulate else out.copy_(total)
+        def add_in_fp32() -> None:  # one pass: read the bf16 pieces, write the fp32 sum
+            if accumulate:
+                out.add_(pieces.view(size, -1).sum(0, dtype=torch.float32))
+            else:
+                torch.sum(pieces.view(size, -1), 0, dtype=torch.float32, out=out)
         return Pending(work, add_in_fp32)
     mine = shard(grad, rank, size)
     if not accumulate and out.data_ptr() == mine.data_ptr():  # in place: out is this rank's piece
