@@ -209,6 +209,21 @@ case "${1:-tests}" in
     run 2 parallel.zero=1 parallel.grad_reduce_dtype=bf16
     CUDA_VISIBLE_DEVICES=1 run 1
     BUDGET=120 bash "$0" tests "uneven_default_layout" | grep -E "rc=|SKIPPED" ;;
+  s14D)  # session 14, last call: Llama-1B's pp=2 vpp=2 measured 0.811 of one GPU in s14B (GPT's: 0.917)
+    # with the auto (balanced) layout 5,5,5,1 (the untied 128k-vocabulary head weighs 4.0 layers):
+    # its step timeline per rank, then the layouts: even 4,4,4,4; vpp=1 even 8,8 and balanced 10,6
+    smi_log s14D; date +"runs from %T"
+    llama="model.family=llama model.layers=16 model.heads=32 model.kv_heads=8 model.ffn_hidden=8192 model.vocab_size=128256 model.tie_embeddings=false"
+    log="${OUT:-/tmp}/timeline_llama_pp2v.log"
+    timeout 120 torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py $llama parallel.pp=2 parallel.vpp=2 > "$log" 2>&1
+    grep -h -E "SUMMARY|Error" "$log" | tail -4; reap
+    run() { NPROC=$1 timeout 85 python3 benchmarks/quick_train.py llama-1b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
+    run 1; run 2 parallel.pp=2 parallel.vpp=2 parallel.pp_layout=even; run 2 parallel.pp=2
+    run 2 parallel.pp=2 parallel.pp_layout=balanced; CUDA_VISIBLE_DEVICES=1 run 1 ;;
+  s14E)  # session 14: s14D's timeline put rank 0 (10 layers) at 38.4 ms per micro-batch against rank 1's
+    # 33.1 (6 layers + the head, which runs in 2.5 layers' time, not its FLOPs' 4.0): 9 / 7 layers
+    run() { NPROC=$1 timeout 80 python3 benchmarks/quick_train.py llama-1b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
+    run 1; run 2 parallel.pp=2 parallel.vpp=2 parallel.pp_layout=5,4,4,3; run 2 parallel.pp=2 parallel.vpp=2 parallel.pp_layout=4,5,5,2 ;;
   s14a)  # session 14, first call: see the plan at the top
     smi_log s14a
     COMPARE_BUDGET=585 python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 2>&1 | tee "${OUT:-/tmp}/compare_dp.log" \

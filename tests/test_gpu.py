@@ -16,6 +16,38 @@ from tessera.models import GPTModel
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_elementwise_functions_match_the_reference(dtype):
+    """RMSNorm, RoPE and SwiGLU compiled on CUDA (models/fused.py) against the same functions
+    eager: values and input gradients, at Llama-1B's shapes for one micro-batch."""
+    from tessera.models.fused import kernels
+
+    fused, ref = kernels(True, torch.zeros(1, device="cuda")), kernels(False, torch.zeros(1))
+    assert fused is not ref
+    gen = torch.Generator("cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+    x, w, y = rand(2048, 2, 2048), rand(2048), rand(2048, 2, 2 * 4096)
+    # [s, b, heads, d] viewed as [b, heads, s, d], as the attention hands them over
+    q, k = rand(2048, 2, 16, 64).permute(1, 2, 0, 3), rand(2048, 2, 4, 64).permute(1, 2, 0, 3)
+    cos, sin = rand(2048, 64), rand(2048, 64)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    cases = [("rms_norm", (x, w), (1e-5,)), ("rope", (q, k), (cos, sin)), ("swiglu", (y,), ())]
+    for name, inputs, consts in cases:
+        outs = []
+        for ks in (fused, ref):
+            leaves = [t.detach().clone().requires_grad_() for t in inputs]
+            out = getattr(ks, name)(*leaves, *consts)
+            out = out if isinstance(out, tuple) else (out,)
+            sum((o.float() * (i + 1)).sum() for i, o in enumerate(out)).backward()
+            outs.append([o.detach() for o in out] + [t.grad for t in leaves])
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_cuda_model_matches_cpu(family):
     cfg = ModelConfig(family=family, hidden=128, heads=4, kv_heads=2 if family == "llama" else 0,
@@ -340,20 +372,25 @@ def test_fast_paths_follow_the_reference_loss_curve(tmp_path):
     fast paths: what auto picks for llama (compiled layers, fused cross entropy), fused weight
     gradients in eager layers (what auto picks for GPT), compiled layers with fusion, and
     CUDA-graphed layers (what auto picks at tp > 1; forced here on one GPU), and graphed layers
-    with the fused weight-gradient GEMMs captured in them."""
+    with the fused weight-gradient GEMMs captured in them; the last two and the eager fused run
+    also with the compiled RMSNorm, RoPE and SwiGLU (train.fused_elementwise)."""
     model = ["model.hidden=256", "model.layers=4", "model.heads=4", "model.seq_len=256", "model.vocab_size=1000",
              "train.dtype=bf16", "train.steps=200", "train.log_every=50", "optim.lr=1e-3", "data.source=builtin",
              "model.family=llama", "model.kv_heads=2", "model.ffn_hidden=704"]
     ref = _train(tmp_path, "ref", 1, model + ["train.fused_cross_entropy=false", "train.grad_accum_fusion=false",
                                               "train.compile=false"])
     fast = _train(tmp_path, "fast", 1, model)  # auto: compiled layers and fused CE for llama on CUDA
-    fused = _train(tmp_path, "fused", 1, model + ["train.grad_accum_fusion=true", "train.compile=false"])
+    # eager layers with fused weight gradients and the compiled elementwise functions
+    fused = _train(tmp_path, "fused", 1, model + ["train.grad_accum_fusion=true", "train.compile=false",
+                                                  "train.fused_elementwise=true"])
     both = _train(tmp_path, "both", 1, model + ["train.grad_accum_fusion=true", "train.compile=true"])
     graphed = _train(tmp_path, "graphed", 1, model + ["train.cuda_graphs=true", "train.compile=false",
                                                       "train.grad_accum_fusion=false"])
     # the bf16 weight-gradient GEMMs accumulating in fp32, captured in the graphs
+    # (and the compiled elementwise functions captured in them too)
     graphed_fused = _train(tmp_path, "graphed-fused", 1, model + ["train.cuda_graphs=true", "train.compile=false",
-                                                                  "train.grad_accum_fusion=true"])
+                                                                  "train.grad_accum_fusion=true",
+                                                                  "train.fused_elementwise=true"])
     assert len(fast) == len(ref) == len(fused) == len(both) == len(graphed) == len(graphed_fused) == 200
     assert ref[-1]["loss"] < 0.6 * ref[0]["loss"], "the run must learn"
     for run in (fast, fused, both, graphed, graphed_fused):

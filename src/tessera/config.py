@@ -118,10 +118,12 @@ class ParallelConfig:
     all-reduces by all-gather / reduce-scatter pairs."""
     pp_layout: str = "auto"
     """Layers of each virtual pipeline stage, comma-separated (pp*vpp entries, e.g. "3,4,4,3");
-    "even" splits the layers evenly; "balanced" splits them by FLOPs, the last stage's output
-    head counted as the layers it weighs (GPT-1.3B at pp=2: 13,11; at pp=2 vpp=2: 7,6,6,5; it
-    moves layers, and so activation memory, onto the first stages); auto: balanced when vpp > 1
-    (GPT-1.3B at pp=2 vpp=2: 4.8 % faster than even on 2x H200), else even."""
+    "even" splits the layers evenly; "balanced" splits them by time, the last stage's output
+    head counted as the layers it takes (0.6 of its FLOPs: its one large GEMM runs faster than a
+    layer's kernels; GPT-1.3B at pp=2: 13,11; at pp=2 vpp=2: 7,6,6,5; Llama-1B at pp=2 vpp=2:
+    5,5,4,2; it moves layers, and so activation memory, onto the first stages); auto: balanced
+    when vpp > 1 (at pp=2 vpp=2 on 2x H200: GPT-1.3B 4.8 % faster than even; Llama-1B 0.827-0.833
+    of one GPU with 9/7 layers per rank against 0.766 even), else even."""
     schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "interleaved-zb"] = "auto"
     """Pipeline schedule. auto: the fastest valid one by the schedule simulator (no pipelining at
     pp=1, interleaved-zb when vpp > 1 (interleaved with zero >= 2), else zero-bubble ZB-H1; never
@@ -149,12 +151,12 @@ class ParallelConfig:
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """zero 0-2: the dtype gradients travel in over dp. bf16 halves the traffic of fp32 gradient
     buffers (each rank's accumulated gradient rounded once); the sums are still done in fp32."""
-    tp_comm_overlap: bool = False
+    tp_comm_overlap: bool = True
     """tp > 1: a column-parallel layer's backward starts its input gradient's all-reduce (or, with
     sequence parallelism, reduce-scatter) as soon as that gradient is computed and runs the
-    weight-gradient GEMM while it travels. Off by default: on GPT-1.3B at tp=2 it measured no
-    gain around eager layers and +2.6 % inside CUDA-graphed ones (one call, session 7, not yet
-    repeated; BENCHMARKS.md). false: the collective, then the GEMM."""
+    weight-gradient GEMM while it travels. On GPT-1.3B at tp=2 + SP inside CUDA-graphed layers
+    (the CUDA default): +1.8 % in two alternated A/Bs (session 14) and +2.6 % (session 7); no
+    change around eager layers (session 4; BENCHMARKS.md). false: the collective, then the GEMM."""
     tp_async: Literal["false", "true", "p2p"] = "false"
     """tp > 1 with sequence parallelism: each column layer's all-gather and row layer's
     reduce-scatter run fused with the GEMM, chunked and overlapped, both directions
@@ -244,6 +246,12 @@ class TrainConfig:
     follow one GPU (GPU test) and run within 3 % of the plain graphed layers but eager far
     slower (tp_async=true: 12,206 eager against 41,315 graphed, session 8), and with zero 1/2's
     overlapped gather at dp > 1; off at tp=1, where fused weight gradients are faster."""
+    fused_elementwise: bool = False
+    """The llama family's RMSNorm, RoPE and SwiGLU as compiled functions (one generated kernel each
+    way, models/fused.py) inside eager layers on CUDA: the elementwise fusions of compiled layers
+    where whole layers are not compiled (split-backward pipeline schedules, CUDA-graphed layers
+    at tp > 1, fused weight gradients). On a CPU, or inside compiled layers: the reference ops.
+    Opt-in until measured on the GPU."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.config import ModelConfig
+from tessera.models.fused import kernels
 from tessera.models.packed import PackedSequence
 from tessera.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -38,6 +39,7 @@ class TPContext:
     fused_cross_entropy: bool | None = None  # the compiled vocab-parallel loss (None: on CUDA only)
     async_tp: bool | str = False  # SP collectives fused with the GEMMs: True (symmetric memory) or "p2p"
     comm_overlap: bool = False  # column layers overlap their input-gradient reduction with the W GEMM
+    fused_elementwise: bool = False  # RMSNorm, RoPE, SwiGLU as compiled functions on CUDA (models/fused.py)
 
     @property
     def size(self) -> int:
@@ -58,33 +60,46 @@ def build_norm(cfg: ModelConfig, tp: TPContext, device=None) -> nn.Module:
     if cfg.family == "gpt2":
         norm = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, device=device)
     else:
-        norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps, device=device)
+        norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps, device=device, fused=tp.fused_elementwise)
     if tp.sequence_parallel:
         for p in norm.parameters():
             mark_sequence_parallel(p)
     return norm
 
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` (same parameters and state), run as one compiled function on CUDA when
+    ``fused`` (models/fused.py)."""
+
+    def __init__(self, hidden: int, *, eps: float, device=None, fused: bool = False):
+        super().__init__(hidden, eps=eps, device=device)
+        self.fused = fused
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels(self.fused, x).rms_norm(x, self.weight, self.eps)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE tables (cos, sin) of shape [seq, head_dim], rotate-half convention (as Llama / HF)."""
 
-    def __init__(self, head_dim: int, max_seq: int, theta: float, device=None):
+    def __init__(self, head_dim: int, max_seq: int, theta: float, device=None, fused: bool = False):
         super().__init__()
+        self.fused = fused
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
         angles = torch.outer(torch.arange(max_seq, dtype=torch.float32, device=device), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        """x: [b, heads, s, head_dim]; position_ids [b, s] (packed sequences) or None for 0..s-1."""
-        s = x.shape[-2]
+    def forward(self, q: Tensor, k: Tensor, position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """q, k: [b, heads, s, head_dim] (their own head counts); position_ids [b, s] (packed
+        sequences) or None for 0..s-1. Both rotated, in one compiled function when fused."""
+        s = q.shape[-2]
         if position_ids is None:
-            cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
+            cos, sin = self.cos[:s].to(q.dtype), self.sin[:s].to(q.dtype)
         else:  # [b, 1, s, head_dim]
-            cos, sin = self.cos[position_ids].unsqueeze(1).to(x.dtype), self.sin[position_ids].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+            cos, sin = self.cos[position_ids].unsqueeze(1).to(q.dtype), self.sin[position_ids].unsqueeze(1).to(q.dtype)
+        return kernels(self.fused, q).rope(q, k, cos, sin)
 
 
 class Attention(nn.Module):
@@ -105,7 +120,7 @@ class Attention(nn.Module):
                                       sequence_parallel=tp.sequence_parallel,
                                       init_std=scaled_init_std(cfg.init_std, cfg.layers),
                                       wgrad_store=tp.wgrad_store, async_tp=tp.async_tp, device=device)
-        self.rope = (RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device)
+        self.rope = (RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device, tp.fused_elementwise)
                      if cfg.family == "llama" else None)
 
     def forward(self, x: Tensor, seq: PackedSequence) -> Tensor:
@@ -116,7 +131,7 @@ class Attention(nn.Module):
         # [s, b, heads * head_dim] -> [b, heads, s, head_dim]
         q, k, v = (t.view(s, b, -1, self.head_dim).permute(1, 2, 0, 3) for t in (q, k, v))
         if self.rope is not None:
-            q, k = self.rope(q, seq.position_ids), self.rope(k, seq.position_ids)
+            q, k = self.rope(q, k, seq.position_ids)
         dropout = self.dropout if self.training else 0.0
         with self.tp.split_region() if dropout else contextlib.nullcontext():
             o = seq.attention(q, k, v, dropout, enable_gqa=self.heads != self.kv_heads)  # causal, within documents
@@ -130,7 +145,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, device=None):
         super().__init__()
-        self.family = cfg.family
+        self.family, self.fused = cfg.family, tp.fused_elementwise
         ffn, out_std = cfg.ffn_size, scaled_init_std(cfg.init_std, cfg.layers)
         common = dict(tp_group=tp.group, sequence_parallel=tp.sequence_parallel, wgrad_store=tp.wgrad_store,
                       device=device)
@@ -150,8 +165,7 @@ class MLP(nn.Module):
         if self.family == "gpt2":
             y = F.gelu(y, approximate="tanh")
         else:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
+            y = kernels(self.fused, y).swiglu(y)
         return self.fc2(y)
 
 

@@ -4,10 +4,16 @@ With ``pp`` ranks and ``vpp`` chunks per rank there are ``pp * vpp`` virtual sta
 of pipeline rank ``r`` is virtual stage ``c * pp + r``. Layers are split evenly, or by an
 explicit layout (``parallel.pp_layout = "3,4,4,3"``: layers per virtual stage, e.g. fewer on the
 first and last stages, which also hold the embedding and the head), or ``"balanced"``: by
-FLOPs, counting the output head as the layers it weighs (GPT-1.3B's head, 2 h V FLOPs per token
-forward, is 1.9 layers: an even 12/12 split at pp=2 leaves the last stage 15 % busier than the
-first, and a pipeline runs at the pace of its slowest stage; balanced gives 13/11). Megatron
-offers the same as ``account_for_embedding/loss_in_pipeline_split``, one layer each.
+time, counting the output head as the layers it takes (a pipeline runs at the pace of its
+slowest stage). The head's one large GEMM runs at a higher rate than a layer's mix of smaller
+GEMMs, attention and memory-bound kernels, so it counts at :data:`HEAD_TIME_PER_FLOP` of its
+FLOPs: Llama-1B's untied 128k-vocabulary head, 4.0 layers by FLOPs, took 9.6 ms per
+micro-batch against 3.8 ms per layer in a step timeline (2.5 layers; 2x H200, BENCHMARKS.md
+session 14). GPT-1.3B's head (2 h V FLOPs per token forward, 1.9 layers by FLOPs, 1.1 by time)
+gives 13/11 at pp=2, 7,6,6,5 at vpp=2; Llama-1B's gives 5,5,4,2 at vpp=2 (9 layers on rank 0,
+7 on rank 1: 0.827-0.833 of one GPU for two such layouts against 0.811 for the FLOPs split's
+10/6). Megatron offers the same as ``account_for_embedding/loss_in_pipeline_split``, one layer
+each.
 
 ``"auto"`` (the default) is balanced when ``vpp > 1`` and even otherwise, as measured on 2x H200
 (BENCHMARKS.md, session 13): GPT-1.3B at pp=2 vpp=2 runs 4.8 % faster balanced (7,6,6,5) than
@@ -25,9 +31,12 @@ class LayoutError(ValueError):
     pass
 
 
+HEAD_TIME_PER_FLOP = 0.6  # the head's time per FLOP against a layer's (measured 0.62, Llama-1B, H200)
+
+
 def balanced_layout(cfg: ModelConfig, pp: int, vpp: int = 1) -> list[int]:
-    """Layers per virtual stage that minimise the busiest stage's FLOPs, the last stage carrying
-    the output head: each layer in turn goes to the stage with the least work so far (exact
+    """Layers per virtual stage that minimise the busiest stage's time, the last stage carrying
+    the output head (its FLOPs times :data:`HEAD_TIME_PER_FLOP`): each layer in turn goes to the stage with the least work so far (exact
     for identical layers), ties to the earlier stage. Every stage gets at least one layer (a
     stage of only the head would be optimal only for toy models whose head outweighs layers)."""
     from tessera.training.flops import head_matmul_weights, layer_flops_per_token
@@ -37,7 +46,7 @@ def balanced_layout(cfg: ModelConfig, pp: int, vpp: int = 1) -> list[int]:
         raise LayoutError(f"pp*vpp = {stages} virtual stages for {cfg.layers} layers: every stage needs a layer")
     layer = layer_flops_per_token(cfg)
     counts, work = [1] * stages, [layer] * stages
-    work[-1] += 6.0 * head_matmul_weights(cfg)
+    work[-1] += HEAD_TIME_PER_FLOP * 6.0 * head_matmul_weights(cfg)
     for _ in range(cfg.layers - stages):
         i = min(range(stages), key=lambda j: (work[j], j))
         counts[i] += 1
@@ -49,7 +58,7 @@ NAMED = ("auto", "balanced", "even", "")  # the layouts given by name (empty: ev
 
 
 def parse_layout(text: str, cfg: ModelConfig | None = None, pp: int = 1, vpp: int = 1) -> list[int] | None:
-    """``parallel.pp_layout``: None (``"even"`` or empty), ``"balanced"`` (by FLOPs, needs ``cfg``),
+    """``parallel.pp_layout``: None (``"even"`` or empty), ``"balanced"`` (by time, needs ``cfg``),
     ``"auto"`` (balanced when ``vpp > 1``, else even) or the list."""
     name = text.strip().lower()
     if name in ("", "even") or (name == "auto" and vpp == 1):

@@ -165,7 +165,7 @@ class Stage:
         self.wgrad_store = WeightGradStore() if self.schedule in SPLIT_BACKWARD or self.fuse_wgrad else None
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
-                       comm_overlap=p.tp_comm_overlap,
+                       comm_overlap=p.tp_comm_overlap, fused_elementwise=cfg.train.fused_elementwise,
                        async_tp={"false": False, "true": True, "p2p": "p2p"}[p.tp_async])
         layout = parse_layout(p.pp_layout, cfg.model, p.pp, p.vpp)
         # layers per virtual stage, for the run's first line (auto's choice made visible)
