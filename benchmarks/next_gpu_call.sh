@@ -6,17 +6,18 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 14's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
+# Session 15's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
 # after 30 s, so send the next call at once; a fresh machine costs ~60 s of the budget):
-#   1. s14A -- GPT-1.3B dp=2 with torch DDP and megatron-core in the same call (issue 4's target),
-#      and dp=2 against one GPU with bf16 gradients on both sides (train.grad_dtype=bf16, the
-#      gradient precision megatron-core's DDP defaults to); one GPU on each card (~570 s)
-#   2. s14B -- Llama-1B's 1 GPU, pp=2 vpp=2 and dp=2 against the compiled PyTorch model and
-#      megatron-core (issue 6 asks both models; Llama's pp=2 and dp=2 never measured) (~500 s)
-#   3. s14C -- GPT-1.3B tp=2 with and without parallel.tp_comm_overlap, alternated twice (+2.6 %
-#      in its one A/B, session 5), dp=2 with fp32 gradients sent in bf16 (parallel.grad_reduce_dtype=bf16, its
-#      fp32 sum now one pass), one GPU first and last; then the uneven-layout pipeline GPU test
-#      (5 layers at vpp=2: 2,1,1,1, and the per-rank peak-memory line) (~520 s)
+#   1. s15A -- the GPU tests of train.fused_elementwise (the kernels against the reference; the
+#      200-step curve with them eager and captured in graphs), then Llama-1B one GPU and pp=2
+#      vpp=2 in the new auto layout 5,5,4,2 (eager layers: 0.827-0.833 for 9/7 layouts in
+#      session 14) without and with train.fused_elementwise=true (~500 s)
+#   2. s15B -- Llama-1B: pp=2 vpp=2 with parallel.schedule=interleaved (no split backward, so
+#      auto compiles the layers), tp=2 + SP without and with train.fused_elementwise (graphed
+#      eager layers; 0.727 in session 6), alternated twice; one GPU first and last (~420 s)
+#   3. s15C -- dp=2's step-to-step spread (some steps at 0.97-0.98, the median 0.958-0.964 in
+#      session 14): GPT-1.3B one GPU and dp=2 for 40 steps each, twice, the clocks logged (~400 s)
+# Session 14's modes (s14A-E) are kept below for their commands.
 # The benchmark modes log the GPUs' clocks, power and throttle reasons (smi_*.csv under $OUT).
 # Session 13's modes (s13d, s13e, s13f) are kept below for their commands.
 # Session 12's modes (probe, s12a, pin) are kept below for their commands.
@@ -209,6 +210,21 @@ case "${1:-tests}" in
     run 2 parallel.zero=1 parallel.grad_reduce_dtype=bf16
     CUDA_VISIBLE_DEVICES=1 run 1
     BUDGET=120 bash "$0" tests "uneven_default_layout" | grep -E "rc=|SKIPPED" ;;
+  s15A)  # session 15, first call: see the plan at the top
+    smi_log s15A; date +"runs from %T"
+    BUDGET=330 bash "$0" tests "compiled_elementwise or fast_paths_follow" | grep -E "rc=|SKIPPED"
+    run() { NPROC=$1 timeout 80 python3 benchmarks/quick_train.py llama-1b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
+    run 1; run 2 parallel.pp=2 parallel.vpp=2; run 2 parallel.pp=2 parallel.vpp=2 train.fused_elementwise=true ;;
+  s15B)  # session 15, second call: see the plan at the top
+    smi_log s15B; date +"runs from %T"
+    run() { NPROC=$1 timeout 80 python3 benchmarks/quick_train.py llama-1b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    run 1; run 2 parallel.pp=2 parallel.vpp=2 parallel.schedule=interleaved
+    for i in 1 2; do run 2 $sp; run 2 $sp train.fused_elementwise=true; done; CUDA_VISIBLE_DEVICES=1 run 1 ;;
+  s15C)  # session 15, third call: see the plan at the top
+    smi_log s15C; date +"runs from %T"
+    run() { NPROC=$1 timeout 95 python3 benchmarks/quick_train.py gpt-1.3b train.steps=40 ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
+    run 1; run 2 parallel.zero=1; CUDA_VISIBLE_DEVICES=1 run 1; run 2 parallel.zero=1 ;;
   s14D)  # session 14, last call: Llama-1B's pp=2 vpp=2 measured 0.811 of one GPU in s14B (GPT's: 0.917)
     # with the auto (balanced) layout 5,5,5,1 (the untied 128k-vocabulary head weighs 4.0 layers):
     # its step timeline per rank, then the layouts: even 4,4,4,4; vpp=1 even 8,8 and balanced 10,6
