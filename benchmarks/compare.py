@@ -169,18 +169,20 @@ def table(rows: list[tuple[str, str, float | None]]) -> list[str]:
     for layout, system, tps in rows:
         mine = next((t for lay, s, t in rows if lay == layout and s == "tessera"), None)
         ratio = f"{mine / tps:.2f}" if tps and mine and system != "tessera" else ""
-        base = one_gpu
+        base, mark = one_gpu, ""
         if "+" in layout and layout != AGAIN:  # a variant: against the one-GPU run with the same overrides
             twin = "1gpu" + layout[layout.index("+"):]
-            base = next((t for lay, s, t in rows if lay == twin and t), one_gpu) if layout != twin else one_gpu
-        vs_one = f"{tps / base:.3f}" if tps and base and system == "tessera" else ""
+            found = next((t for lay, s, t in rows if lay == twin and t), None) if layout != twin else None
+            base, mark = (found, " (vs its 1gpu twin, one run)") if found else (one_gpu, "")
+        vs_one = f"{tps / base:.3f}{mark}" if tps and base and system == "tessera" else ""
         lines.append(f"| {layout} | {system} | {tps:,.0f} | {ratio} | {vs_one} |" if tps
                      else f"| {layout} | {system} | failed | | |")
     return lines + ([note] if note else [])
 
 
 def main() -> None:
-    argv, skip = sys.argv[1:], frozenset()
+    argv, skip = [a for part in sys.argv[1:] for a in (part.split("=", 1) if part.startswith("--skip=") else [part])], \
+        frozenset()
     if "--skip" in argv:
         at = argv.index("--skip")
         if at + 1 >= len(argv):

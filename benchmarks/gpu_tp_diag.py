@@ -12,7 +12,7 @@ from pathlib import Path
 BASE = ["model.hidden=128", "model.layers=2", "model.heads=4", "model.seq_len=64", "train.steps=8",
         "train.micro_batch=2", "train.global_batch=8", "data.source=synthetic"]
 SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
-RUNS = {"tp2": SP, "tp2-compiled": SP + ["train.compile=true"], "dp2": [],
+RUNS = {"tp2": SP + ["parallel.tp_comm_overlap=false"], "tp2-compiled": SP + ["train.compile=true"], "dp2": [],
         "tp2-async-compiled": SP + ["parallel.tp_async=true", "train.compile=true"],
         "tp2-async-p2p": SP + ["parallel.tp_async=p2p"], "tp2-overlap": SP + ["parallel.tp_comm_overlap=true"],
         "one-compiled": ["train.compile=true"]}  # one GPU, compiled: run on 1 process

@@ -63,7 +63,7 @@ def test_variants_run_tessera_alone_and_compare_with_their_one_gpu_twin():
     rows = [("1gpu", "tessera", 60000.0), ("dp2", "tessera", 57000.0), ("1gpu+x=1", "tessera", 62000.0),
             ("dp2+x=1", "tessera", 61380.0), ("dp2+y=1", "tessera", 58800.0)]
     lines = compare.table(rows)
-    assert "| dp2+x=1 | tessera | 61,380 |  | 0.990 |" in lines  # against its twin, 62,000
+    assert "| dp2+x=1 | tessera | 61,380 |  | 0.990 (vs its 1gpu twin, one run) |" in lines  # twin: 62,000
     assert "| dp2+y=1 | tessera | 58,800 |  | 0.980 |" in lines  # no twin: against the plain baseline
     assert "| 1gpu+x=1 | tessera | 62,000 |  | 1.033 |" in lines
 
@@ -75,3 +75,10 @@ def test_bad_layouts_and_skips_are_refused_by_name():
         with pytest.raises(SystemExit) as err:
             bad()
         assert any(word in str(err.value) for word in ("dp3", "zero", "nemo", "tp4"))
+
+
+def test_skip_takes_both_spellings():
+    for spelling in (["--skip", "mcore@1gpu,torch@1gpu"], ["--skip=mcore@1gpu,torch@1gpu"]):
+        out = subprocess.run([sys.executable, "benchmarks/compare.py", "gpt-1.3b", "1gpu", *spelling, "--dry-run"],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+        assert len(out) == 1 and "quick_train.py" in out[0], spelling  # tessera alone

@@ -251,6 +251,15 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=p2p"]) == (False, False, True)
     assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=true"]) == (False, False, True)
     assert resolved(["parallel.tp=2", "train.cuda_graphs=false"]) == (False, False, False)
+    # the backward comm overlap: auto with graphed layers only; explicit choices stand
+    from tessera.training.trainer import tp_comm_overlap
+    for sets, device, on in ((["parallel.tp=2"], cuda, True), (["parallel.tp=2"], cpu, False),
+                             (["parallel.tp=2", "train.cuda_graphs=false"], cuda, False),
+                             (["parallel.tp=2", "train.compile=true"], cuda, False), ([], cuda, False),
+                             (["parallel.tp=2", "parallel.tp_comm_overlap=true"], cpu, True),
+                             (["parallel.tp=2", "parallel.tp_comm_overlap=false"], cuda, False)):
+        cfg = load_config(None, sets)
+        assert tp_comm_overlap(cfg, resolved(sets, device=device)[2]) is on, (sets, device)
     assert resolved(["parallel.tp=2", "parallel.tp_comm_overlap=true"]) == (False, False, True)  # GPU test passed (session 9)
     assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"]) \
         == (False, False, True)

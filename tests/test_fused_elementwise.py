@@ -57,8 +57,39 @@ def test_cpu_tensors_and_compiling_layers_take_the_reference_ops(monkeypatch):
     else:  # a CUDA tensor's choice, without a GPU: is_cuda faked
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
         assert fused.kernels(True, x).rope is not fused.rope
+        assert fused.kernels(False, x).rope is fused.rope
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # inside a compiled layer
         assert fused.kernels(True, x).rope is fused.rope
+
+
+def test_fused_layers_run_through_the_compiled_set(monkeypatch):
+    """With the flag on and a CUDA tensor (faked here), each llama module calls the compiled
+    functions (replaced by recording ones) and computes what the reference computes."""
+    calls = []
+
+    def recording(name):
+        def run(*args):
+            calls.append(name)
+            return getattr(fused, name)(*args)
+        return run
+
+    stand_in = fused.Kernels(compiled=False)
+    for name in ("rms_norm", "rope", "swiglu"):
+        setattr(stand_in, name, recording(name))
+    monkeypatch.setattr(fused, "_compiled", lambda: stand_in)
+    cfg = ModelConfig(family="llama", hidden=32, heads=4, kv_heads=2, layers=1, seq_len=16, vocab_size=64)
+    on, off = GPTModel(cfg, TPContext(fused_elementwise=True)), GPTModel(cfg, TPContext())
+    on.init_weights(3), off.init_weights(3)
+    x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0))
+    layer_on, layer_off = on.layers["0"], off.layers["0"]
+    expected = layer_off(x)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    got = layer_on(x)
+    assert sorted(calls) == ["rms_norm", "rms_norm", "rope", "swiglu"]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    calls.clear()
+    layer_off(x)  # the flag off: never the compiled set, CUDA or not
+    assert calls == []
 
 
 @pytest.mark.parametrize("on", [False, True])

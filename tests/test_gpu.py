@@ -186,14 +186,16 @@ def test_cuda_graphed_layers_under_the_overlapped_gather_follow_one_gpu(tmp_path
 def test_cuda_graphed_overlapped_tp_paths_follow_one_gpu(tmp_path):
     """The overlapped TP paths captured in the layers' graphs follow one GPU: at tp=2 + SP the
     ring's NCCL sends and receives, torch's fused symmetric-memory ops and the backward's
-    asynchronous reduce-scatter; at tp=2 without SP the backward's asynchronous all-reduce."""
+    asynchronous reduce-scatter (auto's choice with graphs); at tp=2 without SP the backward's
+    asynchronous all-reduce; and the plain collectives (tp_comm_overlap=false)."""
     one = _train(tmp_path, "one", 1, [])
     sp = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.cuda_graphs=true"]
     _all_follow(tmp_path, one, {"graphs-p2p": sp + ["parallel.tp_async=p2p"],
                                 "graphs-symm": sp + ["parallel.tp_async=true"],
                                 "graphs-overlap-nosp": ["parallel.tp=2", "train.cuda_graphs=true",
                                                         "parallel.tp_comm_overlap=true"],
-                                "graphs-overlap": sp + ["parallel.tp_comm_overlap=true"]}, timeout=110)
+                                "graphs-overlap": sp + ["parallel.tp_comm_overlap=true"],
+                                "graphs-plain": sp + ["parallel.tp_comm_overlap=false"]}, timeout=110)
 
 
 @pytest.mark.timeout(400)
@@ -210,7 +212,7 @@ def test_nccl_pipeline_schedules_match_one_gpu(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_uneven_default_layout_matches_one_gpu(tmp_path):
-    """The default layout at vpp=2 (auto: FLOPs-balanced) with 5 layers: an uneven 2,1,1,1; and
+    """The default layout at vpp=2 (auto: balanced) with 5 layers: an uneven 2,1,1,1; and
     the run's end reports both stages' peak memory."""
     five = ["model.layers=5"]
     one = _train(tmp_path, "pp1-five", 1, five)
@@ -365,35 +367,40 @@ def test_fused_weight_gradient_accumulation_is_exact_to_fp32():
         assert errors[0].max().item() < 1e-5 * exact.abs().max().item(), mean
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_fast_paths_follow_the_reference_loss_curve(tmp_path):
     """200 bf16 steps follow the all-off curve within bf16 tolerance with each combination of
     fast paths: what auto picks for llama (compiled layers, fused cross entropy), fused weight
     gradients in eager layers (what auto picks for GPT), compiled layers with fusion, and
     CUDA-graphed layers (what auto picks at tp > 1; forced here on one GPU), and graphed layers
-    with the fused weight-gradient GEMMs captured in them; the last two and the eager fused run
-    also with the compiled RMSNorm, RoPE and SwiGLU (train.fused_elementwise)."""
+    with the fused weight-gradient GEMMs captured in them; and the compiled RMSNorm, RoPE and
+    SwiGLU (train.fused_elementwise) in eager and in graphed layers."""
     model = ["model.hidden=256", "model.layers=4", "model.heads=4", "model.seq_len=256", "model.vocab_size=1000",
              "train.dtype=bf16", "train.steps=200", "train.log_every=50", "optim.lr=1e-3", "data.source=builtin",
              "model.family=llama", "model.kv_heads=2", "model.ffn_hidden=704"]
     ref = _train(tmp_path, "ref", 1, model + ["train.fused_cross_entropy=false", "train.grad_accum_fusion=false",
                                               "train.compile=false"])
     fast = _train(tmp_path, "fast", 1, model)  # auto: compiled layers and fused CE for llama on CUDA
-    # eager layers with fused weight gradients and the compiled elementwise functions
-    fused = _train(tmp_path, "fused", 1, model + ["train.grad_accum_fusion=true", "train.compile=false",
-                                                  "train.fused_elementwise=true"])
+    fused = _train(tmp_path, "fused", 1, model + ["train.grad_accum_fusion=true", "train.compile=false"])
     both = _train(tmp_path, "both", 1, model + ["train.grad_accum_fusion=true", "train.compile=true"])
     graphed = _train(tmp_path, "graphed", 1, model + ["train.cuda_graphs=true", "train.compile=false",
                                                       "train.grad_accum_fusion=false"])
     # the bf16 weight-gradient GEMMs accumulating in fp32, captured in the graphs
-    # (and the compiled elementwise functions captured in them too)
     graphed_fused = _train(tmp_path, "graphed-fused", 1, model + ["train.cuda_graphs=true", "train.compile=false",
-                                                                  "train.grad_accum_fusion=true",
-                                                                  "train.fused_elementwise=true"])
-    assert len(fast) == len(ref) == len(fused) == len(both) == len(graphed) == len(graphed_fused) == 200
+                                                                  "train.grad_accum_fusion=true"])
+    # the compiled RMSNorm, RoPE and SwiGLU in eager layers (with fused weight gradients), and
+    # captured in graphed layers
+    elementwise = _train(tmp_path, "elementwise", 1, model + ["train.grad_accum_fusion=true", "train.compile=false",
+                                                              "train.fused_elementwise=true"])
+    graphed_elementwise = _train(tmp_path, "graphed-elementwise", 1, model + [
+        "train.cuda_graphs=true", "train.compile=false", "train.grad_accum_fusion=false", "train.fused_elementwise=true"])
+    for name in ("elementwise", "graphed-elementwise"):
+        assert "RMSNorm / RoPE / SwiGLU compiled" in (tmp_path / name / "output.log").read_text(), name
+    runs = (fast, fused, both, graphed, graphed_fused, elementwise, graphed_elementwise)
+    assert len(ref) == 200 and all(len(run) == 200 for run in runs)
     assert ref[-1]["loss"] < 0.6 * ref[0]["loss"], "the run must learn"
-    for run in (fast, fused, both, graphed, graphed_fused):
+    for run in runs:
         for w in range(0, 200, 10):  # windows of 10 steps: bf16 noise per step, the same curve
             a, b = (sum(m["loss"] for m in r[w:w + 10]) / 10 for r in (run, ref))
             assert a == pytest.approx(b, rel=3e-2), f"steps {w + 1}-{w + 10}"

@@ -72,7 +72,7 @@ def test_pipeline_layouts_give_the_same_losses(tmp_path):
         curve, stdout = run_train(tmp_path / name, nproc, base + layout)
         assert_same_curve(reference, curve)
         assert len([line for line in stdout.splitlines() if line.startswith("sample: ")]) == 1, stdout[-2000:]
-    # 5 layers: the even split is refused at pp=2, the FLOPs-balanced one gives 3/2; at vpp=2
+    # 5 layers: the even split is refused at pp=2, the balanced one gives 3/2; at vpp=2
     # the default (auto) is balanced: an uneven 2,1,1,1
     five = ["model.layers=5", "data.source=builtin"]
     reference, _ = run_train(tmp_path / "five-pp1", 1, five)

@@ -123,7 +123,8 @@ class ParallelConfig:
     layer's kernels; GPT-1.3B at pp=2: 13,11; at pp=2 vpp=2: 7,6,6,5; Llama-1B at pp=2 vpp=2:
     5,5,4,2; it moves layers, and so activation memory, onto the first stages); auto: balanced
     when vpp > 1 (at pp=2 vpp=2 on 2x H200: GPT-1.3B 4.8 % faster than even; Llama-1B 0.827-0.833
-    of one GPU with 9/7 layers per rank against 0.766 even), else even."""
+    of one GPU with two 9/7-per-rank layouts, 0.766 even, 0.811 with the FLOPs split's 10/6, from
+    three calls; 5,5,4,2 itself not yet run), else even."""
     schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "interleaved-zb"] = "auto"
     """Pipeline schedule. auto: the fastest valid one by the schedule simulator (no pipelining at
     pp=1, interleaved-zb when vpp > 1 (interleaved with zero >= 2), else zero-bubble ZB-H1; never
@@ -151,12 +152,14 @@ class ParallelConfig:
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """zero 0-2: the dtype gradients travel in over dp. bf16 halves the traffic of fp32 gradient
     buffers (each rank's accumulated gradient rounded once); the sums are still done in fp32."""
-    tp_comm_overlap: bool = True
+    tp_comm_overlap: Literal["auto", "true", "false"] = "auto"
     """tp > 1: a column-parallel layer's backward starts its input gradient's all-reduce (or, with
     sequence parallelism, reduce-scatter) as soon as that gradient is computed and runs the
-    weight-gradient GEMM while it travels. On GPT-1.3B at tp=2 + SP inside CUDA-graphed layers
-    (the CUDA default): +1.8 % in two alternated A/Bs (session 14) and +2.6 % (session 7); no
-    change around eager layers (session 4; BENCHMARKS.md). false: the collective, then the GEMM."""
+    weight-gradient GEMM while it travels. auto: on with CUDA-graphed layers (train.cuda_graphs,
+    the CUDA default at tp > 1): on GPT-1.3B at tp=2 + SP +1.6 % and +1.9 % in two alternated
+    A/Bs (session 14), +2.6 % (session 7); off around eager layers (-1.8 % in one A/B, session 4)
+    and compiled ones (its asynchronous collectives break dynamo's graph, ~6 breaks per layer).
+    false: the collective, then the GEMM (BENCHMARKS.md)."""
     tp_async: Literal["false", "true", "p2p"] = "false"
     """tp > 1 with sequence parallelism: each column layer's all-gather and row layer's
     reduce-scatter run fused with the GEMM, chunked and overlapped, both directions
@@ -242,7 +245,7 @@ class TrainConfig:
     its waits are lifted for the capture and run before each replay (GPU test, session 12).
     auto: on for capturable CUDA runs at tp > 1 (GPT-1.3B at tp=2 + SP: 40,370 against 24,223
     tokens/s eager on 2x H100, same call, BENCHMARKS.md session 6), also with the opt-in
-    overlapped TP paths (parallel.tp_async, tp_comm_overlap, with or without SP), which graphed
+    overlapped TP paths (parallel.tp_async, tp_comm_overlap=true, with or without SP), which graphed
     follow one GPU (GPU test) and run within 3 % of the plain graphed layers but eager far
     slower (tp_async=true: 12,206 eager against 41,315 graphed, session 8), and with zero 1/2's
     overlapped gather at dp > 1; off at tp=1, where fused weight gradients are faster."""

@@ -50,7 +50,7 @@ def reduce_scatter(grad: Tensor, out: Tensor, group: dist.ProcessGroup, *, accum
         pieces = torch.empty_like(grad)
         work = dist.all_to_all_single(pieces, grad, group=group, async_op=async_op)
 
-        def add_in_fp32() -> None:  # one pass: read the bf16 pieces, write the fp32 sum
+        def add_in_fp32() -> None:  # written: one pass from the bf16 pieces to the fp32 sum
             if accumulate:
                 out.add_(pieces.view(size, -1).sum(0, dtype=torch.float32))
             else:

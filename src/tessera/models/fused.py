@@ -47,7 +47,7 @@ def swiglu(y: Tensor) -> Tensor:
 class Kernels:
     """The three functions, compiled (``compiled=True``) or as they are."""
 
-    def __init__(self, compiled: bool):
+    def __init__(self, *, compiled: bool):
         # dynamic=None: a second shape recompiles once with symbolic sizes (a new micro-batch or
         # sequence length never exhausts the recompile limit); no fullgraph, so a failure to
         # compile degrades to eager instead of raising (the CPU test compiles them fullgraph)
@@ -55,12 +55,18 @@ class Kernels:
         self.rms_norm, self.rope, self.swiglu = wrap(rms_norm), wrap(rope), wrap(swiglu)
 
 
+REFERENCE = Kernels(compiled=False)
+
+
 @functools.cache
-def _kernels(compiled: bool) -> Kernels:
-    return Kernels(compiled)
+def _compiled() -> Kernels:  # built on first use (torch.compile's wrappers import dynamo)
+    return Kernels(compiled=True)
 
 
 def kernels(fused: bool, x: Tensor) -> Kernels:
     """The compiled functions for ``x`` when ``fused``, on CUDA, outside a compiling layer;
-    else the reference ones."""
-    return _kernels(bool(fused) and x.is_cuda and not torch.compiler.is_compiling())
+    else the reference ones (decided before the cached call, which dynamo would warn about
+    inside a compiled layer)."""
+    if not fused or not x.is_cuda or torch.compiler.is_compiling():
+        return REFERENCE
+    return _compiled()

@@ -11,8 +11,9 @@ FLOPs: Llama-1B's untied 128k-vocabulary head, 4.0 layers by FLOPs, took 9.6 ms 
 micro-batch against 3.8 ms per layer in a step timeline (2.5 layers; 2x H200, BENCHMARKS.md
 session 14). GPT-1.3B's head (2 h V FLOPs per token forward, 1.9 layers by FLOPs, 1.1 by time)
 gives 13/11 at pp=2, 7,6,6,5 at vpp=2; Llama-1B's gives 5,5,4,2 at vpp=2 (9 layers on rank 0,
-7 on rank 1: 0.827-0.833 of one GPU for two such layouts against 0.811 for the FLOPs split's
-10/6). Megatron offers the same as ``account_for_embedding/loss_in_pipeline_split``, one layer
+7 on rank 1; not itself run yet: two other 9/7 layouts measured 0.827-0.833 of one GPU and the
+FLOPs split's 10/6 0.811, in different calls, so the within-call evidence is the timeline's
+38.4 against 33.1 ms per micro-batch). Megatron offers the same as ``account_for_embedding/loss_in_pipeline_split``, one layer
 each.
 
 ``"auto"`` (the default) is balanced when ``vpp > 1`` and even otherwise, as measured on 2x H200

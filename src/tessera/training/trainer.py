@@ -124,8 +124,9 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
       the halved GEMMs leave the step bound by the host's launch time, and graphs measured +67%
       at tp=2 (40,370 against 24,223 tokens/s), also with the opt-in overlapped TP paths under
       sequence parallelism (parallel.tp_async, tp_comm_overlap) and tp_comm_overlap without SP (an
-      overlapped all-reduce): graphed, each follows one GPU (GPU test) and runs
-      within 3 % of the plain graphed layers, while eager they are far slower (symmetric-memory
+      overlapped all-reduce): graphed, each follows one GPU (GPU test); the async TP paths run
+      within 3 % of the plain graphed layers (the backward comm overlap 1.6-2.6 % faster: auto
+      turns it on with graphed layers, tp_comm_overlap), while eager they are far slower (symmetric-memory
       async TP 12,206 eager against 41,315 graphed, session 8). Not fusion (in eager layers 15%
       slower at tp=2: it adds Python work per linear layer; train.grad_accum_fusion=true captures
       the fused GEMMs in the graphs, opt-in until measured: the fused fp32-accumulating fc1
@@ -153,6 +154,14 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     return compiled, fuse, graphs
 
 
+def tp_comm_overlap(cfg: Config, graphed: bool) -> bool:
+    """parallel.tp_comm_overlap resolved: auto overlaps the backward's TP collectives with the
+    weight-gradient GEMMs inside CUDA-graphed layers at tp > 1, where it measured faster, and not
+    around eager or compiled layers (BENCHMARKS.md sessions 4, 7, 14)."""
+    p = cfg.parallel
+    return {"true": True, "false": False}.get(p.tp_comm_overlap, graphed and p.tp > 1)
+
+
 class Stage:
     """This rank's share of the model and how it runs a step of ``m`` micro-batches."""
 
@@ -163,9 +172,13 @@ class Stage:
                                         p.zero)
         self.compiled, self.fuse_wgrad, self.graphed = fast_paths(cfg, self.schedule, topo.device)
         self.wgrad_store = WeightGradStore() if self.schedule in SPLIT_BACKWARD or self.fuse_wgrad else None
+        self.comm_overlap = tp_comm_overlap(cfg, self.graphed)
+        # the llama family's compiled elementwise functions run where layers are not compiled whole
+        self.elementwise_compiled = (cfg.train.fused_elementwise and cfg.model.family == "llama"
+                                     and topo.device.type == "cuda" and not self.compiled)
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
-                       comm_overlap=p.tp_comm_overlap, fused_elementwise=cfg.train.fused_elementwise,
+                       comm_overlap=self.comm_overlap, fused_elementwise=cfg.train.fused_elementwise,
                        async_tp={"false": False, "true": True, "p2p": "p2p"}[p.tp_async])
         layout = parse_layout(p.pp_layout, cfg.model, p.pp, p.vpp)
         # layers per virtual stage, for the run's first line (auto's choice made visible)
@@ -237,7 +250,9 @@ def train(cfg: Config) -> list[dict]:
                  f"device {device}, {t.dtype}, "
                  f"layers {'compiled' if stage.compiled else 'eager'}{' in CUDA graphs' if stage.graphed else ''}, "
                  f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
-                 f"{f' (deferred, {stage.schedule})' if stage.schedule in SPLIT_BACKWARD else ''}")
+                 f"{f' (deferred, {stage.schedule})' if stage.schedule in SPLIT_BACKWARD else ''}"
+                 f"{', TP backward comm overlapped' if stage.comm_overlap and p.tp > 1 else ''}"
+                 f"{', RMSNorm / RoPE / SwiGLU compiled' if stage.elementwise_compiled else ''}")
     logger.print(str(memory_report(data_parallel, optimizer)))
 
     model.train()
