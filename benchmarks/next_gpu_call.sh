@@ -17,7 +17,8 @@
 #      one GPU again on GPU 1 (~420 s)
 #   3. s15C -- the Llama tp=2 pair again (reversed), then dp=2's step-to-step spread (some
 #      steps at 0.97-0.98, the median 0.958-0.964 in session 14): GPT-1.3B one GPU and dp=2 for
-#      40 steps each, twice, the clocks logged (~450 s)
+#      40 steps each, then benchmarks/step_jitter.py at dp=2 and one GPU (each step's phases per
+#      rank: is a slow step the host's, the compute's or the reductions'?), clocks logged (~480 s)
 # Session 14's modes (s14A-E) are kept below for their commands.
 # The benchmark modes log the GPUs' clocks, power and throttle reasons (smi_*.csv under $OUT).
 # Session 13's modes (s13d, s13e, s13f) are kept below for their commands.
@@ -224,7 +225,11 @@ case "${1:-tests}" in
     run() { NPROC=$2 timeout 95 python3 benchmarks/quick_train.py $1 ${@:3} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
     sp="parallel.tp=2 parallel.sequence_parallel=true"
     run llama-1b 2 $sp train.fused_elementwise=true; run llama-1b 2 $sp  # the tp=2 pair again, reversed
-    for i in 1 2; do run gpt-1.3b 1 train.steps=40; run gpt-1.3b 2 parallel.zero=1 train.steps=40; done ;;
+    run gpt-1.3b 1 train.steps=40; run gpt-1.3b 2 parallel.zero=1 train.steps=40
+    # per step and rank: idle (host behind), forward+backward, reduction wait, tail, host lead
+    for n in 2 1; do log="${OUT:-/tmp}/jitter_n$n.log"
+      STEPS=40 timeout 150 torchrun --nproc-per-node $n benchmarks/step_jitter.py $([ $n = 2 ] && echo parallel.zero=1) \
+        > "$log" 2>&1; grep -E "SUMMARY|Error" "$log" | tail -3; reap; done ;;
   s14D)  # session 14, last call: Llama-1B's pp=2 vpp=2 measured 0.811 of one GPU in s14B (GPT's: 0.917)
     # with the auto (balanced) layout 5,5,5,1 (the untied 128k-vocabulary head weighs 4.0 layers):
     # its step timeline per rank, then the layouts: even 4,4,4,4; vpp=1 even 8,8 and balanced 10,6

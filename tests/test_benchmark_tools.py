@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -69,7 +71,6 @@ def test_variants_run_tessera_alone_and_compare_with_their_one_gpu_twin():
 
 
 def test_bad_layouts_and_skips_are_refused_by_name():
-    import pytest
     for bad in (lambda: compare.split_variant("dp3"), lambda: compare.split_variant("dp2+zero"),
                 lambda: compare.parse_skip("nemo@1gpu"), lambda: compare.parse_skip("mcore@tp4")):
         with pytest.raises(SystemExit) as err:
@@ -82,3 +83,23 @@ def test_skip_takes_both_spellings():
         out = subprocess.run([sys.executable, "benchmarks/compare.py", "gpt-1.3b", "1gpu", *spelling, "--dry-run"],
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
         assert len(out) == 1 and "quick_train.py" in out[0], spelling  # tessera alone
+
+
+def test_step_jitter_reports_every_step_and_rank_on_gloo():
+    """benchmarks/step_jitter.py on 2 CPU processes (dp=2, zero=1, a tiny model): a line per step
+    with both ranks' phases, which add up to the step, and a summary per rank."""
+    import os
+    import re
+    tiny = ["parallel.zero=1", "model.hidden=64", "model.heads=4", "model.layers=2", "model.seq_len=32",
+            "model.vocab_size=256", "train.dtype=fp32", "train.global_batch=8"]
+    env = {**os.environ, "STEPS": "4", "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "step_jitter.py",
+                          *tiny], cwd=ROOT / "benchmarks", capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [line for line in out.stdout.splitlines() if line.startswith("  step ")]
+    assert len(steps) == 3, out.stdout  # steps 1-3 (step 0 has no previous end)
+    for line in steps:
+        for rank_cells in line.split(":", 1)[1].split("|"):
+            step, idle, fb, sync, tail, lead = map(float, rank_cells.split())
+            assert step > 0 and step == pytest.approx(idle + fb + sync + tail, abs=0.5), line
+    assert len(re.findall(r"SUMMARY rank [01]: step median", out.stdout)) == 2
