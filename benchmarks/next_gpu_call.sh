@@ -8,13 +8,17 @@
 #       K="pipeline or curve" then K="zero"
 # Session 15's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
 # after 30 s, so send the next call at once; a fresh machine costs ~60 s of the budget):
-#   1. s15A -- the GPU tests of train.fused_elementwise: the kernels against the reference, and
-#      the 200-step curve test with them in eager and in graphed layers (~450 s)
+#   1. s15A -- the GPU tests of train.fused_elementwise (the kernels against the reference, the
+#      200-step curve test with them in eager and in graphed layers; its "both" run is compiled
+#      layers with fused weight gradients, now through tessera::deferrable_linear) and of
+#      compiled layers under interleaved-zb at pp=2 (~540 s)
 #   2. s15B -- Llama-1B: one GPU; pp=2 vpp=2 in the new auto layout 5,5,4,2 (eager layers:
-#      0.827-0.833 for other 9/7 layouts in session 14), with train.fused_elementwise=true, and
-#      with parallel.schedule=interleaved (no split backward, so auto compiles the layers); tp=2
-#      + SP without and with train.fused_elementwise (graphed eager layers; 0.727 in session 6);
-#      one GPU again on GPU 1 (~420 s)
+#      0.827-0.833 for other 9/7 layouts in session 14), with train.fused_elementwise=true, with
+#      train.compile=true (whole layers compiled around the deferred weight gradients, now one
+#      graph per layer: tessera::deferrable_linear), and with parallel.schedule=interleaved (no
+#      split backward, so auto compiles the layers); tp=2 + SP without and with
+#      train.fused_elementwise (graphed eager layers; 0.727 in session 6); one GPU again on GPU 1
+#      (8 runs, ~500 s)
 #   3. s15C -- the Llama tp=2 pair again (reversed), then dp=2's step-to-step spread (some
 #      steps at 0.97-0.98, the median 0.958-0.964 in session 14): GPT-1.3B one GPU and dp=2 for
 #      40 steps each, then benchmarks/step_jitter.py at dp=2 and one GPU (each step's phases per
@@ -213,13 +217,15 @@ case "${1:-tests}" in
     CUDA_VISIBLE_DEVICES=1 run 1
     BUDGET=120 bash "$0" tests "uneven_default_layout" | grep -E "rc=|SKIPPED" ;;
   s15A)  # session 15, first call: see the plan at the top
-    BUDGET=560 bash "$0" tests "compiled_elementwise or fast_paths_follow" | grep -E "rc=|SKIPPED" ;;
+    BUDGET=560 bash "$0" tests "compiled_elementwise or fast_paths_follow or under_the_split_backward" \
+      | grep -E "rc=|SKIPPED" ;;
   s15B)  # session 15, second call: see the plan at the top
     smi_log s15B; date +"runs from %T"
     run() { NPROC=$1 timeout 80 python3 benchmarks/quick_train.py llama-1b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
     pp="parallel.pp=2 parallel.vpp=2"; sp="parallel.tp=2 parallel.sequence_parallel=true"
-    run 1; run 2 $pp; run 2 $pp train.fused_elementwise=true; run 2 $pp parallel.schedule=interleaved
-    run 2 $sp; run 2 $sp train.fused_elementwise=true; CUDA_VISIBLE_DEVICES=1 run 1 ;;
+    run 1; run 2 $pp; run 2 $pp train.fused_elementwise=true; run 2 $pp train.compile=true
+    run 2 $pp parallel.schedule=interleaved; run 2 $sp; run 2 $sp train.fused_elementwise=true
+    CUDA_VISIBLE_DEVICES=1 run 1 ;;
   s15C)  # session 15, third call: see the plan at the top
     smi_log s15C; date +"runs from %T"
     run() { NPROC=$2 timeout 95 python3 benchmarks/quick_train.py $1 ${@:3} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }

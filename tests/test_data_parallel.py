@@ -32,6 +32,12 @@ BASE = ["model.hidden=32", "model.layers=2", "model.heads=2", f"model.seq_len={S
         "optim.clip_grad=0.5", "optim.weight_decay=0.1", "optim.eps=1e-6", "parallel.bucket_size=3000", "train.seed=7"]
 
 
+
+def _graph_breaks() -> int:
+    """Dynamo's graph breaks so far in this process (0 where nothing was compiled)."""
+    import torch._dynamo.utils
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
 def global_batch(step: int) -> dict[str, torch.Tensor]:
     """The same batch every step (so 5 steps visibly lower the loss)."""
     g = torch.Generator().manual_seed(1000)
@@ -113,6 +119,7 @@ def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None, p
         data_parallel.start_param_gather = recording_gather
         data_parallel.wait_param_gather = recording_wait
     losses, norms, skipped, order = [], [], [], []
+    breaks = _graph_breaks()
     patches = _recording_order(log := []) if topo.pp > 1 else []
     for owner, name, _, new in patches:
         setattr(owner, name, new)
@@ -140,7 +147,7 @@ def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None, p
                 dp_rank=topo.dp_rank, schedule=stage.schedule, fused_calls=len(fused),
                 w_after_tied=sum(w_after_tied), tied_by_dp=bool(getattr(data_parallel, "tied_reduced", ())),
                 order=order, opt_events=opt_events, ranges=len(getattr(data_parallel, "ranges", ())),
-                gathered=gathered, waited=waited)
+                gathered=gathered, waited=waited, graph_breaks=_graph_breaks() - breaks)
 
 
 def _dp_worker(rank: int, world: int, runs: list[tuple[str, int, int, list[str]]]) -> dict:
@@ -176,7 +183,10 @@ RUNS = {
        # different chunks interleave in the buckets; with and without fused weight gradients
        + [(f"izb-zero{z}{'-fused' if fused else ''}", 1, 2,
            [ZEROS[z], "parallel.vpp=2", "parallel.schedule=interleaved-zb", "parallel.pp_layout=0,1,1,0",
-            f"train.grad_accum_fusion={str(fused).lower()}"]) for z, fused in ((0, False), (1, True))],
+            f"train.grad_accum_fusion={str(fused).lower()}"]) for z, fused in ((0, False), (1, True))]
+       # whole compiled layers: their W's filed by tessera's opaque ops, run by the schedule
+       + [("izb-zero1-compiled", 1, 2, [ZEROS[1], "parallel.vpp=2", "parallel.schedule=interleaved-zb",
+                                        "parallel.pp_layout=0,1,1,0", "train.compile=true"])],
     8: [(f"zero{z}", 2, 2, [ZEROS[z], "parallel.sequence_parallel=true"]) for z in range(4)]
        + [("zero1-fused", 2, 2, [ZEROS[1], "parallel.sequence_parallel=true", "train.grad_accum_fusion=true",
                                  "parallel.tp_comm_overlap=true"])],
@@ -252,26 +262,30 @@ def test_zero_with_tp2_pp2_dp2(zero):
                                 f"zero={zero} pp{pp_rank} dp{dp_rank} {name}", VOCAB, check=_tp_close)
 
 
-def assert_pipeline_run_matches(run: dict, ref: dict, what: str) -> None:
+def assert_pipeline_run_matches(run: dict, ref: dict, what: str, check=None) -> None:
     """A pp=2 rank's run against one rank: losses and norms (on the last stage, which holds the
     loss) and every parameter (the last stage's tied output layer against the embedding)."""
     if run["pp_rank"] == 1:
         assert_same_training(run, ref, what, rel=1e-5)
     for pname, p in run["params"].items():
         source = "embedding.weight" if pname == "output.weight" else pname
-        assert_close(p, ref["params"][source], f"{what}: {pname}")
+        (check or assert_close)(p, ref["params"][source], f"{what}: {pname}")
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["izb-zero0", "izb-zero1-fused"])
+@pytest.mark.parametrize("name", ["izb-zero0", "izb-zero1-fused", "izb-zero1-compiled"])
 def test_interleaved_zb_at_dp2_matches_one_rank(name):
     """pp=2 x dp=2 under interleaved-zb: the same losses, norms and parameters as one rank."""
     ref = reference()
     for r in results(4):
         run = r[name]
         assert run["schedule"] == "interleaved-zb"
-        assert_pipeline_run_matches(run, ref, f"{name} pp rank {run['pp_rank']} dp rank {run['dp_rank']}")
+        # (compiled layers fuse differently: one element of 4096 off by 1.8e-6 after 5 steps)
+        assert_pipeline_run_matches(run, ref, f"{name} pp rank {run['pp_rank']} dp rank {run['dp_rank']}",
+                                    check=_tp_close if name.endswith("compiled") else None)
     assert any(r[name]["fused_calls"] for r in results(4)) == name.endswith("fused")
+    if name.endswith("compiled"):  # the deferred W's through the opaque ops: one graph per layer
+        assert all(r[name]["graph_breaks"] == 0 for r in results(4))
 
 
 @pytest.mark.timeout(900)

@@ -211,6 +211,22 @@ def test_nccl_pipeline_schedules_match_one_gpu(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_compiled_layers_under_the_split_backward_match_one_gpu(tmp_path):
+    """Whole compiled llama layers at pp=2 under interleaved-zb: their deferred weight gradients
+    go through tessera's opaque ops (tensor_parallel/wgrad.py), filed in I and run in W, and the
+    run follows one GPU's compiled layers on NCCL (fp32)."""
+    base = ["model.family=llama", "model.kv_heads=2", "model.layers=4", "train.compile=true"]
+    one = _train(tmp_path, "one", 1, base)
+    # (the path taken is the CPU-tested one: no graph break, tests/test_wgrad.py)
+    curve = _train(tmp_path, "zb-compiled", 2, base + ["parallel.pp=2", "parallel.vpp=2",
+                                                       "parallel.schedule=interleaved-zb"])
+    assert "layers compiled" in (tmp_path / "zb-compiled" / "output.log").read_text()
+    for a, b in zip(one, curve):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_uneven_default_layout_matches_one_gpu(tmp_path):
     """The default layout at vpp=2 (auto: balanced) with 5 layers: an uneven 2,1,1,1; and
     the run's end reports both stages' peak memory."""

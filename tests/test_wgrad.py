@@ -1,5 +1,6 @@
 """Deferred weight gradients (the I / W split of zero-bubble schedules) equal plain backward."""
 
+import pytest
 import torch
 
 from tessera.config import ModelConfig
@@ -95,3 +96,61 @@ def test_grad_accum_fusion_adds_weight_grads_straight_into_main_grad():
             assert model.embedding.weight not in set(calls), "the tied embedding's two terms are summed by autograd"
         for name, grad in ref.items():  # on CPU the arithmetic is the reference's: equal
             torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
+
+
+# -- inside compiled layers: the opaque deferrable linear -----------------------------------------
+def _llama(store=None):
+    cfg = ModelConfig(family="llama", hidden=32, heads=4, kv_heads=2, layers=3, seq_len=8, vocab_size=40)
+    model = GPTModel(cfg, TPContext(wgrad_store=store))
+    model.init_weights(5)
+    return model
+
+
+def test_compiled_layers_defer_weight_grads_without_a_graph_break():
+    """Layers compiled whole (inductor's CPU backend) with a store whose weights are registered:
+    one graph for all three layers and no break (tessera::deferrable_linear and
+    linear_input_grad), the weight gradients held back until W and then equal to eager's."""
+    import torch._dynamo
+
+    tokens = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(0))
+    eager = _grads(_llama(), tokens)
+    store = WeightGradStore()
+    model = _llama(store)
+    store.register(model.parameters())
+    for layer in model.layers.values():
+        layer.compile()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got = _grads(model, tokens, store)  # asserts the qkv weight's gradient waits for W
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # every layer reuses it
+    for name, grad in eager.items():
+        torch.testing.assert_close(got[name], grad, msg=name, rtol=1e-5, atol=1e-6)
+    # a second step, outside a defer block: the weight gradients come with backward (added)
+    model.zero_grad()
+    model(tokens, labels=tokens.roll(-1, 1)).mean().backward()
+    assert len(store) == 0 and model.layers["0"].attn.qkv.weight.grad is not None
+    torch.testing.assert_close(model.layers["0"].attn.qkv.weight.grad, eager["layers.0.attn.qkv.weight"],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_an_unregistered_weight_breaks_the_graph_and_a_lost_store_is_named():
+    import torch._dynamo
+
+    from tessera.tensor_parallel import wgrad
+
+    tokens = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1))
+    store = WeightGradStore()
+    model = _llama(store)  # not registered: the eager path between compiled pieces, still right
+    for layer in model.layers.values():
+        layer.compile()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got = _grads(model, tokens, store)
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) > 0
+    for name, grad in _grads(_llama(), tokens).items():
+        torch.testing.assert_close(got[name], grad, msg=name, rtol=1e-5, atol=1e-6)
+    weight = model.layers["0"].attn.qkv.weight
+    wgrad._register(WeightGradStore(), [weight])  # its store is gone at once: a clear error
+    with pytest.raises(RuntimeError, match="not registered with its WeightGradStore"):
+        wgrad._registered(weight)

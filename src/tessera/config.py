@@ -217,9 +217,11 @@ class TrainConfig:
     compile: Literal["auto", "true", "false"] = "auto"
     """torch.compile each transformer layer (inductor fuses its elementwise work; the first steps
     pay the compile time). Linear layers whose weight gradients are deferred (zb-h1, zb-h2,
-    interleaved-zb) or fused
-    (train.grad_accum_fusion) run eagerly between compiled pieces, a graph break each, which
-    costs more CPU time per step than the compiled pieces save (measured, BENCHMARKS.md). auto:
+    interleaved-zb) or fused (train.grad_accum_fusion) used to run eagerly between compiled
+    pieces, a graph break each, which cost more CPU time per step than the compiled pieces
+    saved (measured, BENCHMARKS.md); since session 14 they are opaque ops inside the layer's one
+    graph (tensor_parallel/wgrad.py; CPU-tested, not yet measured on a GPU, so auto does not
+    yet compile around them; the TP-overlap and async-TP linear layers still break it). auto:
     on for CUDA runs of the llama family at tp=1 whose schedule does not split the backward and where
     train.grad_accum_fusion is not true (+10% on Llama-1B); off elsewhere (on GPT-1.3B at tp=1
     fused weight gradients in eager layers measured 2% faster). Off at tp > 1: compiled layers

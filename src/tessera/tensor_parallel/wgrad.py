@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,12 @@ class WeightGradStore:
 
     def __len__(self) -> int:
         return sum(map(len, self.pending.values()))
+
+    def register(self, params) -> None:
+        """Let compiled layers reach these parameters' deferred or fused weight gradients without
+        a graph break (``tessera::linear_input_grad``). Call once their storage is final (after
+        data parallelism placed them in its buffers)."""
+        _register(self, params)
 
     def add_weight_grad(self, weight: Tensor, grad_out: Tensor, x: Tensor) -> None:
         """Add ``grad_out.T @ x`` (2-D) to ``weight``'s gradient, fused when data parallelism asks."""
@@ -197,7 +204,102 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStor
            fuse: bool = True) -> Tensor:
     """``F.linear``, with a deferrable (and fusable) weight gradient when a store is given.
     ``fuse=False`` for a weight that also gets gradients elsewhere in the same backward (a tied
-    embedding used as the output layer): autograd must sum those before the gradient hook."""
+    embedding used as the output layer): autograd must sum those before the gradient hook.
+    Inside a compiled layer, a weight the store has registered runs as tessera's own opaque ops
+    (no graph break, :func:`_compiled_linear`), unless ``fuse=False`` (the ops hand autograd no
+    weight gradient to sum); others break the graph (:func:`_apply_eager`)."""
     if store is None:
         return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling() and fuse and _opaque_linear_applies(x, weight):
+        return _compiled_linear(x, weight, bias, fuse)
     return apply_linear(_DeferrableLinear, store, x, weight, bias, store, fuse)
+
+
+# -- inside compiled layers: the deferrable linear as two opaque ops ------------------------------
+# A compiled layer cannot hold the Python state a deferred weight gradient needs (the store, the
+# parameter, the pending list), so around each such linear layer the graph used to break, and
+# ~6 graphs per layer cost more host time than inductor saved (BENCHMARKS.md). Instead the
+# product is ``tessera::deferrable_linear`` and its backward ``tessera::linear_input_grad``,
+# which returns the input gradient (so the op stays in the graph) and, as a side effect when it
+# runs, files the weight-gradient GEMM in the store, fuses it into ``main_grad``, or adds it
+# (what :func:`weight_grad` does eagerly). The op finds the parameter and its store by the
+# parameter's data pointer (stable once data parallelism placed it in its buffer): registered by
+# :meth:`WeightGradStore.register`, in ``_REGISTERED`` (weak references; a registry, as torch's
+# own op registry, since compiled code passes only tensors and numbers). The side effect runs
+# where the compiled backward runs: inductor's default mode, not "reduce-overhead" (its CUDA
+# graphs would replay the GEMMs, not the Python), which tessera never asks for.
+_REGISTERED: dict[int, tuple] = {}
+
+
+def _register(store: WeightGradStore, params) -> None:
+    for p in params:
+        if p.requires_grad:
+            _REGISTERED[p.data_ptr()] = (weakref.ref(p), weakref.ref(store))
+            p._wgrad_registered = True  # what tracing reads (a data pointer it cannot)
+
+
+def _registered(weight: Tensor) -> tuple:
+    entry = _REGISTERED.get(weight.data_ptr())
+    param, store = (entry[0](), entry[1]()) if entry else (None, None)
+    if param is None or store is None or param.data_ptr() != weight.data_ptr() or param.shape != weight.shape \
+            or param.dtype != weight.dtype:  # (a stale entry: its parameter moved or another took the address)
+        raise RuntimeError(f"a compiled layer's {tuple(weight.shape)} weight is not registered with its "
+                           "WeightGradStore (store.register(params) after data parallelism placed them)")
+    return param, store
+
+
+def _opaque_linear_applies(x: Tensor, weight: Tensor) -> bool:
+    """At trace time: the opaque ops fit (a registered weight, no autocast, an input whose
+    gradient backward computes, so the filing op is never dropped as unused)."""
+    return (getattr(weight, "_wgrad_registered", False) and weight.requires_grad and x.requires_grad
+            and not torch.is_autocast_enabled(x.device.type))
+
+
+@torch.library.custom_op("tessera::deferrable_linear", mutates_args=())
+def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, fuse: bool) -> Tensor:
+    return F.linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias, fuse):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("tessera::linear_input_grad", mutates_args=())
+def _input_grad_op(grad: Tensor, x: Tensor, weight: Tensor, fuse: bool) -> Tensor:
+    """``grad @ weight``; and the weight's gradient filed, fused or added (a side effect)."""
+    param, store = _registered(weight)
+    g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    if store.key is not None:  # zero-bubble I step: the W GEMM runs later, on copies: compiled
+        # code may reuse its intermediate buffers (``grad``) once this op has returned
+        g2, x2 = g2.clone(), x2.clone()
+        store.pending.setdefault(store.key, []).append(lambda: store.add_weight_grad(param, g2, x2))
+    elif fuse and store.accumulate_product is not None:
+        store.accumulate_product(param, g2, x2)
+    else:
+        store.accumulate(param, (g2.t() @ x2).to(param.dtype))
+    return grad @ weight
+
+
+@_input_grad_op.register_fake
+def _(grad, x, weight, fuse):
+    return grad.new_empty(*grad.shape[:-1], weight.shape[1])
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias, fuse = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias, ctx.fuse = bias is not None, fuse
+
+
+def _linear_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+    return _input_grad_op(grad, x, weight, ctx.fuse), None, grad_b, None
+
+
+_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def _compiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, fuse: bool) -> Tensor:
+    return _linear_op(x, weight, bias, fuse)

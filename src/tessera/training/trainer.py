@@ -119,7 +119,8 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
       kernels in eager mode: +10% on Llama-1B over fused eager layers), fused weight gradients in
       eager layers elsewhere (+2% over compiled layers on GPT-1.3B); never compiled layers around
       a split-backward schedule's deferred weight gradients (graph breaks cost more CPU time than
-      compiling saves).
+      compiling saves; since session 14 the deferrable linear layers are opaque ops in the layer's
+      one graph instead, CPU-tested, to be measured on a GPU before auto uses them).
     - tp > 1: CUDA-graphed eager layers where they can be captured (config.can_graph_layers):
       the halved GEMMs leave the step bound by the host's launch time, and graphs measured +67%
       at tp=2 (40,370 against 24,223 tokens/s), also with the opt-in overlapped TP paths under
@@ -221,6 +222,8 @@ def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
                                  overlap_param_gather=p.overlap_param_gather, wgrad_store=stage.wgrad_store,
                                  reduce_dtype=DTYPES[p.grad_reduce_dtype], fuse_wgrad=stage.fuse_wgrad,
                                  embedding_group=topo.group("embedding"))
+    if stage.compiled and stage.wgrad_store is not None:  # their storage is final now
+        stage.wgrad_store.register(stage.model.parameters())
     return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
 
 
