@@ -221,9 +221,9 @@ case "${1:-tests}" in
       | grep -E "rc=|SKIPPED" ;;
   s15B)  # session 15, second call: see the plan at the top
     smi_log s15B; date +"runs from %T"
-    run() { NPROC=$1 timeout 80 python3 benchmarks/quick_train.py llama-1b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
+    run() { NPROC=$1 timeout ${T:-80} python3 benchmarks/quick_train.py llama-1b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
     pp="parallel.pp=2 parallel.vpp=2"; sp="parallel.tp=2 parallel.sequence_parallel=true"
-    run 1; run 2 $pp; run 2 $pp train.fused_elementwise=true; run 2 $pp train.compile=true
+    run 1; run 2 $pp; run 2 $pp train.fused_elementwise=true; T=120 run 2 $pp train.compile=true
     run 2 $pp parallel.schedule=interleaved; run 2 $sp; run 2 $sp train.fused_elementwise=true
     CUDA_VISIBLE_DEVICES=1 run 1 ;;
   s15C)  # session 15, third call: see the plan at the top
