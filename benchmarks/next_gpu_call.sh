@@ -23,6 +23,8 @@
 #      steps at 0.97-0.98, the median 0.958-0.964 in session 14): GPT-1.3B one GPU and dp=2 for
 #      40 steps each, then benchmarks/step_jitter.py at dp=2 and one GPU (each step's phases per
 #      rank: is a slow step the host's, the compute's or the reductions'?), clocks logged (~480 s)
+#   4. s15D -- if time is left: one GPU, Llama-1B and GPT-1.3B, compiled layers with fused weight
+#      gradients (no graph breaks now) against each model's default (~220 s)
 # Session 14's modes (s14A-E) are kept below for their commands.
 # The benchmark modes log the GPUs' clocks, power and throttle reasons (smi_*.csv under $OUT).
 # Session 13's modes (s13d, s13e, s13f) are kept below for their commands.
@@ -236,6 +238,11 @@ case "${1:-tests}" in
     for n in 2 1; do log="${OUT:-/tmp}/jitter_n$n.log"
       STEPS=40 timeout 150 torchrun --nproc-per-node $n benchmarks/step_jitter.py $([ $n = 2 ] && echo parallel.zero=1) \
         > "$log" 2>&1; grep -E "SUMMARY|Error" "$log" | tail -3; reap; done ;;
+  s15D)  # session 15, if time is left: compiled layers with fused weight gradients at one GPU, now
+    # without graph breaks (each alone measured faster than the pair with breaks: 55.2k vs 44.8k)
+    run() { NPROC=1 timeout 100 python3 benchmarks/quick_train.py $1 ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
+    both="train.compile=true train.grad_accum_fusion=true"
+    run llama-1b; run llama-1b $both; run gpt-1.3b $both; run gpt-1.3b ;;
   s14D)  # session 14, last call: Llama-1B's pp=2 vpp=2 measured 0.811 of one GPU in s14B (GPT's: 0.917)
     # with the auto (balanced) layout 5,5,5,1 (the untied 128k-vocabulary head weighs 4.0 layers):
     # its step timeline per rank, then the layouts: even 4,4,4,4; vpp=1 even 8,8 and balanced 10,6
