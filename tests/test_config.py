@@ -202,7 +202,8 @@ def test_fast_path_options_refused_where_they_cannot_act():
              (["parallel.schedule=zb-h2"], "zb-h2 fills pipeline bubbles; with pp=1 there are none"),
              (["parallel.schedule=zb-h2", "parallel.pp=2", "parallel.zero=3"], "zb-h2 defers weight gradients"),
              (["parallel.tp=2", "parallel.tp_async=true"], "async TP fuses sequence-parallel"),
-             (["parallel.tp=2", "parallel.tp_async=p2p"], "async TP fuses sequence-parallel")]
+             (["parallel.tp=2", "parallel.tp_async=p2p"], "async TP fuses sequence-parallel"),
+             (["train.fused_elementwise=true"], "compiles the llama family's RMSNorm")]
     for sets, message in cases:
         with pytest.raises(ConfigError, match=message):
             validate(load_config(None, sets), 2)

@@ -256,7 +256,7 @@ class TrainConfig:
     way, models/fused.py) inside eager layers on CUDA: the elementwise fusions of compiled layers
     where whole layers are not compiled (split-backward pipeline schedules, CUDA-graphed layers
     at tp > 1, fused weight gradients). On a CPU, or inside compiled layers: the reference ops.
-    Opt-in until measured on the GPU."""
+    The llama family only. Opt-in until measured on the GPU."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""
@@ -566,6 +566,9 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(t.grad_dtype == "fp32" or p.zero < 3, "train.grad_dtype",
            "bf16 gradients are a bucket option (zero 0-2); FSDP reduces in fp32",
            "set train.grad_dtype=fp32 with parallel.zero=3")
+    _check(not t.fused_elementwise or cfg.model.family == "llama", "train.fused_elementwise",
+           "compiles the llama family's RMSNorm, RoPE and SwiGLU; gpt2's LayerNorm and GELU are one "
+           "kernel each already", "set train.fused_elementwise=false for model.family=gpt2")
     if t.cuda_graphs == "true":
         _check_cuda_graphs(cfg, dp)
     p.dp = dp
