@@ -206,13 +206,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStor
     ``fuse=False`` for a weight that also gets gradients elsewhere in the same backward (a tied
     embedding used as the output layer): autograd must sum those before the gradient hook.
     Inside a compiled layer, a weight the store has registered runs as tessera's own opaque ops
-    (no graph break, :func:`_compiled_linear`), unless ``fuse=False`` (the ops hand autograd no
-    weight gradient to sum); others break the graph (:func:`_apply_eager`)."""
+    (no graph break, ``tessera::deferrable_linear``), unless ``fuse=False`` (the ops hand
+    autograd no weight gradient to sum); others break the graph (:func:`_apply_eager`)."""
     if store is None:
         return F.linear(x, weight, bias)
-    if torch.compiler.is_compiling() and fuse and _opaque_linear_applies(x, weight):
-        return _compiled_linear(x, weight, bias, fuse)
-    return apply_linear(_DeferrableLinear, store, x, weight, bias, store, fuse)
+    if not torch.compiler.is_compiling():
+        return _DeferrableLinear.apply(x, weight, bias, store, fuse)
+    if fuse and _opaque_linear_applies(x, weight):
+        return _linear_op(x, weight, bias)
+    return _apply_eager(_DeferrableLinear, x, weight, bias, store, fuse)
 
 
 # -- inside compiled layers: the deferrable linear as two opaque ops ------------------------------
@@ -256,17 +258,17 @@ def _opaque_linear_applies(x: Tensor, weight: Tensor) -> bool:
 
 
 @torch.library.custom_op("tessera::deferrable_linear", mutates_args=())
-def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, fuse: bool) -> Tensor:
+def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
 @_linear_op.register_fake
-def _(x, weight, bias, fuse):
+def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("tessera::linear_input_grad", mutates_args=())
-def _input_grad_op(grad: Tensor, x: Tensor, weight: Tensor, fuse: bool) -> Tensor:
+def _input_grad_op(grad: Tensor, x: Tensor, weight: Tensor) -> Tensor:
     """``grad @ weight``; and the weight's gradient filed, fused or added (a side effect)."""
     param, store = _registered(weight)
     g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -274,7 +276,7 @@ def _input_grad_op(grad: Tensor, x: Tensor, weight: Tensor, fuse: bool) -> Tenso
         # code may reuse its intermediate buffers (``grad``) once this op has returned
         g2, x2 = g2.clone(), x2.clone()
         store.pending.setdefault(store.key, []).append(lambda: store.add_weight_grad(param, g2, x2))
-    elif fuse and store.accumulate_product is not None:
+    elif store.accumulate_product is not None:  # (only fusable weights take these ops)
         store.accumulate_product(param, g2, x2)
     else:
         store.accumulate(param, (g2.t() @ x2).to(param.dtype))
@@ -282,24 +284,20 @@ def _input_grad_op(grad: Tensor, x: Tensor, weight: Tensor, fuse: bool) -> Tenso
 
 
 @_input_grad_op.register_fake
-def _(grad, x, weight, fuse):
+def _(grad, x, weight):
     return grad.new_empty(*grad.shape[:-1], weight.shape[1])
 
 
 def _linear_setup(ctx, inputs, output):
-    x, weight, bias, fuse = inputs
+    x, weight, bias = inputs
     ctx.save_for_backward(x, weight)
-    ctx.has_bias, ctx.fuse = bias is not None, fuse
+    ctx.has_bias = bias is not None
 
 
 def _linear_backward(ctx, grad):
     x, weight = ctx.saved_tensors
     grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-    return _input_grad_op(grad, x, weight, ctx.fuse), None, grad_b, None
+    return _input_grad_op(grad, x, weight), None, grad_b
 
 
 _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
-
-
-def _compiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, fuse: bool) -> Tensor:
-    return _linear_op(x, weight, bias, fuse)

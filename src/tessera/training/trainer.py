@@ -174,9 +174,9 @@ class Stage:
         self.compiled, self.fuse_wgrad, self.graphed = fast_paths(cfg, self.schedule, topo.device)
         self.wgrad_store = WeightGradStore() if self.schedule in SPLIT_BACKWARD or self.fuse_wgrad else None
         self.comm_overlap = tp_comm_overlap(cfg, self.graphed)
-        # the llama family's compiled elementwise functions run where layers are not compiled whole
-        self.elementwise_compiled = (cfg.train.fused_elementwise and cfg.model.family == "llama"
-                                     and topo.device.type == "cuda" and not self.compiled)
+        # the compiled elementwise functions (llama only, config.validate) run where layers are not
+        # compiled whole
+        self.elementwise_compiled = cfg.train.fused_elementwise and topo.device.type == "cuda" and not self.compiled
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
                        comm_overlap=self.comm_overlap, fused_elementwise=cfg.train.fused_elementwise,
