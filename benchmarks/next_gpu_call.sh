@@ -238,6 +238,13 @@ case "${1:-tests}" in
     for n in 2 1; do log="${OUT:-/tmp}/jitter_n$n.log"
       STEPS=40 timeout 150 torchrun --nproc-per-node $n benchmarks/step_jitter.py $([ $n = 2 ] && echo parallel.zero=1) \
         > "$log" 2>&1; grep -E "SUMMARY|Error" "$log" | tail -3; reap; done ;;
+  s15E)  # session 15, last call: Llama-1B tp=2 + SP (graphed layers) with and without the compiled
+    # elementwise functions (auto leaves them out of graphed layers until this pair), then the GPU tests
+    # after the fixes (the fp32 tolerance; the CUDA-graph search that tripped on a dead weakref proxy)
+    run() { NPROC=2 timeout 80 python3 benchmarks/quick_train.py llama-1b ${@:1} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    run $sp train.fused_elementwise=true; reap; run $sp train.fused_elementwise=false; reap
+    BUDGET=350 bash "$0" tests "(compiled_elementwise and dtype0) or fast_paths_follow" | grep -E "rc=|SKIPPED" ;;
   s15D)  # session 15, if time is left: compiled layers with fused weight gradients at one GPU, now
     # without graph breaks (each alone measured faster than the pair with breaks: 55.2k vs 44.8k)
     run() { NPROC=1 timeout 100 python3 benchmarks/quick_train.py $1 ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }

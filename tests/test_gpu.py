@@ -34,7 +34,8 @@ def test_compiled_elementwise_functions_match_the_reference(dtype):
     # [s, b, heads, d] viewed as [b, heads, s, d], as the attention hands them over
     q, k = rand(2048, 2, 16, 64).permute(1, 2, 0, 3), rand(2048, 2, 4, 64).permute(1, 2, 0, 3)
     cos, sin = rand(2048, 64), rand(2048, 64)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    # fp32: RMSNorm's weight gradient sums 4,096 rows in another order (4.6e-5 apart measured)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     cases = [("rms_norm", (x, w), (1e-5,)), ("rope", (q, k), (cos, sin)), ("swiglu", (y,), ())]
     for name, inputs, consts in cases:
         outs = []

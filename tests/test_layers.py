@@ -316,3 +316,23 @@ def test_async_tp_backend_is_true_or_p2p():
     for bad in (False, "false", "P2P", "true"):
         with pytest.raises(ValueError, match="give True"):
             _backend(bad)
+
+
+def test_live_graph_search_skips_dead_weak_proxies():
+    """torch.compile leaves weakref proxies whose referent is gone; the search for the CUDA graphs
+    that make_graphed_callables made walks every tracked object and must not trip on them
+    (isinstance on a dead proxy raises ReferenceError: train.cuda_graphs with
+    train.fused_elementwise failed so on the GPU)."""
+    import weakref
+
+    from tessera.training.cuda_graphs import _live_graphs
+
+    class Referent:
+        pass
+
+    obj = Referent()
+    proxy = weakref.proxy(obj)
+    del obj
+    with pytest.raises(ReferenceError):
+        isinstance(proxy, torch.cuda.CUDAGraph)
+    assert _live_graphs() == []

@@ -251,12 +251,14 @@ class TrainConfig:
     follow one GPU (GPU test) and run within 3 % of the plain graphed layers but eager far
     slower (tp_async=true: 12,206 eager against 41,315 graphed, session 8), and with zero 1/2's
     overlapped gather at dp > 1; off at tp=1, where fused weight gradients are faster."""
-    fused_elementwise: bool = False
+    fused_elementwise: Literal["auto", "true", "false"] = "auto"
     """The llama family's RMSNorm, RoPE and SwiGLU as compiled functions (one generated kernel each
     way, models/fused.py) inside eager layers on CUDA: the elementwise fusions of compiled layers
     where whole layers are not compiled (split-backward pipeline schedules, CUDA-graphed layers
     at tp > 1, fused weight gradients). On a CPU, or inside compiled layers: the reference ops.
-    The llama family only. Opt-in until measured on the GPU."""
+    The llama family only (true refuses gpt2). auto: on for llama's eager layers on CUDA
+    (Llama-1B at pp=2 vpp=2: 57,835 against 51,924 tokens/s per GPU, 0.92 of one GPU, 2x H200,
+    BENCHMARKS.md session 15), not in CUDA-graphed layers until measured there."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""
@@ -566,7 +568,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(t.grad_dtype == "fp32" or p.zero < 3, "train.grad_dtype",
            "bf16 gradients are a bucket option (zero 0-2); FSDP reduces in fp32",
            "set train.grad_dtype=fp32 with parallel.zero=3")
-    _check(not t.fused_elementwise or cfg.model.family == "llama", "train.fused_elementwise",
+    _check(t.fused_elementwise != "true" or cfg.model.family == "llama", "train.fused_elementwise",
            "compiles the llama family's RMSNorm, RoPE and SwiGLU; gpt2's LayerNorm and GELU are one "
            "kernel each already", "set train.fused_elementwise=false for model.family=gpt2")
     if t.cuda_graphs == "true":

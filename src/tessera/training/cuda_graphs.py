@@ -74,7 +74,9 @@ def fused_backward_done(layer: nn.Module, data_parallel):
 
 
 def _live_graphs() -> list:
-    return [o for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)]
+    """Every CUDAGraph the collector tracks. ``type(o)``, not ``isinstance``: a weakref proxy whose
+    referent is gone (torch.compile leaves some) raises ReferenceError on ``isinstance``."""
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.cuda.CUDAGraph)]
 
 
 class _AfterBackward(torch.autograd.Function):

@@ -155,6 +155,17 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     return compiled, fuse, graphs
 
 
+def fused_elementwise(cfg: Config, compiled: bool, graphed: bool, device: torch.device) -> bool:
+    """train.fused_elementwise resolved: whether llama's RMSNorm, RoPE and SwiGLU run as compiled
+    functions (models/fused.py). Never on a CPU or inside compiled layers (they fuse them already);
+    auto: in llama's eager layers, where they measured +11 % at pp=2 vpp=2 (BENCHMARKS.md session
+    15), not yet in CUDA-graphed layers; true also in graphed layers."""
+    t = cfg.train
+    if device.type != "cuda" or compiled or cfg.model.family != "llama" or t.fused_elementwise == "false":
+        return False
+    return t.fused_elementwise == "true" or not graphed
+
+
 def tp_comm_overlap(cfg: Config, graphed: bool) -> bool:
     """parallel.tp_comm_overlap resolved: auto overlaps the backward's TP collectives with the
     weight-gradient GEMMs inside CUDA-graphed layers at tp > 1, where it measured faster, and not
@@ -174,12 +185,10 @@ class Stage:
         self.compiled, self.fuse_wgrad, self.graphed = fast_paths(cfg, self.schedule, topo.device)
         self.wgrad_store = WeightGradStore() if self.schedule in SPLIT_BACKWARD or self.fuse_wgrad else None
         self.comm_overlap = tp_comm_overlap(cfg, self.graphed)
-        # the compiled elementwise functions (llama only, config.validate) run where layers are not
-        # compiled whole
-        self.elementwise_compiled = cfg.train.fused_elementwise and topo.device.type == "cuda" and not self.compiled
+        self.elementwise_compiled = fused_elementwise(cfg, self.compiled, self.graphed, topo.device)
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
-                       comm_overlap=self.comm_overlap, fused_elementwise=cfg.train.fused_elementwise,
+                       comm_overlap=self.comm_overlap, fused_elementwise=self.elementwise_compiled,
                        async_tp={"false": False, "true": True, "p2p": "p2p"}[p.tp_async])
         layout = parse_layout(p.pp_layout, cfg.model, p.pp, p.vpp)
         # layers per virtual stage, for the run's first line (auto's choice made visible)
