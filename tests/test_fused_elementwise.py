@@ -99,7 +99,7 @@ def test_the_config_flag_reaches_every_llama_module(on):
     assert cfg.train.fused_elementwise == str(on).lower()
     model_cfg = ModelConfig(family="llama", hidden=32, heads=4, kv_heads=2, layers=2, seq_len=16, vocab_size=64)
     # as the Stage resolves it for eager layers on CUDA
-    resolved = fused_elementwise(cfg, compiled=False, graphed=False, device=torch.device("cuda"))
+    resolved = fused_elementwise(cfg, compiled=False, device=torch.device("cuda"))
     assert resolved is on
     model = GPTModel(model_cfg, TPContext(fused_elementwise=resolved))
     users = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, MLP))]
@@ -112,21 +112,20 @@ def test_the_config_flag_reaches_every_llama_module(on):
     torch.testing.assert_close(model(tokens, tokens), other(tokens, tokens), rtol=0, atol=0)
 
 
-def test_auto_compiles_the_elementwise_functions_in_llamas_eager_cuda_layers():
-    """train.fused_elementwise as the Stage resolves it: auto in llama's eager CUDA layers (+11 % at
-    pp=2 vpp=2, session 15), not in graphed layers (unmeasured) unless asked, never on a CPU,
-    inside compiled layers, or for gpt2."""
+def test_auto_compiles_the_elementwise_functions_in_llamas_uncompiled_cuda_layers():
+    """train.fused_elementwise as the Stage resolves it: auto (and true) in llama's eager or
+    graphed CUDA layers (+11 % at pp=2 vpp=2, +8.8 % graphed at tp=2, session 15), never on a
+    CPU, inside compiled layers, or for gpt2."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
-    def resolved(sets, compiled=False, graphed=False, device=cuda):
-        return fused_elementwise(load_config(None, sets), compiled, graphed, device)
+    def resolved(sets, compiled=False, device=cuda):
+        return fused_elementwise(load_config(None, sets), compiled, device)
 
     llama = ["model.family=llama"]
     assert resolved(llama) is True
+    assert resolved(llama + ["train.fused_elementwise=true"]) is True
     assert resolved(llama, device=cpu) is False
     assert resolved(llama, compiled=True) is False
-    assert resolved(llama, graphed=True) is False
-    assert resolved(llama + ["train.fused_elementwise=true"], graphed=True) is True
     assert resolved(llama + ["train.fused_elementwise=true"], compiled=True) is False
     assert resolved(llama + ["train.fused_elementwise=false"]) is False
     assert resolved([]) is False  # gpt2: LayerNorm and GELU are one kernel each already

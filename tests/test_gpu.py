@@ -384,40 +384,48 @@ def test_fused_weight_gradient_accumulation_is_exact_to_fp32():
         assert errors[0].max().item() < 1e-5 * exact.abs().max().item(), mean
 
 
+# train.fused_elementwise is auto (on in llama's eager and graphed CUDA layers): runs without it say false
+_NO_EW = "train.fused_elementwise=false"
+# the fast paths, in groups that each fit one GPU call (~40 s a run): name -> overrides
+_FAST_PATH_GROUPS = {
+    # what auto picks for llama at tp=1 (compiled layers, fused cross entropy); compiled layers
+    # with fused weight gradients (one graph per layer around tessera::deferrable_linear)
+    "compiled": {"fast": [], "both": ["train.grad_accum_fusion=true", "train.compile=true"]},
+    # eager layers: fused weight gradients (what auto picks for GPT), and with them the compiled
+    # RMSNorm, RoPE and SwiGLU (what auto picks for llama's split-backward pipelines)
+    "eager": {"fused": ["train.grad_accum_fusion=true", "train.compile=false", _NO_EW],
+              "elementwise": ["train.grad_accum_fusion=true", "train.compile=false"]},
+    # CUDA-graphed layers (auto at tp > 1; forced here on one GPU): plain, with the fused
+    # fp32-accumulating weight-gradient GEMMs captured, and with the compiled elementwise
+    # functions captured (what auto picks for llama at tp > 1)
+    "graphed": {"graphed": ["train.cuda_graphs=true", "train.compile=false", "train.grad_accum_fusion=false", _NO_EW],
+                "graphed-fused": ["train.cuda_graphs=true", "train.compile=false", "train.grad_accum_fusion=true",
+                                  _NO_EW],
+                "graphed-elementwise": ["train.cuda_graphs=true", "train.compile=false",
+                                        "train.grad_accum_fusion=false"]},
+}
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_fast_paths_follow_the_reference_loss_curve(tmp_path):
-    """200 bf16 steps follow the all-off curve within bf16 tolerance with each combination of
-    fast paths: what auto picks for llama (compiled layers, fused cross entropy), fused weight
-    gradients in eager layers (what auto picks for GPT), compiled layers with fusion, and
-    CUDA-graphed layers (what auto picks at tp > 1; forced here on one GPU), and graphed layers
-    with the fused weight-gradient GEMMs captured in them; and the compiled RMSNorm, RoPE and
-    SwiGLU (train.fused_elementwise) in eager and in graphed layers."""
+@pytest.mark.parametrize("group", list(_FAST_PATH_GROUPS))
+def test_fast_paths_follow_the_reference_loss_curve(tmp_path, group):
+    """200 bf16 steps of a small llama follow the all-off curve (eager layers, reference cross
+    entropy and elementwise ops, autograd weight gradients) within bf16 tolerance with each
+    combination of fast paths in the group."""
     model = ["model.hidden=256", "model.layers=4", "model.heads=4", "model.seq_len=256", "model.vocab_size=1000",
              "train.dtype=bf16", "train.steps=200", "train.log_every=50", "optim.lr=1e-3", "data.source=builtin",
              "model.family=llama", "model.kv_heads=2", "model.ffn_hidden=704"]
     ref = _train(tmp_path, "ref", 1, model + ["train.fused_cross_entropy=false", "train.grad_accum_fusion=false",
-                                              "train.compile=false"])
-    fast = _train(tmp_path, "fast", 1, model)  # auto: compiled layers and fused CE for llama on CUDA
-    fused = _train(tmp_path, "fused", 1, model + ["train.grad_accum_fusion=true", "train.compile=false"])
-    both = _train(tmp_path, "both", 1, model + ["train.grad_accum_fusion=true", "train.compile=true"])
-    graphed = _train(tmp_path, "graphed", 1, model + ["train.cuda_graphs=true", "train.compile=false",
-                                                      "train.grad_accum_fusion=false"])
-    # the bf16 weight-gradient GEMMs accumulating in fp32, captured in the graphs
-    graphed_fused = _train(tmp_path, "graphed-fused", 1, model + ["train.cuda_graphs=true", "train.compile=false",
-                                                                  "train.grad_accum_fusion=true"])
-    # the compiled RMSNorm, RoPE and SwiGLU in eager layers (with fused weight gradients), and
-    # captured in graphed layers
-    elementwise = _train(tmp_path, "elementwise", 1, model + ["train.grad_accum_fusion=true", "train.compile=false",
-                                                              "train.fused_elementwise=true"])
-    graphed_elementwise = _train(tmp_path, "graphed-elementwise", 1, model + [
-        "train.cuda_graphs=true", "train.compile=false", "train.grad_accum_fusion=false", "train.fused_elementwise=true"])
+                                              "train.compile=false", _NO_EW])
+    assert "RMSNorm / RoPE / SwiGLU compiled" not in (tmp_path / "ref" / "output.log").read_text()
+    runs = {name: _train(tmp_path, name, 1, model + sets) for name, sets in _FAST_PATH_GROUPS[group].items()}
     for name in ("elementwise", "graphed-elementwise"):
-        assert "RMSNorm / RoPE / SwiGLU compiled" in (tmp_path / name / "output.log").read_text(), name
-    runs = (fast, fused, both, graphed, graphed_fused, elementwise, graphed_elementwise)
-    assert len(ref) == 200 and all(len(run) == 200 for run in runs)
+        if name in runs:  # auto's choice made visible in the first log line
+            assert "RMSNorm / RoPE / SwiGLU compiled" in (tmp_path / name / "output.log").read_text(), name
+    assert len(ref) == 200 and all(len(run) == 200 for run in runs.values())
     assert ref[-1]["loss"] < 0.6 * ref[0]["loss"], "the run must learn"
-    for run in runs:
+    for name, run in runs.items():
         for w in range(0, 200, 10):  # windows of 10 steps: bf16 noise per step, the same curve
             a, b = (sum(m["loss"] for m in r[w:w + 10]) / 10 for r in (run, ref))
-            assert a == pytest.approx(b, rel=3e-2), f"steps {w + 1}-{w + 10}"
+            assert a == pytest.approx(b, rel=3e-2), f"{name}: steps {w + 1}-{w + 10}"

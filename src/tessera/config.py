@@ -256,9 +256,10 @@ class TrainConfig:
     way, models/fused.py) inside eager layers on CUDA: the elementwise fusions of compiled layers
     where whole layers are not compiled (split-backward pipeline schedules, CUDA-graphed layers
     at tp > 1, fused weight gradients). On a CPU, or inside compiled layers: the reference ops.
-    The llama family only (true refuses gpt2). auto: on for llama's eager layers on CUDA
-    (Llama-1B at pp=2 vpp=2: 57,835 against 51,924 tokens/s per GPU, 0.92 of one GPU, 2x H200,
-    BENCHMARKS.md session 15), not in CUDA-graphed layers until measured there."""
+    The llama family only (true refuses gpt2). auto: on for llama wherever its layers are not
+    compiled whole on CUDA (Llama-1B, 2x H200, BENCHMARKS.md session 15: pp=2 vpp=2 57,835
+    against 51,924 tokens/s per GPU, 0.92 of one GPU; tp=2 + SP in graphed layers 49,266
+    against 45,279)."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (compiled kernels on the 16-bit logits; no
     fp32 copy of the [tokens, vocab] logits is stored). Off, or on a CPU: the reference ops."""

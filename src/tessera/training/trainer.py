@@ -155,15 +155,13 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     return compiled, fuse, graphs
 
 
-def fused_elementwise(cfg: Config, compiled: bool, graphed: bool, device: torch.device) -> bool:
+def fused_elementwise(cfg: Config, compiled: bool, device: torch.device) -> bool:
     """train.fused_elementwise resolved: whether llama's RMSNorm, RoPE and SwiGLU run as compiled
-    functions (models/fused.py). Never on a CPU or inside compiled layers (they fuse them already);
-    auto: in llama's eager layers, where they measured +11 % at pp=2 vpp=2 (BENCHMARKS.md session
-    15), not yet in CUDA-graphed layers; true also in graphed layers."""
-    t = cfg.train
-    if device.type != "cuda" or compiled or cfg.model.family != "llama" or t.fused_elementwise == "false":
-        return False
-    return t.fused_elementwise == "true" or not graphed
+    functions (models/fused.py). Never on a CPU or inside compiled layers (which fuse them
+    already); otherwise on unless set false: in eager layers they measured +11 % at pp=2 vpp=2,
+    in CUDA-graphed layers +8.8 % at tp=2 + SP (Llama-1B, BENCHMARKS.md session 15)."""
+    return (device.type == "cuda" and not compiled and cfg.model.family == "llama"
+            and cfg.train.fused_elementwise != "false")
 
 
 def tp_comm_overlap(cfg: Config, graphed: bool) -> bool:
@@ -185,7 +183,7 @@ class Stage:
         self.compiled, self.fuse_wgrad, self.graphed = fast_paths(cfg, self.schedule, topo.device)
         self.wgrad_store = WeightGradStore() if self.schedule in SPLIT_BACKWARD or self.fuse_wgrad else None
         self.comm_overlap = tp_comm_overlap(cfg, self.graphed)
-        self.elementwise_compiled = fused_elementwise(cfg, self.compiled, self.graphed, topo.device)
+        self.elementwise_compiled = fused_elementwise(cfg, self.compiled, topo.device)
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
                        comm_overlap=self.comm_overlap, fused_elementwise=self.elementwise_compiled,
