@@ -5,7 +5,8 @@ profile put the compute about 1.4 ms per micro-batch slower there, most of what 
 0.967 of one GPU (BENCHMARKS.md). Per way: the GEMMs alone, the reductions alone, both on two
 streams at once, and the slowdown. Ways: NCCL (tessera's), NCCL with its buffers registered
 (``register_mem_pool``), torch's symmetric-memory ``_low_contention_reduce_scatter`` (copy-engine
-pulls, then a local sum). Run NCCL_MAX_CTAS=... in front to try fewer NCCL blocks.
+pulls, then a local sum); then cuBLASLt GEMMs with 0, 8, 16, 32 SMs carved out for NCCL
+(parallel.dp_sm_carveout). Run NCCL_MAX_CTAS=... in front to try fewer NCCL blocks.
 `torchrun --nproc-per-node 2 benchmarks/dp_overlap_contention.py [bucket_millions] [buckets]`."""
 
 import datetime
@@ -89,6 +90,16 @@ for name, reduce in (("NCCL", nccl), ("NCCL, registered buffers", nccl_registere
     except Exception as e:  # noqa: BLE001 - one way failing must not hide the others
         report(f"{name}: FAILED {type(e).__name__}: {' '.join(str(e).split())[:200]}")
     dist.barrier()
+# parallel.dp_sm_carveout: the GEMMs (cuBLASLt, which alone takes torch's carveout here) told to
+# leave SMs free, so a persistent GEMM's blocks do not wait behind NCCL's (wave quantization)
+torch.backends.cuda.preferred_blas_library("cublaslt")
+for sms in (None, 8, 16, 32):
+    torch._C._set_sm_carveout_experimental(sms)
+    g, t = ms(gemms), ms(both(nccl))
+    report(f"cuBLASLt, carveout {sms or 0} SMs: GEMMs alone {g:.2f} ms; with NCCL's reduce-scatters {t:.2f} ms "
+           f"(+{100 * (t - g) / g:.1f} % over its GEMMs alone, +{100 * (t - alone) / alone:.1f} % over cuBLAS's)")
+    dist.barrier()
+torch._C._set_sm_carveout_experimental(None)
 dist.barrier()
 if registered is not None:
     registered.release()

@@ -6,25 +6,19 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 15's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
+# Session 16's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
 # after 30 s, so send the next call at once; a fresh machine costs ~60 s of the budget):
-#   1. s15A -- the GPU tests of train.fused_elementwise (the kernels against the reference, the
-#      200-step curve test with them in eager and in graphed layers; its "both" run is compiled
-#      layers with fused weight gradients, now through tessera::deferrable_linear) and of
-#      compiled layers under interleaved-zb at pp=2 (~540 s)
-#   2. s15B -- Llama-1B: one GPU; pp=2 vpp=2 in the new auto layout 5,5,4,2 (eager layers:
-#      0.827-0.833 for other 9/7 layouts in session 14), with train.fused_elementwise=true, with
-#      train.compile=true (whole layers compiled around the deferred weight gradients, now one
-#      graph per layer: tessera::deferrable_linear), and with parallel.schedule=interleaved (no
-#      split backward, so auto compiles the layers); tp=2 + SP without and with
-#      train.fused_elementwise (graphed eager layers; 0.727 in session 6); one GPU again on GPU 1
-#      (8 runs, ~500 s)
-#   3. s15C -- the Llama tp=2 pair again (reversed), then dp=2's step-to-step spread (some
-#      steps at 0.97-0.98, the median 0.958-0.964 in session 14): GPT-1.3B one GPU and dp=2 for
-#      40 steps each, then benchmarks/step_jitter.py at dp=2 and one GPU (each step's phases per
-#      rank: is a slow step the host's, the compute's or the reductions'?), clocks logged (~480 s)
-#   4. s15D -- if time is left: one GPU, Llama-1B and GPT-1.3B, compiled layers with fused weight
-#      gradients (no graph breaks now) against each model's default (~220 s)
+#   1. s16A -- the 200-step fast-path curve tests, now three (compiled / eager / graphed, ~150 s
+#      each): session 15 fixed the graphed layers with the compiled elementwise functions (auto at
+#      Llama's tp > 1 since) but ran out of time before this test's verdict (~480 s)
+#   2. s16B -- dp=2's GEMM contention: the probe (GEMMs beside NCCL's reduce-scatters, cuBLAS and
+#      cuBLASLt with 0/8/16/32 SMs carved out) with NCCL_MAX_CTAS unset, 16, 8; then GPT-1.3B one
+#      GPU, dp=2 zero=1 plain, with cuBLASLt alone (the control), with parallel.dp_sm_carveout=16
+#      and 32, with the carveout 16 and NCCL_MAX_CTAS=16; one GPU again on GPU 1 (~500 s)
+#   3. s16C -- Llama-1B one GPU against compiled PyTorch (1.035-1.043x in session 14, target
+#      1.05x): one GPU default, with compiled layers + fused weight gradients (no graph breaks
+#      now), the peer, one GPU again; then dp=2 with the best carveout of s16B (~450 s)
+# Session 15's modes (s15A-E) are kept below for their commands.
 # Session 14's modes (s14A-E) are kept below for their commands.
 # The benchmark modes log the GPUs' clocks, power and throttle reasons (smi_*.csv under $OUT).
 # Session 13's modes (s13d, s13e, s13f) are kept below for their commands.
@@ -238,6 +232,25 @@ case "${1:-tests}" in
     for n in 2 1; do log="${OUT:-/tmp}/jitter_n$n.log"
       STEPS=40 timeout 150 torchrun --nproc-per-node $n benchmarks/step_jitter.py $([ $n = 2 ] && echo parallel.zero=1) \
         > "$log" 2>&1; grep -E "SUMMARY|Error" "$log" | tail -3; reap; done ;;
+  s16A)  # session 16, first call: see the plan at the top
+    BUDGET=540 bash "$0" tests "fast_paths_follow" | grep -E "rc=|SKIPPED" ;;
+  s16B)  # session 16, second call: see the plan at the top
+    smi_log s16B; date +"runs from %T"
+    for c in "" 16 8; do log="${OUT:-/tmp}/contention${c:-_default}.log"
+      env ${c:+NCCL_MAX_CTAS=$c} timeout 90 torchrun --nproc-per-node 2 benchmarks/dp_overlap_contention.py > "$log" 2>&1
+      grep -E "RESULT|Error" "$log"; reap; done
+    run() { NPROC=$1 timeout 80 python3 benchmarks/quick_train.py gpt-1.3b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
+    run 1; run 2 parallel.zero=1; TORCH_BLAS_PREFER_CUBLASLT=1 run 2 parallel.zero=1
+    run 2 parallel.zero=1 parallel.dp_sm_carveout=16; run 2 parallel.zero=1 parallel.dp_sm_carveout=32
+    NCCL_MAX_CTAS=16 run 2 parallel.zero=1 parallel.dp_sm_carveout=16; CUDA_VISIBLE_DEVICES=1 run 1 ;;
+  s16C)  # session 16, third call: see the plan at the top (CARVE: s16B's best dp_sm_carveout)
+    smi_log s16C; date +"runs from %T"
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+    run() { NPROC=$1 timeout 90 python3 benchmarks/quick_train.py llama-1b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
+    run 1; run 1 train.compile=true train.grad_accum_fusion=true
+    timeout 120 python3 .peers/torch_gpt_bench.py --llama 1 --kv-heads 8 --ffn 8192 --heads 32 --layers 16 \
+      --vocab 128256 2>&1 | grep -E "^RESULT|Error" | tail -2
+    CUDA_VISIBLE_DEVICES=1 run 1; run 2 parallel.zero=1; run 2 parallel.zero=1 parallel.dp_sm_carveout=${CARVE:-16} ;;
   s15E)  # session 15, last call: Llama-1B tp=2 + SP (graphed layers) with and without the compiled
     # elementwise functions (auto leaves them out of graphed layers until this pair), then the GPU tests
     # after the fixes (the fp32 tolerance; the CUDA-graph search that tripped on a dead weakref proxy)

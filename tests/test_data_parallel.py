@@ -654,3 +654,67 @@ def test_bf16_on_the_wire_rounds_but_replicas_agree():
     for name in ("zero0-bf16-wire", "zero1-bf16-wire", "zero2-bf16-wire"):
         for p in out[0][name]["params"]:
             assert torch.equal(out[0][name]["params"][p], out[1][name]["params"][p]), (name, p)
+
+
+def _carveout_worker(rank: int, world: int) -> dict:
+    """Each run with an SMCarveout of 8 whose setter records "on" / "off" among the step's
+    events: "F" (a micro-batch's forward starts), "sync" (finish_grad_sync entered), "G" (the
+    parameter gathers launched)."""
+    from tessera.distributed.sm_carveout import SMCarveout
+    out = {}
+    for name, sets in (("zero1", [ZEROS[1]]), ("zero0", [ZEROS[0]]),
+                       ("zero1-no-grad-overlap", [ZEROS[1], "parallel.overlap_grad_reduce=false"])):
+        events = []
+
+        def prepare(stage, data_parallel, events=events):
+            data_parallel.carveout = SMCarveout(8, lambda n: events.append("off" if n is None else f"on{n}"))
+            stage.chunks[0].register_forward_pre_hook(lambda *_: events.append("F"))
+            sync, gather = data_parallel.finish_grad_sync, data_parallel.start_param_gather
+            data_parallel.finish_grad_sync = lambda: (events.append("sync"), sync())[1]
+            data_parallel.start_param_gather = lambda: (events.append("G"), gather())[1]
+
+        with_carveout = train_run(Topology.build(), sets, prepare=prepare)
+        plain = train_run(Topology.build(), sets)
+        out[name] = dict(events=events, same=with_carveout["losses"] == plain["losses"]
+                         and all(torch.equal(with_carveout["params"][k], v) for k, v in plain["params"].items()))
+    return out
+
+
+def _code(events) -> str:
+    """The events as one letter each: F forward, | sync, G gathers launched, + carveout on, - off."""
+    return "".join({"F": "F", "sync": "|", "G": "G", "on8": "+", "off": "-"}[e] for e in events)
+
+
+@pytest.mark.timeout(300)
+def test_sm_carveout_is_open_exactly_while_dp_collectives_are_in_flight():
+    """parallel.dp_sm_carveout's window on the host: opened by the last micro-batch's first
+    asynchronous reduction, closed when finish_grad_sync has waited for them all; opened by
+    zero 1's parameter gathers, closed once the next forward has waited for every bucket; never
+    during the earlier micro-batches, never left open, and the training unchanged."""
+    m = GLOBAL // 2  # micro-batches per step and rank at dp=2
+    for out in run_ranks(_carveout_worker, 2, timeout=280):
+        assert all(run["same"] for run in out.values())
+        # zero=1: the reductions' window opens in the last micro-batch's backward (after its F)
+        # and closes at sync; the gathers' spans the next step's first forward
+        z1 = _code(out["zero1"]["events"])
+        assert z1 == "F" * m + "+|-" + ("G+F-" + "F" * (m - 1) + "+|-") * (STEPS - 1) + "G+-", z1
+        z0 = _code(e for e in out["zero0"]["events"] if e != "G")  # zero=0 gathers nothing
+        assert z0 == ("F" * m + "+|-") * STEPS, z0
+        # reductions not overlapped: only the gathers open it
+        nz = _code(out["zero1-no-grad-overlap"]["events"])
+        assert nz == "F" * m + "|" + ("G+F-" + "F" * (m - 1) + "|") * (STEPS - 1) + "G+-", nz
+
+
+def test_sm_carveout_refusals_and_cpu():
+    from tessera.config import ConfigError
+    from tessera.distributed.sm_carveout import SMCarveout
+    with pytest.raises(ConfigError, match="parallel.dp_sm_carveout.*below 0"):
+        load_config(None, ["parallel.dp_sm_carveout=-1"])
+    with pytest.raises(ConfigError, match="FSDP"):
+        load_config(None, ["parallel.dp_sm_carveout=16", "parallel.zero=3"])
+    with pytest.raises(ValueError, match="SMs >= 0"):
+        SMCarveout(-2, lambda n: None)
+    cpu = SMCarveout.for_device(16, torch.device("cpu"))  # no GEMM on a CPU takes a carveout
+    assert cpu.sms == 0
+    cpu.start()
+    assert not cpu.open

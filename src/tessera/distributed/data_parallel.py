@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from tessera.distributed import collectives
 from tessera.distributed.buffers import Bucket, ParamAndGradBuffer
 from tessera.distributed.collectives import Pending
+from tessera.distributed.sm_carveout import SMCarveout
 from tessera.tensor_parallel.wgrad import WeightGradStore, wgrad_into
 from tessera.topology import Topology
 
@@ -95,7 +96,7 @@ class DataParallel:
                  bucket_size: int = 40_000_000, overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = True, wgrad_store: WeightGradStore | None = None,
                  reduce_dtype: torch.dtype | None = None, fuse_wgrad: bool = False,
-                 embedding_group: dist.ProcessGroup | None = None):
+                 embedding_group: dist.ProcessGroup | None = None, sm_carveout: SMCarveout | None = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
@@ -134,6 +135,8 @@ class DataParallel:
         # reports their arrival (graphed_backward_done)
         self.graph_fused: set[nn.Parameter] = set()
         self._capturing = False
+        # GEMMs leave SMs to the collectives while any asynchronous one is in flight (sm_carveout.py)
+        self.carveout = sm_carveout or SMCarveout(0, lambda n: None)
         if wgrad_store is not None:
             wgrad_store.accumulate = self.accumulate
             wgrad_store.accumulate_product = self.accumulate_product if fuse_wgrad else None
@@ -301,6 +304,8 @@ class DataParallel:
                                                      async_op=self.overlap_grad_reduce)
         if pending is not None:
             self._in_flight.append(pending)
+            if self.overlap_grad_reduce:
+                self.carveout.start()
         elif self._sums_tied(st):
             self._tied_waiting.append(st)
             if self._comm_done:
@@ -341,6 +346,8 @@ class DataParallel:
                                              async_op=self.overlap_grad_reduce)
         pending.keep = wire  # alive until the collective is done
         self._in_flight.append(pending)
+        if self.overlap_grad_reduce:
+            self.carveout.start()
         while len(self._in_flight) > 2:  # bound the gradient memory in flight
             self._in_flight.popleft().wait()
 
@@ -366,6 +373,8 @@ class DataParallel:
         self.pipeline_comm_done()
         while self._in_flight:
             self._in_flight.popleft().wait()
+        if not self._gathers:
+            self.carveout.stop()
 
     # -- parameters -------------------------------------------------------------------------------
     def forward_order(self) -> list[int]:
@@ -388,12 +397,15 @@ class DataParallel:
             pending = collectives.all_gather(bucket.param, self.group, async_op=self.overlap_param_gather)
             if self.overlap_param_gather:
                 self._gathers[bucket] = pending
+                self.carveout.start()
 
     def wait_param_gather(self, buckets=None) -> None:
         for bucket in list(self._gathers) if buckets is None else buckets:
             pending = self._gathers.pop(bucket, None)
             if pending is not None:
                 pending.wait()
+        if not self._gathers and not self._in_flight:
+            self.carveout.stop()
 
     def _register_gather_hooks(self, chunk: nn.Module, buffer: ParamAndGradBuffer) -> None:
         """Who waits for which bucket. Each layer waits for the buckets holding its parameters;

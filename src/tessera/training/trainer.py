@@ -23,6 +23,7 @@ from tessera.models import TPContext
 from tessera.distributed.data_parallel import DataParallel
 from tessera.distributed.fsdp import FullyShardedDataParallel
 from tessera.distributed.memory import memory_report
+from tessera.distributed.sm_carveout import SMCarveout
 from tessera.optim import DynamicLossScaler, LRScheduler, MicroBatchCalculator
 from tessera.optim.optimizers import FSDPOptimizer, MainParamOptimizer
 from tessera.pipeline_parallel.executor import PipelineExecutor
@@ -228,7 +229,8 @@ def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
                                  overlap_grad_reduce=p.overlap_grad_reduce,
                                  overlap_param_gather=p.overlap_param_gather, wgrad_store=stage.wgrad_store,
                                  reduce_dtype=DTYPES[p.grad_reduce_dtype], fuse_wgrad=stage.fuse_wgrad,
-                                 embedding_group=topo.group("embedding"))
+                                 embedding_group=topo.group("embedding"),
+                                 sm_carveout=SMCarveout.for_device(p.dp_sm_carveout if topo.dp > 1 else 0, topo.device))
     if stage.compiled and stage.wgrad_store is not None:  # their storage is final now
         stage.wgrad_store.register(stage.model.parameters())
     return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
@@ -254,6 +256,7 @@ def train(cfg: Config) -> list[dict]:
     logs = topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0
     logger = JsonlLogger(t.out_dir, t.log_every) if logs else NullLogger()
     n_params = sum(p.numel() for p in model.parameters())
+    sms = data_parallel.carveout.sms if isinstance(data_parallel, DataParallel) else 0  # dp_sm_carveout at dp > 1
     logger.print(f"tessera: {cfg.model.family} with {n_params:,} parameters on this rank, "
                  f"{topo!r}, schedule {stage.schedule}"
                  f"{f' (layers per stage {stage.layout}, pp_layout={p.pp_layout})' if p.pp > 1 else ''}, zero={p.zero}, "
@@ -262,7 +265,8 @@ def train(cfg: Config) -> list[dict]:
                  f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
                  f"{f' (deferred, {stage.schedule})' if stage.schedule in SPLIT_BACKWARD else ''}"
                  f"{', TP backward comm overlapped' if stage.comm_overlap and p.tp > 1 else ''}"
-                 f"{', RMSNorm / RoPE / SwiGLU compiled' if stage.elementwise_compiled else ''}")
+                 f"{', RMSNorm / RoPE / SwiGLU compiled' if stage.elementwise_compiled else ''}"
+                 f"{f', GEMMs leave {sms} SMs to the dp collectives' if sms else ''}")
     logger.print(str(memory_report(data_parallel, optimizer)))
 
     model.train()
