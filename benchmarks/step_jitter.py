@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from bench_setup import build
 
+from tessera.training.gc_control import GarbageCollection
 from tessera.training.step import train_step
 
 b = build(sys.argv[1:])
@@ -80,13 +81,15 @@ if cuda:
     anchor.record()
 t0 = time.perf_counter()
 records, previous = [], None
-for _ in range(steps):
-    marks = Marks()
-    result = run_step(marks)
-    if previous is not None:
-        previous.loss  # read one step behind, as the trainer does
-    previous = result
-    records.append(marks)
+with GarbageCollection(b.cfg.train.gc_interval) as collector:  # as the trainer (train.gc_interval)
+    for k in range(steps):
+        marks = Marks()
+        result = run_step(marks)
+        if previous is not None:
+            previous.loss  # read one step behind, as the trainer does
+        previous = result
+        records.append(marks)
+        collector.step(k)
 previous.loss
 if cuda:
     torch.cuda.synchronize()

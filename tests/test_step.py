@@ -105,3 +105,37 @@ def test_optimizer_groups_survive_loading_its_state():
     _step(model, (dp, opt), [_batch(2, 1, 8)], clip_grad=1.0)
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), f"{n} moved at lr 0 after load_state_dict"
+
+
+def test_garbage_collection_at_fixed_steps(monkeypatch):
+    """train.gc_interval: automatic collection off inside, the young generations collected after
+    every interval-th step, a full collection before and after, the collector's state restored;
+    interval 0 touches nothing."""
+    import gc
+
+    from tessera.training.gc_control import GarbageCollection
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 0)
+    assert gc.isenabled()
+    with GarbageCollection(3) as collector:
+        assert not gc.isenabled()
+        for step in range(7):
+            collector.step(step)
+    assert gc.isenabled()
+    assert calls == [2, 1, 1, 2]  # before; after steps 3 and 6; after
+    calls.clear()
+    with GarbageCollection(0) as collector:
+        assert gc.isenabled()
+        for step in range(7):
+            collector.step(step)
+    assert calls == []
+    gc.disable()  # a collector that was off stays off
+    try:
+        with GarbageCollection(2):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError, match=">= 0"):
+        GarbageCollection(-1)

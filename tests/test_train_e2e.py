@@ -44,7 +44,9 @@ def test_same_losses_on_every_layout(tmp_path, family, extra):
     assert "step     5 | loss" in stdout  # one console line per log_every
     tp2, _ = run_train(tmp_path / "tp2", 2, base + ["parallel.tp=2"])
     assert_same_curve(reference, tp2)
-    tp2_dp2, _ = run_train(tmp_path / "tp2dp2", 4, base + ["parallel.tp=2", "parallel.sequence_parallel=true"])
+    # with Python's garbage collection at fixed steps on every rank (train.gc_interval)
+    tp2_dp2, _ = run_train(tmp_path / "tp2dp2", 4, base + ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                                           "train.gc_interval=3"])
     assert_same_curve(reference, tp2_dp2)
 
 

@@ -36,6 +36,7 @@ from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.topology import Topology
 from tessera.training.data_feed import DataFeed
 from tessera.training.flops import flops_per_token, peak_flops
+from tessera.training.gc_control import GarbageCollection
 from tessera.training.cuda_graphs import graph_stage
 from tessera.training.launch import init_distributed, pick_device, world_from_env
 from tessera.training.metrics import JsonlLogger, NullLogger
@@ -314,20 +315,22 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
     # Step k's figures are read after step k+1 is launched (training/step.py), so the host never
     # leaves the GPU idle between steps; a step's time is where its work ran (StepClock).
     pending, clock = None, StepClock(device)
-    for step in range(t.steps):
-        try:
-            lr, scale = scheduler.apply(optimizer, step), scaler.scale if scaler is not None else None
-            micro_batches = data.next()
-            result = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)),
-                                data_parallel, clip_grad=cfg.optim.clip_grad, scaler=scaler)
-        except BaseException:
-            if pending is not None:  # the last good step's line, if its figures can still be read
-                with contextlib.suppress(Exception):
-                    log(*pending)
-            raise
-        if pending is not None:
-            log(*pending)
-        pending = (step, lr, scheduler.weight_decay(step), scale, result)  # the scale the step ran with
+    with GarbageCollection(t.gc_interval) as collector:
+        for step in range(t.steps):
+            try:
+                lr, scale = scheduler.apply(optimizer, step), scaler.scale if scaler is not None else None
+                micro_batches = data.next()
+                result = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)),
+                                    data_parallel, clip_grad=cfg.optim.clip_grad, scaler=scaler)
+            except BaseException:
+                if pending is not None:  # the last good step's line, if its figures can still be read
+                    with contextlib.suppress(Exception):
+                        log(*pending)
+                raise
+            if pending is not None:
+                log(*pending)
+            pending = (step, lr, scheduler.weight_decay(step), scale, result)  # the scale the step ran with
+            collector.step(step)
     if pending is not None:
         log(*pending)
 
