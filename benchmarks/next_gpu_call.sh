@@ -238,6 +238,7 @@ case "${1:-tests}" in
     BUDGET=540 bash "$0" tests "fast_paths_follow" | grep -E "rc=|SKIPPED" ;;
   s16B)  # session 16, second call: see the plan at the top
     smi_log s16B; date +"runs from %T"
+    BUDGET=60 bash "$0" tests "sm_carveout" | grep -E "rc=|SKIPPED"
     for c in "" 16 8; do log="${OUT:-/tmp}/contention${c:-_default}.log"
       env ${c:+NCCL_MAX_CTAS=$c} timeout 90 torchrun --nproc-per-node 2 benchmarks/dp_overlap_contention.py > "$log" 2>&1
       grep -E "RESULT|Error" "$log"; reap; done

@@ -662,7 +662,7 @@ def _carveout_worker(rank: int, world: int) -> dict:
     parameter gathers launched)."""
     from tessera.distributed.sm_carveout import SMCarveout
     out = {}
-    for name, sets in (("zero1", [ZEROS[1]]), ("zero0", [ZEROS[0]]),
+    for name, sets in (("zero1", [ZEROS[1]]), ("zero0", [ZEROS[0]]), ("zero2", [ZEROS[2]]),
                        ("zero1-no-grad-overlap", [ZEROS[1], "parallel.overlap_grad_reduce=false"])):
         events = []
 
@@ -700,6 +700,9 @@ def test_sm_carveout_is_open_exactly_while_dp_collectives_are_in_flight():
         assert z1 == "F" * m + "+|-" + ("G+F-" + "F" * (m - 1) + "+|-") * (STEPS - 1) + "G+-", z1
         z0 = _code(e for e in out["zero0"]["events"] if e != "G")  # zero=0 gathers nothing
         assert z0 == ("F" * m + "+|-") * STEPS, z0
+        # zero=2 reduce-scatters every micro-batch's gradients; the window is the last round's
+        z2 = _code(out["zero2"]["events"])
+        assert z2 == z1, z2
         # reductions not overlapped: only the gathers open it
         nz = _code(out["zero1-no-grad-overlap"]["events"])
         assert nz == "F" * m + "|" + ("G+F-" + "F" * (m - 1) + "|") * (STEPS - 1) + "G+-", nz
@@ -718,3 +721,10 @@ def test_sm_carveout_refusals_and_cpu():
     assert cpu.sms == 0
     cpu.start()
     assert not cpu.open
+    # close(): the carveout cleared (also mid-window, after an error) and the setting put back, once
+    calls = []
+    carveout = SMCarveout(8, calls.append, restore=lambda: calls.append("restored"))
+    carveout.start()
+    carveout.close()
+    carveout.close()
+    assert calls == [8, None, "restored"] and not carveout.open

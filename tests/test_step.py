@@ -108,9 +108,9 @@ def test_optimizer_groups_survive_loading_its_state():
 
 
 def test_garbage_collection_at_fixed_steps(monkeypatch):
-    """train.gc_interval: automatic collection off inside, the young generations collected after
-    every interval-th step, a full collection before and after, the collector's state restored;
-    interval 0 touches nothing."""
+    """train.gc_interval: automatic collection off inside, a full collection after every
+    interval-th step and before and after, the collector's state restored; interval 0 touches
+    nothing."""
     import gc
 
     from tessera.training.gc_control import GarbageCollection
@@ -123,7 +123,7 @@ def test_garbage_collection_at_fixed_steps(monkeypatch):
         for step in range(7):
             collector.step(step)
     assert gc.isenabled()
-    assert calls == [2, 1, 1, 2]  # before; after steps 3 and 6; after
+    assert calls == [2, 2, 2, 2]  # before; after steps 3 and 6; after
     calls.clear()
     with GarbageCollection(0) as collector:
         assert gc.isenabled()

@@ -154,10 +154,11 @@ class ParallelConfig:
     buffers (each rank's accumulated gradient rounded once); the sums are still done in fp32."""
     dp_sm_carveout: int = 0
     """zero 0-2 at dp > 1 on CUDA: SMs the GEMMs leave free while the overlapped gradient
-    reductions and parameter gathers are in flight (distributed/sm_carveout.py: Hopper's
-    persistent GEMM kernels wait for SMs that NCCL holds and can take up to twice as long; with
-    the carveout they run on fewer SMs instead). Makes cuBLASLt the preferred BLAS library. 0:
-    off. Try it with NCCL_MAX_CTAS set to the same number (not yet measured)."""
+    reductions of the last micro-batch and the parameter gathers are in flight
+    (distributed/sm_carveout.py: Hopper's persistent GEMM kernels wait for SMs that NCCL holds and
+    can take up to twice as long; with the carveout they run on fewer SMs instead). Makes
+    cuBLASLt the preferred BLAS library for the run. Not inside CUDA-graphed layers (captured
+    before training with every SM). 0: off. Try it with NCCL_MAX_CTAS set to the same number (not yet measured)."""
     tp_comm_overlap: Literal["auto", "true", "false"] = "auto"
     """tp > 1: a column-parallel layer's backward starts its input gradient's all-reduce (or, with
     sequence parallelism, reduce-scatter) as soon as that gradient is computed and runs the
@@ -277,8 +278,8 @@ class TrainConfig:
     gc_interval: int = 0
     """Python's garbage collection: 0 leaves it automatic (each rank's host collects whenever it
     allocated enough, at a different moment on each rank). N > 0: automatic collection off while
-    training, the young generations collected every N steps on every rank at once, a full
-    collection before and after the loop (training/gc_control.py; Megatron's --manual-gc,
+    training, a full collection every N steps on every rank at once, and before and after the
+    loop (training/gc_control.py; Megatron's --manual-gc,
     torchtitan's gc_freq). Opt-in until measured: in session 15's dp=2 step timeline 3 of 40
     steps were 6-13 % slower, one rank's host having fallen behind its GPU."""
     timeout_s: float = 300.0

@@ -346,7 +346,7 @@ class DataParallel:
                                              async_op=self.overlap_grad_reduce)
         pending.keep = wire  # alive until the collective is done
         self._in_flight.append(pending)
-        if self.overlap_grad_reduce:
+        if self.overlap_grad_reduce and st.launched:  # the last micro-batch's round, as at zero 0/1
             self.carveout.start()
         while len(self._in_flight) > 2:  # bound the gradient memory in flight
             self._in_flight.popleft().wait()

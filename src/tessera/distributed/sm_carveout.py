@@ -26,10 +26,10 @@ import torch
 class SMCarveout:
     """Opens and closes the window in which GEMMs leave ``sms`` SMs free (0: never)."""
 
-    def __init__(self, sms: int, setter: Callable[[int | None], None]):
+    def __init__(self, sms: int, setter: Callable[[int | None], None], restore: Callable[[], None] | None = None):
         if sms < 0:
             raise ValueError(f"an SM carveout is a number of SMs >= 0, not {sms}")
-        self.sms, self._set, self.open = sms, setter, False
+        self.sms, self._set, self._restore, self.open = sms, setter, restore, False
 
     @classmethod
     def for_device(cls, sms: int, device: torch.device) -> SMCarveout:
@@ -40,8 +40,13 @@ class SMCarveout:
         count = torch.cuda.get_device_properties(device).multi_processor_count
         if sms >= count:
             raise ValueError(f"parallel.dp_sm_carveout={sms} leaves no SM for the GEMMs: this GPU has {count}")
+        setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+        if setter is None:
+            raise RuntimeError(f"parallel.dp_sm_carveout needs torch >= 2.7 (its SM carveout for GEMMs); this is "
+                               f"torch {torch.__version__}: set parallel.dp_sm_carveout=0")
+        before = torch.backends.cuda.preferred_blas_library()
         torch.backends.cuda.preferred_blas_library("cublaslt")
-        return cls(sms, torch._C._set_sm_carveout_experimental)
+        return cls(sms, setter, restore=lambda: torch.backends.cuda.preferred_blas_library(before))
 
     def start(self) -> None:
         if self.sms and not self.open:
@@ -52,3 +57,11 @@ class SMCarveout:
         if self.open:
             self._set(None)
             self.open = False
+
+    def close(self) -> None:
+        """Closed for good (the end of training, or an error in it): the carveout cleared and
+        the BLAS library preferred before put back."""
+        self.stop()
+        if self._restore is not None:
+            self._restore()
+            self._restore = None

@@ -4,9 +4,10 @@ Python's automatic collector runs whenever enough objects were allocated, at a d
 on each rank; a full collection can hold a rank's host for tens of milliseconds, long enough for
 its GPU to run dry while the other ranks wait for it at the next collective (the jitter that
 Megatron's ``--manual-gc`` and torchtitan's ``gc_freq`` address). With an interval, automatic
-collection is off during training and the young generations are collected every ``interval``
-steps, the same step everywhere; objects that survive into the oldest generation are left for
-after training (a full collection runs once before the loop and again after it).
+collection is off during training and a full collection runs every ``interval`` steps, the same
+step everywhere (as Megatron's; torchtitan collects only the young generations, which leaves
+cycles that reach the oldest one, and any GPU memory they hold, until the end), and once before
+and after the loop.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class GarbageCollection:
 
     def step(self, step: int) -> None:
         if self.interval and (step + 1) % self.interval == 0:
-            gc.collect(1)
+            gc.collect()
 
     def __exit__(self, *exc) -> None:
         if self.interval:

@@ -278,6 +278,8 @@ def train(cfg: Config) -> list[dict]:
     finally:  # a graph holding NCCL work would hang destroy_process_group
         for g in graphs:
             g.release()
+        if isinstance(data_parallel, DataParallel):  # torch's process-wide GEMM settings put back
+            data_parallel.carveout.close()
 
 
 def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, logger, logs: bool, world: int,
