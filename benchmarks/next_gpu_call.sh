@@ -15,7 +15,9 @@
 #      cuBLASLt with 0/8/16/32 SMs carved out) with NCCL_MAX_CTAS unset, 16, 8; then GPT-1.3B one
 #      GPU, dp=2 zero=1 plain, with cuBLASLt alone (the control), with parallel.dp_sm_carveout=16
 #      and 32, with the carveout 16 and NCCL_MAX_CTAS=16; one GPU again on GPU 1 (~500 s)
-#   3. s16C -- Llama-1B one GPU against compiled PyTorch (1.035-1.043x in session 14, target
+#   3. s16C -- tp_two_stream_probe.py with two whole micro-batches on two streams (session 8's
+#      halves lost 1.5x; whole ones keep their GEMMs' size: is overlap across micro-batches a
+#      route to tp=2's 0.85?); Llama-1B one GPU against compiled PyTorch (1.035-1.043x in session 14, target
 #      1.05x): one GPU default, with compiled layers + fused weight gradients (no graph breaks
 #      now), the peer, one GPU again; GPT-1.3B dp=2's step phases with train.gc_interval 0 and 10
 #      (step_jitter.py; 3 of 40 steps slow in session 15, a host behind); dp=2 with s16B's best
@@ -248,6 +250,9 @@ case "${1:-tests}" in
     NCCL_MAX_CTAS=16 run 2 parallel.zero=1 parallel.dp_sm_carveout=16; CUDA_VISIBLE_DEVICES=1 run 1 ;;
   s16C)  # session 16, third call: see the plan at the top (CARVE: s16B's best dp_sm_carveout)
     smi_log s16C; date +"runs from %T"
+    # tp=2: do two whole micro-batches on two streams hide each other's SP collectives?
+    timeout 100 torchrun --nproc-per-node 2 benchmarks/tp_two_stream_probe.py 8 > "${OUT:-/tmp}/probe.log" 2>&1
+    grep -E "^RESULT|Error" "${OUT:-/tmp}/probe.log"; reap
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
     run() { NPROC=$1 timeout 90 python3 benchmarks/quick_train.py llama-1b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
     run 1; run 1 train.compile=true train.grad_accum_fusion=true

@@ -8,6 +8,10 @@ graphs per layer as the trainer captures them. Forward + backward of the layer s
   halves      two micro-batches of 1, one after the other on one stream
   concurrent  the two halves on two streams, layer by layer interleaved, each half's TP
               collectives on its own communicator
+  pair        two whole micro-batches of 2 (the GEMMs keep their size), one after the other
+  pair-concurrent  the same two on two streams, layer by layer interleaved, each on its own
+              communicator (session 8: halves concurrent took 1.50x the full micro-batch; do
+              whole micro-batches, whose GEMMs are not cut, hide each other's collectives?)
 `torchrun --nproc-per-node 2 benchmarks/tp_two_stream_probe.py [layers] [k=v ...]`; on CPU (gloo)
 it runs eagerly with a small model as a check of the script itself (`model.hidden=64 ...`)."""
 
@@ -92,15 +96,25 @@ def run_halves():
         h.backward(torch.ones_like(h))
 
 
-def run_concurrent():
+def run_pair():
+    for stack_ in (full, full_b):
+        h = x_full.detach().requires_grad_()
+        for layer in stack_:
+            h = layer(h)
+        h.backward(torch.ones_like(h))
+
+
+def run_concurrent(a=None, b=None, xa=None, xb=None):
+    a, b = a or half_a, b or half_b
+    xa, xb = (x_a, x_b) if xa is None else (xa, xb)
     if cuda:
         s_a.wait_stream(torch.cuda.current_stream())
         s_b.wait_stream(torch.cuda.current_stream())
     with on(s_a):
-        h_a = x_a.detach().requires_grad_()
+        h_a = xa.detach().requires_grad_()
     with on(s_b):
-        h_b = x_b.detach().requires_grad_()
-    for layer_a, layer_b in zip(half_a, half_b):  # layer by layer, the halves on their streams
+        h_b = xb.detach().requires_grad_()
+    for layer_a, layer_b in zip(a, b):  # layer by layer, each on its stream
         with on(s_a):
             h_a = layer_a(h_a)
         with on(s_b):
@@ -131,16 +145,20 @@ try:
     full = graphed_stack(topo.group("tp"), 2)
     half_a = graphed_stack(topo.group("tp"), 1)
     half_b = graphed_stack(second_tp, 1)
+    full_b = graphed_stack(second_tp, 2)
     where = torch.cuda.get_device_name() if cuda else "CPU (a check of the script, not a figure)"
     results = {}
-    for name, fn in (("full", run_full), ("halves", run_halves), ("concurrent", run_concurrent)):
+    for name, fn in (("full", run_full), ("halves", run_halves), ("concurrent", run_concurrent),
+                     ("pair", run_pair), ("pair-concurrent", lambda: run_concurrent(full, full_b, x_full, x_full))):
         results[name] = timed(fn)
         if rank == 0:  # as it comes: a later hang must not lose what was measured
-            print(f"RESULT {layers} GPT-1.3B layers at tp=2 + SP, forward + backward per micro-batch of 2, "
+            what = "two micro-batches" if name.startswith("pair") else "one micro-batch"
+            print(f"RESULT {layers} GPT-1.3B layers at tp=2 + SP, forward + backward of {what} of 2, "
                   f"{where}: {name} {results[name]:.2f} ms", flush=True)
     if rank == 0:
         print(f"RESULT concurrent / full {results['concurrent'] / results['full']:.3f}, "
-              f"halves / full {results['halves'] / results['full']:.3f}", flush=True)
+              f"halves / full {results['halves'] / results['full']:.3f}, "
+              f"pair-concurrent / pair {results['pair-concurrent'] / results['pair']:.3f}", flush=True)
 except BaseException:
     traceback.print_exc()
     for g in captured:  # graphs holding NCCL work would hang the exit
