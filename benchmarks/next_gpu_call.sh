@@ -11,10 +11,11 @@
 #   1. s16A -- the 200-step fast-path curve tests, now three (compiled / eager / graphed, ~150 s
 #      each): session 15 fixed the graphed layers with the compiled elementwise functions (auto at
 #      Llama's tp > 1 since) but ran out of time before this test's verdict (~480 s)
-#   2. s16B -- dp=2's GEMM contention: the probe (GEMMs beside NCCL's reduce-scatters, cuBLAS and
-#      cuBLASLt with 0/8/16/32 SMs carved out) with NCCL_MAX_CTAS unset, 16, 8; then GPT-1.3B one
-#      GPU, dp=2 zero=1 plain, with cuBLASLt alone (the control), with parallel.dp_sm_carveout=16
-#      and 32, with the carveout 16 and NCCL_MAX_CTAS=16; one GPU again on GPU 1 (~500 s)
+#   2. s16B -- the GPU test of the SM carveout; GEMM contention: the probe (GEMMs beside NCCL's
+#      reduce-scatters, cuBLAS and cuBLASLt with 0/8/16/32 SMs carved out) with NCCL_MAX_CTAS
+#      unset and 16; then GPT-1.3B one GPU, dp=2 zero=1 plain, with cuBLASLt alone (the control),
+#      with parallel.dp_sm_carveout=16, with it and NCCL_MAX_CTAS=16; tp=2 + SP plain and with
+#      parallel.tp_sm_carveout=16 (the overlapped W GEMMs); one GPU again on GPU 1 (~520 s)
 #   3. s16C -- tp_two_stream_probe.py with two whole micro-batches on two streams (session 8's
 #      halves lost 1.5x; whole ones keep their GEMMs' size: is overlap across micro-batches a
 #      route to tp=2's 0.85?); Llama-1B one GPU against compiled PyTorch (1.035-1.043x in session 14, target
@@ -241,13 +242,14 @@ case "${1:-tests}" in
   s16B)  # session 16, second call: see the plan at the top
     smi_log s16B; date +"runs from %T"
     BUDGET=60 bash "$0" tests "sm_carveout" | grep -E "rc=|SKIPPED"
-    for c in "" 16 8; do log="${OUT:-/tmp}/contention${c:-_default}.log"
+    for c in "" 16; do log="${OUT:-/tmp}/contention${c:-_default}.log"
       env ${c:+NCCL_MAX_CTAS=$c} timeout 90 torchrun --nproc-per-node 2 benchmarks/dp_overlap_contention.py > "$log" 2>&1
       grep -E "RESULT|Error" "$log"; reap; done
     run() { NPROC=$1 timeout 80 python3 benchmarks/quick_train.py gpt-1.3b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
     run 1; run 2 parallel.zero=1; TORCH_BLAS_PREFER_CUBLASLT=1 run 2 parallel.zero=1
-    run 2 parallel.zero=1 parallel.dp_sm_carveout=16; run 2 parallel.zero=1 parallel.dp_sm_carveout=32
-    NCCL_MAX_CTAS=16 run 2 parallel.zero=1 parallel.dp_sm_carveout=16; CUDA_VISIBLE_DEVICES=1 run 1 ;;
+    run 2 parallel.zero=1 parallel.dp_sm_carveout=16; NCCL_MAX_CTAS=16 run 2 parallel.zero=1 parallel.dp_sm_carveout=16
+    sp="parallel.tp=2 parallel.sequence_parallel=true"  # graphed layers, the backward comm overlap on
+    run 2 $sp; run 2 $sp parallel.tp_sm_carveout=16; CUDA_VISIBLE_DEVICES=1 run 1 ;;
   s16C)  # session 16, third call: see the plan at the top (CARVE: s16B's best dp_sm_carveout)
     smi_log s16C; date +"runs from %T"
     # tp=2: do two whole micro-batches on two streams hide each other's SP collectives?

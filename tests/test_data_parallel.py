@@ -188,8 +188,10 @@ RUNS = {
        + [("izb-zero1-compiled", 1, 2, [ZEROS[1], "parallel.vpp=2", "parallel.schedule=interleaved-zb",
                                         "parallel.pp_layout=0,1,1,0", "train.compile=true"])],
     8: [(f"zero{z}", 2, 2, [ZEROS[z], "parallel.sequence_parallel=true"]) for z in range(4)]
+       # with both SM-carveout windows in use (no GEMM on a CPU takes them: the step's logic alone)
        + [("zero1-fused", 2, 2, [ZEROS[1], "parallel.sequence_parallel=true", "train.grad_accum_fusion=true",
-                                 "parallel.tp_comm_overlap=true"])],
+                                 "parallel.tp_comm_overlap=true", "parallel.tp_sm_carveout=16",
+                                 "parallel.dp_sm_carveout=16"])],
 }
 
 
@@ -667,7 +669,8 @@ def _carveout_worker(rank: int, world: int) -> dict:
         events = []
 
         def prepare(stage, data_parallel, events=events):
-            data_parallel.carveout = SMCarveout(8, lambda n: events.append("off" if n is None else f"on{n}"))
+            data_parallel.carveout = SMCarveout(lambda n: events.append("off" if n is None else f"on{n}"))
+            data_parallel.carveout_sms = 8
             stage.chunks[0].register_forward_pre_hook(lambda *_: events.append("F"))
             sync, gather = data_parallel.finish_grad_sync, data_parallel.start_param_gather
             data_parallel.finish_grad_sync = lambda: (events.append("sync"), sync())[1]
@@ -708,23 +711,35 @@ def test_sm_carveout_is_open_exactly_while_dp_collectives_are_in_flight():
         assert nz == "F" * m + "|" + ("G+F-" + "F" * (m - 1) + "|") * (STEPS - 1) + "G+-", nz
 
 
-def test_sm_carveout_refusals_and_cpu():
+def test_sm_carveout_refusals_windows_and_cpu():
     from tessera.config import ConfigError
     from tessera.distributed.sm_carveout import SMCarveout
     with pytest.raises(ConfigError, match="parallel.dp_sm_carveout.*below 0"):
         load_config(None, ["parallel.dp_sm_carveout=-1"])
     with pytest.raises(ConfigError, match="FSDP"):
         load_config(None, ["parallel.dp_sm_carveout=16", "parallel.zero=3"])
+    with pytest.raises(ConfigError, match="parallel.tp_sm_carveout.*tp > 1 with tp_comm_overlap"):
+        load_config(None, ["parallel.tp_sm_carveout=16"])
+    with pytest.raises(ConfigError, match="parallel.tp_sm_carveout.*tp_comm_overlap=false"):
+        load_config(None, ["parallel.tp_sm_carveout=16", "parallel.tp=2", "parallel.tp_comm_overlap=false"])
+    load_config(None, ["parallel.tp_sm_carveout=16", "parallel.tp=2"])
     with pytest.raises(ValueError, match="SMs >= 0"):
-        SMCarveout(-2, lambda n: None)
-    cpu = SMCarveout.for_device(16, torch.device("cpu"))  # no GEMM on a CPU takes a carveout
-    assert cpu.sms == 0
-    cpu.start()
-    assert not cpu.open
-    # close(): the carveout cleared (also mid-window, after an error) and the setting put back, once
+        SMCarveout.for_device(torch.device("cpu"), -2)
+    cpu = SMCarveout.for_device(torch.device("cpu"), 16)  # no GEMM on a CPU takes a carveout
+    cpu.open("dp", 16)
+    assert cpu.is_open("dp")  # its windows are kept (so the step's logic is the same), torch untouched
+    # windows: the largest open count is in force; the setting changes only when it must;
+    # release() closes everything and puts the BLAS preference back, once
     calls = []
-    carveout = SMCarveout(8, calls.append, restore=lambda: calls.append("restored"))
-    carveout.start()
-    carveout.close()
-    carveout.close()
-    assert calls == [8, None, "restored"] and not carveout.open
+    carveout = SMCarveout(calls.append, restore=lambda: calls.append("restored"))
+    carveout.open("dp", 8)
+    carveout.open("dp", 8)
+    carveout.open("tp", 16)
+    carveout.close("tp")
+    carveout.open("tp", 4)
+    carveout.close("dp")
+    carveout.open("tp", 0)  # 0 opens nothing
+    assert carveout.is_open("tp") and not carveout.is_open("dp")
+    carveout.release()
+    carveout.release()
+    assert calls == [8, 16, 8, 4, None, "restored"] and not carveout.is_open()

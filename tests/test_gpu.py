@@ -51,25 +51,25 @@ def test_compiled_elementwise_functions_match_the_reference(dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_sm_carveout_sets_and_restores_torchs_gemm_settings():
-    """parallel.dp_sm_carveout on CUDA: torch's carveout set while open and cleared after, the
-    GEMMs tessera runs (bf16 matmul, addmm, the fp32-output weight-gradient GEMM) correct under
-    it, and the preferred BLAS library put back by close()."""
+    """parallel.dp_sm_carveout / tp_sm_carveout on CUDA: torch's carveout set while a window is
+    open and cleared after, the GEMMs tessera runs (bf16 matmul, addmm, the fp32-output
+    weight-gradient GEMM) correct under it, and the preferred BLAS library put back by release()."""
     from tessera.distributed.sm_carveout import SMCarveout
     from tessera.tensor_parallel.wgrad import wgrad_into
 
     before = torch.backends.cuda.preferred_blas_library()
-    carveout = SMCarveout.for_device(16, torch.device("cuda"))
+    carveout = SMCarveout.for_device(torch.device("cuda"), 16)
     assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
     gen = torch.Generator("cuda").manual_seed(0)
     a, b = (torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     bias = torch.randn(512, device="cuda", dtype=torch.bfloat16, generator=gen)
     expected = (a @ b.T, torch.addmm(bias, a, b.T))
-    carveout.start()
+    carveout.open("dp", 16)
     assert torch._C._get_sm_carveout_experimental() == 16
     got = (a @ b.T, torch.addmm(bias, a, b.T))
     main_grad = torch.zeros(1024, 1024, device="cuda")
     wgrad_into(main_grad, a.T, b, accumulate=True)  # main_grad += a^T b in fp32
-    carveout.close()
+    carveout.release()
     assert torch._C._get_sm_carveout_experimental() is None
     assert torch.backends.cuda.preferred_blas_library() == before
     for g, e in zip(got, expected):

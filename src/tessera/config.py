@@ -159,6 +159,11 @@ class ParallelConfig:
     can take up to twice as long; with the carveout they run on fewer SMs instead). Makes
     cuBLASLt the preferred BLAS library for the run. Not inside CUDA-graphed layers (captured
     before training with every SM). 0: off. Try it with NCCL_MAX_CTAS set to the same number (not yet measured)."""
+    tp_sm_carveout: int = 0
+    """tp > 1 with the backward comm overlap (tp_comm_overlap): SMs a column layer's
+    weight-gradient GEMM leaves free for the input gradient's reduce-scatter (or all-reduce) that
+    it overlaps, the same remedy as dp_sm_carveout (distributed/sm_carveout.py); captured into
+    CUDA-graphed layers. Makes cuBLASLt the preferred BLAS library. 0: off. Not yet measured."""
     tp_comm_overlap: Literal["auto", "true", "false"] = "auto"
     """tp > 1: a column-parallel layer's backward starts its input gradient's all-reduce (or, with
     sequence parallelism, reduce-scatter) as soon as that gradient is computed and runs the
@@ -194,6 +199,12 @@ class ParallelConfig:
         _check(self.dp >= 0, "parallel.dp", "must be >= 0", "use 0 to derive it from the world size")
         _check(self.dp_sm_carveout >= 0, "parallel.dp_sm_carveout", f"{self.dp_sm_carveout} SMs is below 0",
                "give the SMs GEMMs leave to the dp collectives, e.g. 16, or 0 for none")
+        _check(self.tp_sm_carveout >= 0, "parallel.tp_sm_carveout", f"{self.tp_sm_carveout} SMs is below 0",
+               "give the SMs the overlapped weight-gradient GEMMs leave to the TP collective, e.g. 16, or 0")
+        _check(self.tp_sm_carveout == 0 or (self.tp > 1 and self.tp_comm_overlap != "false"),
+               "parallel.tp_sm_carveout", "applies to the weight-gradient GEMM that overlaps a TP collective "
+               f"(tp > 1 with tp_comm_overlap; here tp={self.tp}, tp_comm_overlap={self.tp_comm_overlap})",
+               "set parallel.tp_sm_carveout=0, or use tp > 1 with tp_comm_overlap auto or true")
         _check(self.dp_sm_carveout == 0 or self.zero < 3, "parallel.dp_sm_carveout",
                "applies to the bucketed reductions of zero 0-2; FSDP (zero=3) runs its own",
                "set parallel.dp_sm_carveout=0 with parallel.zero=3")

@@ -1,19 +1,21 @@
-"""GEMMs that leave SMs free while data-parallel collectives run beside them.
+"""GEMMs that leave SMs free while collectives run beside them.
 
 Hopper's cuBLAS GEMMs are often persistent kernels: one CUDA block per SM, each working through
 many output tiles. When an NCCL kernel holds some SMs (the overlapped gradient reduce-scatter of
-the last micro-batch's backward, zero 1/2's parameter all-gather in the first forward), the
-blocks that find no free SM wait until others finish all their tiles, and the GEMM can take up
-to twice as long ("wave quantization"; torch PR 147966). Telling the GEMMs to use only ``sms``
-fewer SMs (cuBLASLt's SM-count target, torch's ``_set_sm_carveout_experimental``) trades that for
-a proportional slowdown while the window is open. The window is the host's: from the first
-asynchronous collective launched until the last one is waited for; the GEMMs launched in it get
-the carveout.
+the last micro-batch's backward, zero 1/2's parameter all-gather in the first forward, the TP
+input-gradient reduction that the weight-gradient GEMM overlaps), the blocks that find no free
+SM wait until others finish all their tiles, and the GEMM can take up to twice as long ("wave
+quantization"; torch PR 147966). Telling the GEMMs to use fewer SMs (cuBLASLt's SM-count target,
+torch's ``_set_sm_carveout_experimental``) trades that for a proportional slowdown while a window
+is open.
 
-torch's carveout is process-wide state read at each GEMM's launch; :class:`SMCarveout` is the one
-object that sets and clears it, owned by the DataParallel that opens and closes the window.
-Before torch 2.12 it reaches cuBLASLt only (torch PR 183330 added plain cuBLAS), so ``for_device``
-makes cuBLASLt the preferred BLAS library.
+torch's carveout is process-wide state read at each GEMM's launch (and frozen into a CUDA graph
+captured under it). :class:`SMCarveout` is the one object of a run that sets and clears it: each
+user opens and closes its own named window with its SM count ("dp": DataParallel, from the first
+asynchronous collective of the step's last micro-batch, or of the parameter gathers, until the
+last is waited for; "tp": the TP layers' overlapped weight-gradient GEMM), and while any window is
+open the largest count is in force. Before torch 2.12 the carveout reaches cuBLASLt only (torch
+PR 183330 added plain cuBLAS), so ``for_device`` makes cuBLASLt the preferred BLAS library.
 """
 
 from __future__ import annotations
@@ -24,44 +26,77 @@ import torch
 
 
 class SMCarveout:
-    """Opens and closes the window in which GEMMs leave ``sms`` SMs free (0: never)."""
+    """torch's GEMM SM carveout, shared by the run's windows (see the module's text)."""
 
-    def __init__(self, sms: int, setter: Callable[[int | None], None], restore: Callable[[], None] | None = None):
-        if sms < 0:
-            raise ValueError(f"an SM carveout is a number of SMs >= 0, not {sms}")
-        self.sms, self._set, self._restore, self.open = sms, setter, restore, False
+    def __init__(self, setter: Callable[[int | None], None], restore: Callable[[], None] | None = None):
+        self._set, self._restore = setter, restore
+        self._windows: dict[str, int] = {}
+        self._current: int | None = None
 
     @classmethod
-    def for_device(cls, sms: int, device: torch.device) -> SMCarveout:
-        """The carveout for GEMMs on ``device``: torch's on CUDA (cuBLASLt preferred, since the
-        carveout reaches only it), none on other devices (no GEMM there takes it)."""
-        if sms == 0 or device.type != "cuda":
-            return cls(0, lambda n: None)
+    def none(cls) -> SMCarveout:
+        """A carveout that never reaches a GEMM (CPU runs, no window asked for)."""
+        return cls(lambda n: None)
+
+    @classmethod
+    def for_device(cls, device: torch.device, largest: int) -> SMCarveout:
+        """The carveout for GEMMs on ``device`` whose windows ask for at most ``largest`` SMs:
+        torch's on CUDA (cuBLASLt preferred), none elsewhere or when ``largest`` is 0."""
+        if largest < 0:
+            raise ValueError(f"an SM carveout is a number of SMs >= 0, not {largest}")
+        if largest == 0 or device.type != "cuda":
+            return cls.none()
         count = torch.cuda.get_device_properties(device).multi_processor_count
-        if sms >= count:
-            raise ValueError(f"parallel.dp_sm_carveout={sms} leaves no SM for the GEMMs: this GPU has {count}")
+        if largest >= count:
+            raise ValueError(f"an SM carveout of {largest} leaves no SM for the GEMMs: this GPU has {count}")
         setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
         if setter is None:
-            raise RuntimeError(f"parallel.dp_sm_carveout needs torch >= 2.7 (its SM carveout for GEMMs); this is "
-                               f"torch {torch.__version__}: set parallel.dp_sm_carveout=0")
+            raise RuntimeError(f"parallel.dp_sm_carveout / tp_sm_carveout need torch >= 2.7 (its SM carveout for "
+                               f"GEMMs); this is torch {torch.__version__}: set them to 0")
         before = torch.backends.cuda.preferred_blas_library()
         torch.backends.cuda.preferred_blas_library("cublaslt")
-        return cls(sms, setter, restore=lambda: torch.backends.cuda.preferred_blas_library(before))
+        return cls(setter, restore=lambda: torch.backends.cuda.preferred_blas_library(before))
 
-    def start(self) -> None:
-        if self.sms and not self.open:
-            self._set(self.sms)
-            self.open = True
+    def open(self, name: str, sms: int) -> None:
+        """Window ``name`` open with ``sms`` SMs left free (0: nothing to open)."""
+        if sms < 0:
+            raise ValueError(f"an SM carveout is a number of SMs >= 0, not {sms}")
+        if sms and self._windows.get(name) != sms:
+            self._windows[name] = sms
+            self._apply()
 
-    def stop(self) -> None:
-        if self.open:
-            self._set(None)
-            self.open = False
+    def close(self, name: str) -> None:
+        if self._windows.pop(name, None) is not None:
+            self._apply()
 
-    def close(self) -> None:
-        """Closed for good (the end of training, or an error in it): the carveout cleared and
+    def is_open(self, name: str | None = None) -> bool:
+        return bool(self._windows) if name is None else name in self._windows
+
+    def release(self) -> None:
+        """Closed for good (the end of training, or an error in it): every window closed and
         the BLAS library preferred before put back."""
-        self.stop()
+        self._windows.clear()
+        self._apply()
         if self._restore is not None:
             self._restore()
             self._restore = None
+
+    def _apply(self) -> None:
+        target = max(self._windows.values()) if self._windows else None
+        if target != self._current:
+            self._set(target)
+            self._current = target
+
+
+class Window:
+    """``with window:`` opens ``carveout``'s window ``name`` with ``sms`` SMs for the block (the
+    TP layers' overlapped weight-gradient GEMM)."""
+
+    def __init__(self, carveout: SMCarveout, name: str, sms: int):
+        self.carveout, self.name, self.sms = carveout, name, sms
+
+    def __enter__(self) -> None:
+        self.carveout.open(self.name, self.sms)
+
+    def __exit__(self, *exc) -> None:
+        self.carveout.close(self.name)
