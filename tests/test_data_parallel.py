@@ -729,9 +729,10 @@ def test_sm_carveout_refusals_windows_and_cpu():
     cpu.open("dp", 16)
     assert cpu.is_open("dp")  # its windows are kept (so the step's logic is the same), torch untouched
     # windows: the largest open count is in force; the setting changes only when it must;
-    # release() closes everything and puts the BLAS preference back, once
+    # cuBLASLt preferred from the first opening to the last closing; release() closes everything
     calls = []
-    carveout = SMCarveout(calls.append, restore=lambda: calls.append("restored"))
+    carveout = SMCarveout(calls.append, blas=(lambda: "cublas", lambda v: calls.append(f"blas {v}")))
+    assert calls == []  # making it changes nothing
     carveout.open("dp", 8)
     carveout.open("dp", 8)
     carveout.open("tp", 16)
@@ -742,4 +743,51 @@ def test_sm_carveout_refusals_windows_and_cpu():
     assert carveout.is_open("tp") and not carveout.is_open("dp")
     carveout.release()
     carveout.release()
-    assert calls == [8, 16, 8, 4, None, "restored"] and not carveout.is_open()
+    assert calls == ["blas cublaslt", 8, 16, 8, 4, None, "blas cublas"] and not carveout.is_open()
+
+
+def _tp_window_worker(rank: int, world: int) -> dict:
+    """tp=2 + SP with parallel.tp_sm_carveout=16 and the comm overlap: which column layers carry
+    the Stage's window, whether every weight-gradient GEMM of an overlapping layer ran inside it,
+    whether it is closed after each step; and the refusal where nothing would overlap."""
+    from tessera.config import ConfigError
+    from tessera.tensor_parallel import mappings
+    from tessera.tensor_parallel.layers import ColumnParallelLinear
+    facts, inside = {}, []
+    sets = ["parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true", "parallel.tp_sm_carveout=16"]
+
+    def prepare(stage, data_parallel):
+        facts["stage"] = stage
+        cols = [m for m in stage.model.modules() if isinstance(m, ColumnParallelLinear)]
+        facts["windows"] = [m.wgrad_window is not None and m.wgrad_window.carveout is stage.sm_carveout
+                            and m.wgrad_window.sms == 16 for m in cols]
+        real = mappings.weight_grad
+
+        def recording(*args, **kwargs):
+            inside.append(stage.sm_carveout.is_open("tp"))
+            return real(*args, **kwargs)
+        mappings.weight_grad = recording
+
+    real = mappings.weight_grad
+    try:
+        with_window = train_run(Topology.build(tp=2), ["parallel.tp=2", *sets], prepare=prepare)
+    finally:
+        mappings.weight_grad = real
+    plain = train_run(Topology.build(tp=2), ["parallel.tp=2", *sets[:2]])
+    refused = ""
+    try:  # auto resolves the overlap off around eager layers: no GEMM to leave SMs from
+        train_run(Topology.build(tp=2), ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_sm_carveout=16"])
+    except ConfigError as e:
+        refused = str(e)
+    return dict(windows=facts["windows"], inside=inside, closed=not facts["stage"].sm_carveout.is_open(),
+                same=with_window["losses"] == plain["losses"], refused=refused)
+
+
+@pytest.mark.timeout(300)
+def test_tp_weight_gradient_gemms_run_in_the_carveout_window():
+    for out in run_ranks(_tp_window_worker, 2, timeout=280):
+        assert len(out["windows"]) == 4 and all(out["windows"])  # qkv and fc1 of both layers
+        # every overlapped W GEMM of every step (the tied head's too) ran in the window
+        assert len(out["inside"]) == 5 * GLOBAL * STEPS and all(out["inside"])
+        assert out["closed"] and out["same"]
+        assert "no weight-gradient GEMM overlaps a TP collective" in out["refused"]

@@ -53,19 +53,21 @@ def test_compiled_elementwise_functions_match_the_reference(dtype):
 def test_sm_carveout_sets_and_restores_torchs_gemm_settings():
     """parallel.dp_sm_carveout / tp_sm_carveout on CUDA: torch's carveout set while a window is
     open and cleared after, the GEMMs tessera runs (bf16 matmul, addmm, the fp32-output
-    weight-gradient GEMM) correct under it, and the preferred BLAS library put back by release()."""
+    weight-gradient GEMM) correct under it, cuBLASLt preferred while open, and torch as it was
+    after release()."""
     from tessera.distributed.sm_carveout import SMCarveout
     from tessera.tensor_parallel.wgrad import wgrad_into
 
     before = torch.backends.cuda.preferred_blas_library()
     carveout = SMCarveout.for_device(torch.device("cuda"), 16)
-    assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+    assert torch.backends.cuda.preferred_blas_library() == before  # nothing changes until a window opens
     gen = torch.Generator("cuda").manual_seed(0)
     a, b = (torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     bias = torch.randn(512, device="cuda", dtype=torch.bfloat16, generator=gen)
     expected = (a @ b.T, torch.addmm(bias, a, b.T))
     carveout.open("dp", 16)
     assert torch._C._get_sm_carveout_experimental() == 16
+    assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
     got = (a @ b.T, torch.addmm(bias, a, b.T))
     main_grad = torch.zeros(1024, 1024, device="cuda")
     wgrad_into(main_grad, a.T, b, accumulate=True)  # main_grad += a^T b in fp32

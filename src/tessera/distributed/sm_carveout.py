@@ -14,8 +14,9 @@ captured under it). :class:`SMCarveout` is the one object of a run that sets and
 user opens and closes its own named window with its SM count ("dp": DataParallel, from the first
 asynchronous collective of the step's last micro-batch, or of the parameter gathers, until the
 last is waited for; "tp": the TP layers' overlapped weight-gradient GEMM), and while any window is
-open the largest count is in force. Before torch 2.12 the carveout reaches cuBLASLt only (torch
-PR 183330 added plain cuBLAS), so ``for_device`` makes cuBLASLt the preferred BLAS library.
+open the largest count is in force (not the sum: dp and TP collectives at once get the larger
+alone). Before torch 2.12 the carveout reaches cuBLASLt only (torch PR 183330 added plain cuBLAS),
+so while any window is open cuBLASLt is the preferred BLAS library; outside them nothing changes.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ import torch
 
 
 class SMCarveout:
-    """torch's GEMM SM carveout, shared by the run's windows (see the module's text)."""
+    """torch's GEMM SM carveout, shared by the run's windows (see the module's text). ``blas``:
+    (get, set) of torch's preferred BLAS library, switched to cuBLASLt while a window is open."""
 
-    def __init__(self, setter: Callable[[int | None], None], restore: Callable[[], None] | None = None):
-        self._set, self._restore = setter, restore
+    def __init__(self, setter: Callable[[int | None], None], blas: tuple[Callable, Callable] | None = None):
+        self._set, self._blas = setter, blas
         self._windows: dict[str, int] = {}
         self._current: int | None = None
+        self._blas_before = None
 
     @classmethod
     def none(cls) -> SMCarveout:
@@ -41,7 +44,8 @@ class SMCarveout:
     @classmethod
     def for_device(cls, device: torch.device, largest: int) -> SMCarveout:
         """The carveout for GEMMs on ``device`` whose windows ask for at most ``largest`` SMs:
-        torch's on CUDA (cuBLASLt preferred), none elsewhere or when ``largest`` is 0."""
+        torch's on CUDA, none elsewhere or when ``largest`` is 0. Making it changes nothing in
+        torch; opening a window does, closing the last one puts it back."""
         if largest < 0:
             raise ValueError(f"an SM carveout is a number of SMs >= 0, not {largest}")
         if largest == 0 or device.type != "cuda":
@@ -53,9 +57,8 @@ class SMCarveout:
         if setter is None:
             raise RuntimeError(f"parallel.dp_sm_carveout / tp_sm_carveout need torch >= 2.7 (its SM carveout for "
                                f"GEMMs); this is torch {torch.__version__}: set them to 0")
-        before = torch.backends.cuda.preferred_blas_library()
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-        return cls(setter, restore=lambda: torch.backends.cuda.preferred_blas_library(before))
+        library = torch.backends.cuda.preferred_blas_library
+        return cls(setter, blas=(library, library))
 
     def open(self, name: str, sms: int) -> None:
         """Window ``name`` open with ``sms`` SMs left free (0: nothing to open)."""
@@ -73,19 +76,24 @@ class SMCarveout:
         return bool(self._windows) if name is None else name in self._windows
 
     def release(self) -> None:
-        """Closed for good (the end of training, or an error in it): every window closed and
-        the BLAS library preferred before put back."""
+        """Every window closed (the end of training, or an error in it): torch as it was."""
         self._windows.clear()
         self._apply()
-        if self._restore is not None:
-            self._restore()
-            self._restore = None
 
     def _apply(self) -> None:
+        """The largest open count in force (none when no window is open); cuBLASLt preferred
+        from the first window's opening to the last one's closing."""
         target = max(self._windows.values()) if self._windows else None
-        if target != self._current:
-            self._set(target)
-            self._current = target
+        if target == self._current:
+            return
+        if self._current is None and self._blas is not None:
+            get, put = self._blas
+            self._blas_before = get()
+            put("cublaslt")
+        self._set(target)
+        if target is None and self._blas is not None:
+            self._blas[1](self._blas_before)
+        self._current = target
 
 
 class Window:

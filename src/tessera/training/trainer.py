@@ -189,7 +189,14 @@ class Stage:
         # GEMMs that leave SMs to the collectives they overlap (sm_carveout.py): the dp window
         # (DataParallel's) and the TP layers' overlapped weight-gradient GEMMs, one shared carveout
         self.dp_sms = p.dp_sm_carveout if topo.dp > 1 else 0
-        self.tp_sms = p.tp_sm_carveout if self.comm_overlap and p.tp > 1 and p.tp_async == "false" else 0
+        self.tp_sms = p.tp_sm_carveout if self.comm_overlap and self.schedule not in SPLIT_BACKWARD else 0
+        if p.tp_sm_carveout and not self.tp_sms:
+            raise ConfigError("parallel.tp_sm_carveout", "no weight-gradient GEMM overlaps a TP collective in this "
+                              f"run (tp_comm_overlap resolved {'on' if self.comm_overlap else 'off'}: auto overlaps "
+                              f"only in CUDA-graphed layers; schedule {self.schedule} "
+                              f"{'defers every W GEMM' if self.schedule in SPLIT_BACKWARD else 'runs W in backward'})",
+                              "set parallel.tp_sm_carveout=0, or parallel.tp_comm_overlap=true with a schedule "
+                              "that does not split the backward")
         self.sm_carveout = SMCarveout.for_device(topo.device, max(self.dp_sms, self.tp_sms))
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
@@ -277,14 +284,15 @@ def train(cfg: Config) -> list[dict]:
     logger.print(str(memory_report(data_parallel, optimizer)))
 
     model.train()
-    # captured after data parallelism placed the parameters in their buffers
-    graphs = graph_stage(stage.chunks, cfg, data_parallel, fused=stage.fuse_wgrad) if stage.graphed else []
+    graphs = []
     try:
+        # captured after data parallelism placed the parameters in their buffers
+        graphs = graph_stage(stage.chunks, cfg, data_parallel, fused=stage.fuse_wgrad) if stage.graphed else []
         return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device)
     finally:  # a graph holding NCCL work would hang destroy_process_group
         for g in graphs:
             g.release()
-        stage.sm_carveout.release()  # torch's process-wide GEMM settings put back
+        stage.sm_carveout.release()  # torch's process-wide GEMM settings as they were
 
 
 def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, logger, logs: bool, world: int,
