@@ -100,6 +100,21 @@ for sms in (None, 8, 16, 32):
            f"(+{100 * (t - g) / g:.1f} % over its GEMMs alone, +{100 * (t - alone) / alone:.1f} % over cuBLAS's)")
     dist.barrier()
 torch._C._set_sm_carveout_experimental(None)
+# captured under a carveout, replayed without one: is the SM count frozen into the graph (as
+# parallel.tp_sm_carveout's graphed layers assume)? Slower alone than the graph captured without.
+graphs = {}
+for sms in (None, 32):
+    torch._C._set_sm_carveout_experimental(sms)
+    gemms()  # warm cuBLASLt's choice for this SM count before capturing
+    torch.cuda.synchronize()
+    graphs[sms] = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graphs[sms]):
+        gemms()
+torch._C._set_sm_carveout_experimental(None)
+plain, carved = ms(graphs[None].replay), ms(graphs[32].replay)
+report(f"GEMMs in a CUDA graph captured without a carveout {plain:.2f} ms, captured under 32 SMs carved out "
+       f"and replayed without {carved:.2f} ms ({'frozen into the graph' if carved > 1.03 * plain else 'not kept'})")
+torch.backends.cuda.preferred_blas_library("cublas")
 dist.barrier()
 if registered is not None:
     registered.release()
