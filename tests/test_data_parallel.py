@@ -188,10 +188,9 @@ RUNS = {
        + [("izb-zero1-compiled", 1, 2, [ZEROS[1], "parallel.vpp=2", "parallel.schedule=interleaved-zb",
                                         "parallel.pp_layout=0,1,1,0", "train.compile=true"])],
     8: [(f"zero{z}", 2, 2, [ZEROS[z], "parallel.sequence_parallel=true"]) for z in range(4)]
-       # with both SM-carveout windows in use (no GEMM on a CPU takes them: the step's logic alone)
+       # with the dp SM-carveout window in use (no GEMM on a CPU takes it: the step's logic alone)
        + [("zero1-fused", 2, 2, [ZEROS[1], "parallel.sequence_parallel=true", "train.grad_accum_fusion=true",
-                                 "parallel.tp_comm_overlap=true", "parallel.tp_sm_carveout=16",
-                                 "parallel.dp_sm_carveout=16"])],
+                                 "parallel.tp_comm_overlap=true", "parallel.dp_sm_carveout=16"])],
 }
 
 

@@ -191,10 +191,9 @@ class Stage:
         self.dp_sms = p.dp_sm_carveout if topo.dp > 1 else 0
         self.tp_sms = p.tp_sm_carveout if self.comm_overlap and self.schedule not in SPLIT_BACKWARD else 0
         if p.tp_sm_carveout and not self.tp_sms:
-            raise ConfigError("parallel.tp_sm_carveout", "no weight-gradient GEMM overlaps a TP collective in this "
-                              f"run (tp_comm_overlap resolved {'on' if self.comm_overlap else 'off'}: auto overlaps "
-                              f"only in CUDA-graphed layers; schedule {self.schedule} "
-                              f"{'defers every W GEMM' if self.schedule in SPLIT_BACKWARD else 'runs W in backward'})",
+            why = (f"schedule {self.schedule} defers every weight-gradient GEMM past the collective"
+                   if self.comm_overlap else "tp_comm_overlap resolved off (auto overlaps in CUDA-graphed layers only)")
+            raise ConfigError("parallel.tp_sm_carveout", f"no weight-gradient GEMM overlaps a TP collective here: {why}",
                               "set parallel.tp_sm_carveout=0, or parallel.tp_comm_overlap=true with a schedule "
                               "that does not split the backward")
         self.sm_carveout = SMCarveout.for_device(topo.device, max(self.dp_sms, self.tp_sms))
