@@ -790,3 +790,19 @@ def test_tp_weight_gradient_gemms_run_in_the_carveout_window():
         assert len(out["inside"]) == 5 * GLOBAL * STEPS and all(out["inside"])
         assert out["closed"] and out["same"]
         assert "no weight-gradient GEMM overlaps a TP collective" in out["refused"]
+
+
+def _split_backward_refusal_worker(rank: int, world: int) -> str:
+    from tessera.config import ConfigError
+    try:  # tp=2 x pp=2 under ZB-H1: every weight-gradient GEMM is deferred past the collective
+        train_run(Topology.build(tp=2, pp=2), ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
+                                              "parallel.tp_comm_overlap=true", "parallel.tp_sm_carveout=16"])
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.timeout(200)
+def test_tp_sm_carveout_refused_under_a_split_backward():
+    for message in run_ranks(_split_backward_refusal_worker, 4, timeout=180):
+        assert "schedule zb-h1 defers every weight-gradient GEMM" in message, message
