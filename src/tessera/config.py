@@ -163,8 +163,9 @@ class ParallelConfig:
     """tp > 1 with the backward comm overlap (tp_comm_overlap): SMs a column layer's
     weight-gradient GEMM leaves free for the input gradient's reduce-scatter (or all-reduce) that
     it overlaps, the same remedy as dp_sm_carveout (distributed/sm_carveout.py); captured into
-    CUDA-graphed layers. cuBLASLt is the preferred BLAS library for those GEMMs. 0: off. Not
-    yet measured."""
+    CUDA-graphed layers. cuBLASLt is the preferred BLAS library for those GEMMs. Refused where
+    no such GEMM overlaps a collective (tp_async, the overlap resolved off, split-backward
+    schedules that defer the weight gradients). 0: off. Not yet measured."""
     tp_comm_overlap: Literal["auto", "true", "false"] = "auto"
     """tp > 1: a column-parallel layer's backward starts its input gradient's all-reduce (or, with
     sequence parallelism, reduce-scatter) as soon as that gradient is computed and runs the
