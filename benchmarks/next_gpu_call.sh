@@ -255,12 +255,11 @@ case "${1:-tests}" in
     # tp=2: do two whole micro-batches on two streams hide each other's SP collectives?
     timeout 100 torchrun --nproc-per-node 2 benchmarks/tp_two_stream_probe.py 8 > "${OUT:-/tmp}/probe.log" 2>&1
     grep -E "^RESULT|Error" "${OUT:-/tmp}/probe.log"; reap
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
     run() { NPROC=$1 timeout 90 python3 benchmarks/quick_train.py llama-1b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; }
     # Llama-1B one GPU: compiled layers (auto) / compiled layers + fused weight gradients (one graph
     # per layer now) / eager layers + fused weight gradients + the compiled elementwise functions
     run 1; run 1 train.compile=true train.grad_accum_fusion=true; run 1 train.compile=false
-    timeout 120 python3 .peers/torch_gpt_bench.py --llama 1 --kv-heads 8 --ffn 8192 --heads 32 --layers 16 \
+    timeout 120 python3 .peers/torch_gpt_bench.py --mbs 2 --gbs 16 --llama 1 --kv-heads 8 --ffn 8192 --heads 32 --layers 16 \
       --vocab 128256 2>&1 | grep -E "^RESULT|Error" | tail -2
     CUDA_VISIBLE_DEVICES=1 run 1
     # dp=2's rare slow steps (a rank's host behind its GPU): Python's collector at fixed steps
