@@ -730,7 +730,10 @@ def test_sm_carveout_refusals_windows_and_cpu():
     # windows: the largest open count is in force; the setting changes only when it must;
     # cuBLASLt preferred from the first opening to the last closing; release() closes everything
     calls = []
-    carveout = SMCarveout(calls.append, blas=(lambda: "cublas", lambda v: calls.append(f"blas {v}")))
+
+    def blas(library=None):  # as torch.backends.cuda.preferred_blas_library
+        return "cublas" if library is None else calls.append(f"blas {library}")
+    carveout = SMCarveout(calls.append, blas=blas)
     assert calls == []  # making it changes nothing
     carveout.open("dp", 8)
     carveout.open("dp", 8)

@@ -28,9 +28,10 @@ import torch
 
 class SMCarveout:
     """torch's GEMM SM carveout, shared by the run's windows (see the module's text). ``blas``:
-    (get, set) of torch's preferred BLAS library, switched to cuBLASLt while a window is open."""
+    like ``torch.backends.cuda.preferred_blas_library`` (no argument: the preferred library;
+    one: set it), switched to cuBLASLt while a window is open."""
 
-    def __init__(self, setter: Callable[[int | None], None], blas: tuple[Callable, Callable] | None = None):
+    def __init__(self, setter: Callable[[int | None], None], blas: Callable | None = None):
         self._set, self._blas = setter, blas
         self._windows: dict[str, int] = {}
         self._current: int | None = None
@@ -57,8 +58,7 @@ class SMCarveout:
         if setter is None:
             raise RuntimeError(f"parallel.dp_sm_carveout / tp_sm_carveout need torch >= 2.7 (its SM carveout for "
                                f"GEMMs); this is torch {torch.__version__}: set them to 0")
-        library = torch.backends.cuda.preferred_blas_library
-        return cls(setter, blas=(library, library))
+        return cls(setter, blas=torch.backends.cuda.preferred_blas_library)
 
     def open(self, name: str, sms: int) -> None:
         """Window ``name`` open with ``sms`` SMs left free (0: nothing to open)."""
@@ -87,12 +87,11 @@ class SMCarveout:
         if target == self._current:
             return
         if self._current is None and self._blas is not None:
-            get, put = self._blas
-            self._blas_before = get()
-            put("cublaslt")
+            self._blas_before = self._blas()
+            self._blas("cublaslt")
         self._set(target)
         if target is None and self._blas is not None:
-            self._blas[1](self._blas_before)
+            self._blas(self._blas_before)
         self._current = target
 
 

@@ -150,19 +150,11 @@ class MLP(nn.Module):
         self.family, self.fused = cfg.family, tp.fused_elementwise
         ffn, out_std = cfg.ffn_size, scaled_init_std(cfg.init_std, cfg.layers)
         common = dict(tp_group=tp.group, sequence_parallel=tp.sequence_parallel, wgrad_store=tp.wgrad_store,
-                      device=device)
-        if cfg.family == "gpt2":
-            self.fc1 = ColumnParallelLinear(cfg.hidden, ffn, bias=True, init_std=cfg.init_std,
-                                            comm_overlap=tp.comm_overlap, async_tp=tp.async_tp,
-                                            wgrad_window=tp.wgrad_window, **common)
-            self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=True, init_std=out_std, async_tp=tp.async_tp,
-                                         **common)
-        else:
-            self.fc1 = ColumnParallelLinear(cfg.hidden, [ffn, ffn], bias=False, init_std=cfg.init_std,
-                                            comm_overlap=tp.comm_overlap, async_tp=tp.async_tp,
-                                            wgrad_window=tp.wgrad_window, **common)
-            self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=False, init_std=out_std, async_tp=tp.async_tp,
-                                         **common)
+                      async_tp=tp.async_tp, device=device)
+        gpt2 = cfg.family == "gpt2"  # fc1 holds gate and up side by side for SwiGLU
+        self.fc1 = ColumnParallelLinear(cfg.hidden, ffn if gpt2 else [ffn, ffn], bias=gpt2, init_std=cfg.init_std,
+                                        comm_overlap=tp.comm_overlap, wgrad_window=tp.wgrad_window, **common)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=gpt2, init_std=out_std, **common)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.fc1(x)

@@ -22,7 +22,7 @@ class GarbageCollection:
     def __init__(self, interval: int):
         if interval < 0:
             raise ValueError(f"a garbage-collection interval is a number of steps >= 0, not {interval}")
-        self.interval, self._was_enabled = interval, gc.isenabled()
+        self.interval, self._was_enabled = interval, True
 
     def __enter__(self) -> GarbageCollection:
         if self.interval:
