@@ -231,8 +231,10 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
         return fast_paths(validate(cfg, p.tp * p.pp * max(p.dp, 1)), schedule, device)
 
     assert resolved([]) == (False, True, False)  # GPT at tp=1: fused weight gradients, eager layers
-    assert resolved(["model.family=llama"]) == (True, False, False)  # llama at tp=1: compiled layers
-    assert resolved(["model.family=llama"], "1f1b") == (True, False, False)
+    assert resolved(["model.family=llama"]) == (True, True, False)  # llama at tp=1: compiled layers, fused W
+    assert resolved(["model.family=llama"], "1f1b") == (True, True, False)
+    assert resolved(["model.family=llama", "parallel.dp=2", "parallel.zero=1"]) == (True, True, False)
+    assert resolved(["model.family=llama", "parallel.zero=3"]) == (True, False, False)  # FSDP: no fusion
     assert resolved(["model.family=llama", "parallel.pp=2"], "zb-h1") == (False, True, False)  # no graph breaks around deferred W
     assert resolved(["model.family=llama", "parallel.pp=2"], "zb-h2") == (False, True, False)
     # tp > 1: graphed eager layers where they can be captured; fusion measured slower, compiled slower
@@ -274,7 +276,8 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     assert resolved(["parallel.dp=2"]) == (False, True, False)
     assert resolved(["parallel.pp=2"], "zb-h1") == (False, True, False)
     assert resolved(["parallel.zero=3"]) == (False, False, False)
-    assert resolved(["model.family=llama", "train.grad_accum_fusion=true"]) == (False, True, False)
+    assert resolved(["model.family=llama", "train.grad_accum_fusion=true"]) == (True, True, False)
+    assert resolved(["model.family=llama", "train.grad_accum_fusion=false"]) == (True, False, False)
     assert resolved(["train.compile=true"]) == (True, False, False)
     assert resolved(["train.compile=true", "train.grad_accum_fusion=true"]) == (True, True, False)
     assert resolved(["train.compile=false", "train.grad_accum_fusion=false"]) == (False, False, False)

@@ -247,10 +247,9 @@ class TrainConfig:
     interleaved-zb) or fused (train.grad_accum_fusion) used to run eagerly between compiled
     pieces, a graph break each, which cost more CPU time per step than the compiled pieces
     saved (measured, BENCHMARKS.md); since session 14 they are opaque ops inside the layer's one
-    graph (tensor_parallel/wgrad.py; CPU-tested, not yet measured on a GPU, so auto does not
-    yet compile around them; the TP-overlap and async-TP linear layers still break it). auto:
-    on for CUDA runs of the llama family at tp=1 whose schedule does not split the backward and where
-    train.grad_accum_fusion is not true (+10% on Llama-1B); off elsewhere (on GPT-1.3B at tp=1
+    graph (tensor_parallel/wgrad.py; the TP-overlap and async-TP linear layers still break it).
+    auto: on for CUDA runs of the llama family at tp=1 whose schedule does not split the backward
+    (+10% on Llama-1B; with fused weight gradients inside, +5% more, session 16); off elsewhere (on GPT-1.3B at tp=1
     fused weight gradients in eager layers measured 2% faster). Off at tp > 1: compiled layers
     follow one GPU there (the TP collectives run as opaque ops in compiled code; the GPU test
     passes since session 6) but measured slower than eager layers at tp=2 (19,184 against 21,686
@@ -259,8 +258,9 @@ class TrainConfig:
     """Gradient-accumulation fusion: a linear layer's weight-gradient GEMM adds straight into the
     fp32 main gradient (one cuBLAS call with an fp32 accumulator on CUDA; for 16-bit inputs off
     CUDA, the reference matmul-then-add), so no 16-bit weight gradient is stored and added. With
-    parallel.zero 0-2. auto: on for CUDA runs at tp=1 with zero 0-2 whose layers are not
-    compiled (measured +2% on GPT-1.3B against compiled layers, BENCHMARKS.md); off at tp > 1
+    parallel.zero 0-2. auto: on for CUDA runs at tp=1 with zero 0-2, in eager layers or in
+    layers auto compiled (measured +2% on GPT-1.3B against compiled layers; in Llama-1B's
+    compiled layers 62,988 against 59,998 tokens/s, H100, BENCHMARKS.md session 16); off at tp > 1
     (in eager layers measured 15% slower at tp=2, where the smaller GEMMs leave the step bound by
     the CPU time per layer that the fused path adds to) and on CPU. true at tp > 1 with CUDA-graphed
     layers (train.cuda_graphs) captures the fused GEMMs in the graphs (zero 0/1; opt-in until

@@ -118,7 +118,10 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
     fusion together: the fused linear layers run eagerly between compiled pieces). auto picks
     what measured fastest on H100 (BENCHMARKS.md, sessions 4-6):
     - tp=1: compiled layers for the llama family (RMSNorm, RoPE and SwiGLU run as many small
-      kernels in eager mode: +10% on Llama-1B over fused eager layers), fused weight gradients in
+      kernels in eager mode: +10% on Llama-1B over fused eager layers), with fused weight
+      gradients inside them (opaque ops in the layer's one graph since session 14: 62,988 against
+      59,998 tokens/s without, 61,750 for eager layers with fusion and the compiled elementwise
+      functions, Llama-1B on H100, session 16), fused weight gradients in
       eager layers elsewhere (+2% over compiled layers on GPT-1.3B); never compiled layers around
       a split-backward schedule's deferred weight gradients (with the deferrable linear layers as
       opaque ops in the layer's one graph, Llama-1B pp=2 vpp=2 ran 0.863 of one GPU against 0.920
@@ -147,11 +150,13 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
         graphs = t.cuda_graphs == "true"
     if t.compile == "auto":
         compiled = (cuda and p.tp == 1 and cfg.model.family == "llama" and schedule not in SPLIT_BACKWARD
-                    and t.grad_accum_fusion != "true" and not graphs)
+                    and not graphs)
     else:
         compiled = t.compile == "true"
     if t.grad_accum_fusion == "auto":
-        fuse = cuda and p.tp == 1 and p.zero < 3 and not compiled and not graphs
+        # in compiled layers only where auto compiled them (measured for llama; GPT's compiled
+        # layers with fusion were never measured against its eager fused default)
+        fuse = cuda and p.tp == 1 and p.zero < 3 and not graphs and (not compiled or t.compile == "auto")
     else:
         fuse = t.grad_accum_fusion == "true"
     return compiled, fuse, graphs
