@@ -49,36 +49,6 @@ def test_compiled_elementwise_functions_match_the_reference(dtype):
             torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_sm_carveout_sets_and_restores_torchs_gemm_settings():
-    """parallel.dp_sm_carveout / tp_sm_carveout on CUDA: torch's carveout set while a window is
-    open and cleared after, the GEMMs tessera runs (bf16 matmul, addmm, the fp32-output
-    weight-gradient GEMM) correct under it, cuBLASLt preferred while open, and torch as it was
-    after release()."""
-    from tessera.distributed.sm_carveout import SMCarveout
-    from tessera.tensor_parallel.wgrad import wgrad_into
-
-    before = torch.backends.cuda.preferred_blas_library()
-    carveout = SMCarveout.for_device(torch.device("cuda"), 16)
-    assert torch.backends.cuda.preferred_blas_library() == before  # nothing changes until a window opens
-    gen = torch.Generator("cuda").manual_seed(0)
-    a, b = (torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16, generator=gen)
-    expected = (a @ b.T, torch.addmm(bias, a, b.T))
-    carveout.open("dp", 16)
-    assert torch._C._get_sm_carveout_experimental() == 16
-    assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
-    got = (a @ b.T, torch.addmm(bias, a, b.T))
-    main_grad = torch.zeros(1024, 1024, device="cuda")
-    wgrad_into(main_grad, a.T, b, accumulate=True)  # main_grad += a^T b in fp32
-    carveout.release()
-    assert torch._C._get_sm_carveout_experimental() is None
-    assert torch.backends.cuda.preferred_blas_library() == before
-    for g, e in zip(got, expected):
-        torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(main_grad, a.float().T @ b.float(), rtol=1e-2, atol=1e-1)
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_cuda_model_matches_cpu(family):
     cfg = ModelConfig(family=family, hidden=128, heads=4, kv_heads=2 if family == "llama" else 0,

@@ -152,20 +152,6 @@ class ParallelConfig:
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """zero 0-2: the dtype gradients travel in over dp. bf16 halves the traffic of fp32 gradient
     buffers (each rank's accumulated gradient rounded once); the sums are still done in fp32."""
-    dp_sm_carveout: int = 0
-    """zero 0-2 at dp > 1 on CUDA: SMs the GEMMs leave free while the overlapped gradient
-    reductions of the last micro-batch and the parameter gathers are in flight
-    (distributed/sm_carveout.py: Hopper's persistent GEMM kernels wait for SMs that NCCL holds and
-    can take up to twice as long; with the carveout they run on fewer SMs instead). cuBLASLt is
-    the preferred BLAS library while the window is open. Not inside CUDA-graphed layers (captured
-    before training with every SM). 0: off. Try it with NCCL_MAX_CTAS set to the same number (not yet measured)."""
-    tp_sm_carveout: int = 0
-    """tp > 1 with the backward comm overlap (tp_comm_overlap): SMs a column layer's
-    weight-gradient GEMM leaves free for the input gradient's reduce-scatter (or all-reduce) that
-    it overlaps, the same remedy as dp_sm_carveout (distributed/sm_carveout.py); captured into
-    CUDA-graphed layers. cuBLASLt is the preferred BLAS library for those GEMMs. Refused where
-    no such GEMM overlaps a collective (tp_async, the overlap resolved off, split-backward
-    schedules that defer the weight gradients). 0: off. Not yet measured."""
     tp_comm_overlap: Literal["auto", "true", "false"] = "auto"
     """tp > 1: a column-parallel layer's backward starts its input gradient's all-reduce (or, with
     sequence parallelism, reduce-scatter) as soon as that gradient is computed and runs the
@@ -199,19 +185,6 @@ class ParallelConfig:
         for name in ("tp", "pp", "vpp"):
             _check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1", "use 1 for no parallelism on this axis")
         _check(self.dp >= 0, "parallel.dp", "must be >= 0", "use 0 to derive it from the world size")
-        _check(self.dp_sm_carveout >= 0, "parallel.dp_sm_carveout", f"{self.dp_sm_carveout} SMs is below 0",
-               "give the SMs GEMMs leave to the dp collectives, e.g. 16, or 0 for none")
-        _check(self.tp_sm_carveout >= 0, "parallel.tp_sm_carveout", f"{self.tp_sm_carveout} SMs is below 0",
-               "give the SMs the overlapped weight-gradient GEMMs leave to the TP collective, e.g. 16, or 0")
-        _check(self.tp_sm_carveout == 0 or (self.tp > 1 and self.tp_comm_overlap != "false"
-                                            and self.tp_async == "false"),
-               "parallel.tp_sm_carveout", "applies to the weight-gradient GEMM that overlaps a TP collective "
-               f"(tp > 1 with tp_comm_overlap, without tp_async; here tp={self.tp}, "
-               f"tp_comm_overlap={self.tp_comm_overlap}, tp_async={self.tp_async})",
-               "set parallel.tp_sm_carveout=0, or use tp > 1 with tp_comm_overlap auto or true and tp_async=false")
-        _check(self.dp_sm_carveout == 0 or self.zero < 3, "parallel.dp_sm_carveout",
-               "applies to the bucketed reductions of zero 0-2; FSDP (zero=3) runs its own",
-               "set parallel.dp_sm_carveout=0 with parallel.zero=3")
 
 
 @dataclass(kw_only=True, slots=True)

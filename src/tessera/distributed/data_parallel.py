@@ -48,7 +48,6 @@ from torch import Tensor, nn
 from tessera.distributed import collectives
 from tessera.distributed.buffers import Bucket, ParamAndGradBuffer
 from tessera.distributed.collectives import Pending
-from tessera.distributed.sm_carveout import SMCarveout
 from tessera.tensor_parallel.wgrad import WeightGradStore, wgrad_into
 from tessera.topology import Topology
 
@@ -96,8 +95,7 @@ class DataParallel:
                  bucket_size: int = 40_000_000, overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = True, wgrad_store: WeightGradStore | None = None,
                  reduce_dtype: torch.dtype | None = None, fuse_wgrad: bool = False,
-                 embedding_group: dist.ProcessGroup | None = None, sm_carveout: SMCarveout | None = None,
-                 carveout_sms: int = 0):
+                 embedding_group: dist.ProcessGroup | None = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
@@ -136,9 +134,6 @@ class DataParallel:
         # reports their arrival (graphed_backward_done)
         self.graph_fused: set[nn.Parameter] = set()
         self._capturing = False
-        # GEMMs leave carveout_sms SMs to the collectives while an asynchronous one is in flight
-        # (sm_carveout.py: the "dp" window)
-        self.carveout, self.carveout_sms = sm_carveout or SMCarveout.none(), carveout_sms
         if wgrad_store is not None:
             wgrad_store.accumulate = self.accumulate
             wgrad_store.accumulate_product = self.accumulate_product if fuse_wgrad else None
@@ -306,8 +301,6 @@ class DataParallel:
                                                      async_op=self.overlap_grad_reduce)
         if pending is not None:
             self._in_flight.append(pending)
-            if self.overlap_grad_reduce:
-                self.carveout.open("dp", self.carveout_sms)
         elif self._sums_tied(st):
             self._tied_waiting.append(st)
             if self._comm_done:
@@ -348,8 +341,6 @@ class DataParallel:
                                              async_op=self.overlap_grad_reduce)
         pending.keep = wire  # alive until the collective is done
         self._in_flight.append(pending)
-        if self.overlap_grad_reduce and st.launched:  # the last micro-batch's round, as at zero 0/1
-            self.carveout.open("dp", self.carveout_sms)
         while len(self._in_flight) > 2:  # bound the gradient memory in flight
             self._in_flight.popleft().wait()
 
@@ -375,8 +366,6 @@ class DataParallel:
         self.pipeline_comm_done()
         while self._in_flight:
             self._in_flight.popleft().wait()
-        if not self._gathers:
-            self.carveout.close("dp")
 
     # -- parameters -------------------------------------------------------------------------------
     def forward_order(self) -> list[int]:
@@ -399,15 +388,12 @@ class DataParallel:
             pending = collectives.all_gather(bucket.param, self.group, async_op=self.overlap_param_gather)
             if self.overlap_param_gather:
                 self._gathers[bucket] = pending
-                self.carveout.open("dp", self.carveout_sms)
 
     def wait_param_gather(self, buckets=None) -> None:
         for bucket in list(self._gathers) if buckets is None else buckets:
             pending = self._gathers.pop(bucket, None)
             if pending is not None:
                 pending.wait()
-        if not self._gathers and not self._in_flight:
-            self.carveout.close("dp")
 
     def _register_gather_hooks(self, chunk: nn.Module, buffer: ParamAndGradBuffer) -> None:
         """Who waits for which bucket. Each layer waits for the buckets holding its parameters;

@@ -58,7 +58,7 @@ class GPTModel(nn.Module):
                     cfg.hidden, padded_vocab_size(cfg.vocab_size, self.tp.size, cfg.vocab_pad_multiple),
                     tp_group=tp_group, bias=False, sequence_parallel=self.tp.sequence_parallel,
                     init_std=std, wgrad_store=self.tp.wgrad_store, comm_overlap=self.tp.comm_overlap,
-                    async_tp=self.tp.async_tp, wgrad_window=self.tp.wgrad_window, device=device)
+                    async_tp=self.tp.async_tp, device=device)
                 if cfg.tie_embeddings:  # this stage's copy of the first stage's embedding
                     self.output.weight.tied_across_stages = True
                     self.output.weight.shared_embedding = True  # norms count it on the first stage
@@ -118,8 +118,7 @@ class GPTModel(nn.Module):
             return self.output(x)
         return column_parallel_linear(x, self.embedding.weight, None, self.tp.group, self.tp.sequence_parallel,
                                       wgrad_store=self.tp.wgrad_store, fuse_wgrad=False,  # see below
-                                      comm_overlap=self.tp.comm_overlap, async_tp=self.tp.async_tp,
-                                      wgrad_window=self.tp.wgrad_window)
+                                      comm_overlap=self.tp.comm_overlap, async_tp=self.tp.async_tp)
 
     def forward(self, tokens: Tensor | None = None, labels: Tensor | None = None,
                 hidden: Tensor | None = None, position_ids: Tensor | None = None,

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.config import ModelConfig
-from tessera.distributed.sm_carveout import Window
 from tessera.models.fused import kernels
 from tessera.models.packed import PackedSequence
 from tessera.tensor_parallel.layers import (
@@ -40,7 +39,6 @@ class TPContext:
     fused_cross_entropy: bool | None = None  # the compiled vocab-parallel loss (None: on CUDA only)
     async_tp: bool | str = False  # SP collectives fused with the GEMMs: True (symmetric memory) or "p2p"
     comm_overlap: bool = False  # column layers overlap their input-gradient reduction with the W GEMM
-    wgrad_window: Window | None = None  # ... which then leaves SMs to it (parallel.tp_sm_carveout)
     fused_elementwise: bool = False  # RMSNorm, RoPE, SwiGLU as compiled functions on CUDA (models/fused.py)
 
     @property
@@ -117,7 +115,7 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.hidden, [q, kv, kv], tp_group=tp.group, bias=bias,
                                         sequence_parallel=tp.sequence_parallel, init_std=cfg.init_std,
                                         wgrad_store=tp.wgrad_store, comm_overlap=tp.comm_overlap,
-                                        async_tp=tp.async_tp, wgrad_window=tp.wgrad_window, device=device)
+                                        async_tp=tp.async_tp, device=device)
         self.proj = RowParallelLinear(q, cfg.hidden, tp_group=tp.group, bias=bias,
                                       sequence_parallel=tp.sequence_parallel,
                                       init_std=scaled_init_std(cfg.init_std, cfg.layers),
@@ -153,7 +151,7 @@ class MLP(nn.Module):
                       async_tp=tp.async_tp, device=device)
         gpt2 = cfg.family == "gpt2"  # fc1 holds gate and up side by side for SwiGLU
         self.fc1 = ColumnParallelLinear(cfg.hidden, ffn if gpt2 else [ffn, ffn], bias=gpt2, init_std=cfg.init_std,
-                                        comm_overlap=tp.comm_overlap, wgrad_window=tp.wgrad_window, **common)
+                                        comm_overlap=tp.comm_overlap, **common)
         self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=gpt2, init_std=out_std, **common)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -61,12 +61,11 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
 def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tp_group: Group,
                            sequence_parallel: bool = False, gather_output: bool = False,
                            wgrad_store: WeightGradStore | None = None, fuse_wgrad: bool = True,
-                           comm_overlap: bool = False, async_tp: bool | str = False, wgrad_window=None) -> Tensor:
+                           comm_overlap: bool = False, async_tp: bool | str = False) -> Tensor:
     """The column-parallel product with a given local weight [out/tp, in] (also used by a tied
     output layer, whose weight is the embedding's: ``fuse_wgrad=False`` as that weight's
     gradient has a second term, from the lookup). ``comm_overlap`` (tp > 1): the input gradient's
-    reduction overlaps the weight-gradient GEMM (one autograd function for collective + matmul),
-    which runs inside ``wgrad_window`` (sm_carveout.Window: SMs left to the collective) if given.
+    reduction overlaps the weight-gradient GEMM (one autograd function for collective + matmul).
     ``async_tp`` (tp > 1 with sequence parallelism): the all-gather and the GEMM run as one
     chunked, overlapped op (tensor_parallel/async_tp.py), both ways: True with torch's
     symmetric-memory ops, "p2p" as a ring of NCCL sends and receives."""
@@ -74,8 +73,7 @@ def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tp_gr
         y = all_gather_matmul(x, weight, bias, tp_group, wgrad_store, fuse_wgrad, backend=async_tp)
         return gather_from_tp_region(y, tp_group) if gather_output else y
     if comm_overlap and group_size(tp_group) > 1:
-        y = column_parallel_matmul(x, weight, bias, tp_group, sequence_parallel, wgrad_store, fuse_wgrad,
-                                   wgrad_window)
+        y = column_parallel_matmul(x, weight, bias, tp_group, sequence_parallel, wgrad_store, fuse_wgrad)
         return gather_from_tp_region(y, tp_group) if gather_output else y
     if sequence_parallel:
         x = gather_from_sequence_region(x, tp_group, reduce_grad=True)
@@ -96,11 +94,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, output_sizes: int | list[int], *, tp_group: Group,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, wgrad_store: WeightGradStore | None = None,
-                 comm_overlap: bool = False, async_tp: bool | str = False, wgrad_window=None,
+                 comm_overlap: bool = False, async_tp: bool | str = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.wgrad_store, self.comm_overlap, self.async_tp = wgrad_store, comm_overlap, async_tp
-        self.wgrad_window = wgrad_window
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.tp_group, self.tp = tp_group, group_size(tp_group)
         if gather_output and len(self.output_sizes) > 1:
@@ -128,8 +125,7 @@ class ColumnParallelLinear(nn.Module):
         ``weight`` overrides the layer's own (a tied output layer passes the embedding's)."""
         return column_parallel_linear(x, self.weight if weight is None else weight, self.bias,
                                       self.tp_group, self.sequence_parallel, self.gather_output,
-                                      self.wgrad_store, comm_overlap=self.comm_overlap, async_tp=self.async_tp,
-                                      wgrad_window=self.wgrad_window)
+                                      self.wgrad_store, comm_overlap=self.comm_overlap, async_tp=self.async_tp)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes} / tp={self.tp}, bias={self.bias is not None}"

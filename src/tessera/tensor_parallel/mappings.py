@@ -21,8 +21,6 @@ of size 1) makes it the identity.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -291,12 +289,12 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     sequence-parallel reduce-scatter overlap)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, store, fuse, window):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, store, fuse):
         x = _gather_first(x, group) if sequence_parallel else x
         x, w, b = autocast_operands(x, weight, bias)
         ctx.save_for_backward(x, w)
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
-        ctx.weight, ctx.store, ctx.fuse, ctx.window = weight, store, fuse, window
+        ctx.weight, ctx.store, ctx.fuse = weight, store, fuse
         with torch.autocast(x.device.type, enabled=False):
             return torch.nn.functional.linear(x, w, b)
 
@@ -311,18 +309,16 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         else:
             out = grad_x
             work = dist.all_reduce(out, group=ctx.group, async_op=True)
-        with ctx.window or contextlib.nullcontext():  # the GEMM leaves SMs to the collective (sm_carveout.py)
-            grad_w = weight_grad(ctx, grad, x) if ctx.needs_input_grad[1] else None  # overlaps the collective
+        grad_w = weight_grad(ctx, grad, x) if ctx.needs_input_grad[1] else None  # overlaps the collective
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
         work.wait()
-        return out, grad_w, grad_b, None, None, None, None, None
+        return out, grad_w, grad_b, None, None, None, None
 
 
 def column_parallel_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, group: Group,
-                           sequence_parallel: bool, store=None, fuse: bool = True, window=None) -> Tensor:
+                           sequence_parallel: bool, store=None, fuse: bool = True) -> Tensor:
     """The column-parallel product with its input collective in one autograd function (for
-    tp > 1): the input gradient's all-reduce or reduce-scatter overlaps the weight-gradient GEMM
-    (run inside ``window``, an sm_carveout.Window, where one is given)."""
+    tp > 1): the input gradient's all-reduce or reduce-scatter overlaps the weight-gradient GEMM."""
     if group_size(group) == 1:
         raise ValueError("column_parallel_matmul is for tp > 1")
-    return apply_linear(_ColumnParallelMatmul, store, x, weight, bias, group, sequence_parallel, store, fuse, window)
+    return apply_linear(_ColumnParallelMatmul, store, x, weight, bias, group, sequence_parallel, store, fuse)

@@ -154,9 +154,6 @@ def capture(layers: list[nn.Module], samples: tuple, warmup: int, data_parallel=
     data-parallel gather waits lifted off them (it refuses hooked modules; they come back after,
     also on an error) and, ``fused``, the weight-gradient GEMMs captured into the main gradients
     (fused weights get no gradient from autograd: ``allow_unused_input``)."""
-    if data_parallel is not None and data_parallel.carveout.is_open("dp"):  # it would be frozen into the graphs
-        raise RuntimeError("CUDA graphs captured while GEMMs leave SMs to dp collectives (parallel.dp_sm_carveout): "
-                           "capture before training starts")
     with contextlib.ExitStack() as stack:
         if data_parallel is not None:
             stack.enter_context(data_parallel.gather_hooks_lifted(layers))

@@ -23,7 +23,6 @@ from tessera.models import TPContext
 from tessera.distributed.data_parallel import DataParallel
 from tessera.distributed.fsdp import FullyShardedDataParallel
 from tessera.distributed.memory import memory_report
-from tessera.distributed.sm_carveout import SMCarveout, Window
 from tessera.optim import DynamicLossScaler, LRScheduler, MicroBatchCalculator
 from tessera.optim.optimizers import FSDPOptimizer, MainParamOptimizer
 from tessera.pipeline_parallel.executor import PipelineExecutor
@@ -191,22 +190,10 @@ class Stage:
         self.wgrad_store = WeightGradStore() if self.schedule in SPLIT_BACKWARD or self.fuse_wgrad else None
         self.comm_overlap = tp_comm_overlap(cfg, self.graphed)
         self.elementwise_compiled = fused_elementwise(cfg, self.compiled, topo.device)
-        # GEMMs that leave SMs to the collectives they overlap (sm_carveout.py): the dp window
-        # (DataParallel's) and the TP layers' overlapped weight-gradient GEMMs, one shared carveout
-        self.dp_sms = p.dp_sm_carveout if topo.dp > 1 else 0
-        self.tp_sms = p.tp_sm_carveout if self.comm_overlap and self.schedule not in SPLIT_BACKWARD else 0
-        if p.tp_sm_carveout and not self.tp_sms:
-            why = (f"schedule {self.schedule} defers every weight-gradient GEMM past the collective"
-                   if self.comm_overlap else "tp_comm_overlap resolved off (auto overlaps in CUDA-graphed layers only)")
-            raise ConfigError("parallel.tp_sm_carveout", f"no weight-gradient GEMM overlaps a TP collective here: {why}",
-                              "set parallel.tp_sm_carveout=0, or parallel.tp_comm_overlap=true with a schedule "
-                              "that does not split the backward")
-        self.sm_carveout = SMCarveout.for_device(topo.device, max(self.dp_sms, self.tp_sms))
         tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
                        wgrad_store=self.wgrad_store, fused_cross_entropy=None if cfg.train.fused_cross_entropy else False,
                        comm_overlap=self.comm_overlap, fused_elementwise=self.elementwise_compiled,
-                       async_tp={"false": False, "true": True, "p2p": "p2p"}[p.tp_async],
-                       wgrad_window=Window(self.sm_carveout, "tp", self.tp_sms) if self.tp_sms else None)
+                       async_tp={"false": False, "true": True, "p2p": "p2p"}[p.tp_async])
         layout = parse_layout(p.pp_layout, cfg.model, p.pp, p.vpp)
         # layers per virtual stage, for the run's first line (auto's choice made visible)
         self.layout = [len(r) for r in stage_layer_ranges(cfg.model.layers, p.pp, p.vpp, layout)]
@@ -247,8 +234,7 @@ def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
                                  overlap_grad_reduce=p.overlap_grad_reduce,
                                  overlap_param_gather=p.overlap_param_gather, wgrad_store=stage.wgrad_store,
                                  reduce_dtype=DTYPES[p.grad_reduce_dtype], fuse_wgrad=stage.fuse_wgrad,
-                                 embedding_group=topo.group("embedding"),
-                                 sm_carveout=stage.sm_carveout, carveout_sms=stage.dp_sms)
+                                 embedding_group=topo.group("embedding"))
     if stage.compiled and stage.wgrad_store is not None:  # their storage is final now
         stage.wgrad_store.register(stage.model.parameters())
     return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
@@ -282,21 +268,17 @@ def train(cfg: Config) -> list[dict]:
                  f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
                  f"{f' (deferred, {stage.schedule})' if stage.schedule in SPLIT_BACKWARD else ''}"
                  f"{', TP backward comm overlapped' if stage.comm_overlap and p.tp > 1 else ''}"
-                 f"{', RMSNorm / RoPE / SwiGLU compiled' if stage.elementwise_compiled else ''}"
-                 f"{f', GEMMs leave {stage.dp_sms} SMs to the dp collectives' if stage.dp_sms else ''}"
-                 f"{f', TP weight-gradient GEMMs leave {stage.tp_sms} SMs to the collective' if stage.tp_sms else ''}")
+                 f"{', RMSNorm / RoPE / SwiGLU compiled' if stage.elementwise_compiled else ''}")
     logger.print(str(memory_report(data_parallel, optimizer)))
 
     model.train()
-    graphs = []
+    # captured after data parallelism placed the parameters in their buffers
+    graphs = graph_stage(stage.chunks, cfg, data_parallel, fused=stage.fuse_wgrad) if stage.graphed else []
     try:
-        # captured after data parallelism placed the parameters in their buffers
-        graphs = graph_stage(stage.chunks, cfg, data_parallel, fused=stage.fuse_wgrad) if stage.graphed else []
         return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device)
     finally:  # a graph holding NCCL work would hang destroy_process_group
         for g in graphs:
             g.release()
-        stage.sm_carveout.release()  # torch's process-wide GEMM settings as they were
 
 
 def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, logger, logs: bool, world: int,
