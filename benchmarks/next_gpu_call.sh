@@ -237,6 +237,15 @@ case "${1:-tests}" in
     for n in 2 1; do log="${OUT:-/tmp}/jitter_n$n.log"
       STEPS=40 timeout 150 torchrun --nproc-per-node $n benchmarks/step_jitter.py $([ $n = 2 ] && echo parallel.zero=1) \
         > "$log" 2>&1; grep -E "SUMMARY|Error" "$log" | tail -3; reap; done ;;
+  s16D)  # session 16, last call: micro-batch pairs on two streams (parallel.tp_microbatch_pairs,
+    # built this session after s16C's probe: two whole micro-batches on two streams 0.832 of
+    # their time one after the other) at GPT-1.3B tp=2 + SP (graphed layers) against plain, one
+    # GPU in the same call; then the GPU test of the pairs against one GPU (fp32)
+    smi_log s16D; date +"runs from %T"
+    run() { NPROC=$1 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; reap; }
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    run 2 $sp parallel.tp_microbatch_pairs=true; run 2 $sp; run 1
+    BUDGET=200 bash "$0" tests "microbatch_pairs" | grep -E "rc=|SKIPPED" ;;
   s16A)  # session 16, first call: see the plan at the top
     BUDGET=540 bash "$0" tests "fast_paths_follow" | grep -E "rc=|SKIPPED" ;;
   s16B)  # session 16, second call: see the plan at the top

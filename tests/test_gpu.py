@@ -151,6 +151,24 @@ def test_cuda_graphed_layers_follow_eager_layers(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_microbatch_pairs_on_two_streams_follow_one_gpu(tmp_path):
+    """parallel.tp_microbatch_pairs at tp=2 (training/concurrent.py): the second micro-batch of
+    each pair on a side stream with its own NCCL communicator, graphed layers captured once per
+    communicator, a pair's gradients summed across the streams by autograd: fp32 curves follow
+    one GPU with SP (graphed and eager layers) and without (graphed all-reduces)."""
+    one = _train(tmp_path, "one", 1, [])
+    pairs = ["parallel.tp=2", "parallel.tp_microbatch_pairs=true"]
+    runs = {"pairs-sp-graphed": pairs + ["parallel.sequence_parallel=true"],
+            "pairs-sp-eager": pairs + ["parallel.sequence_parallel=true", "train.cuda_graphs=false"],
+            "pairs-graphed": pairs}
+    _all_follow(tmp_path, one, runs, timeout=110)
+    for name in runs:
+        log = (tmp_path / name / "output.log").read_text()
+        assert "micro-batches in pairs on two streams" in log and ("in CUDA graphs" in log) == ("eager" not in name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cuda_graphed_layers_without_sp_and_at_dp2_follow_one_gpu(tmp_path):
     """The other layouts auto may graph: tp=2 without SP (all-reduces captured) and, with the
     graphs asked for, dp=2 (the data-parallel gradient hooks and bucket reductions fed by the

@@ -160,6 +160,14 @@ class ParallelConfig:
     A/Bs (session 14), +2.6 % (session 7); off around eager layers (-1.8 % in one A/B, session 4)
     and compiled ones (its asynchronous collectives break dynamo's graph, ~6 breaks per layer).
     false: the collective, then the GEMM (BENCHMARKS.md)."""
+    tp_microbatch_pairs: bool = False
+    """tp > 1, pp=1: run the step's micro-batches two at a time, the second of each pair on a side
+    CUDA stream with a TP communicator of its own, so one micro-batch's TP collectives run
+    while the other's GEMMs do (training/concurrent.py; an odd last micro-batch runs alone).
+    Two whole micro-batches on two streams measured 0.832 of their time one after the other
+    (8 GPT-1.3B layers at tp=2 + SP, graphed, session 16). Costs a second micro-batch's
+    activations and, with CUDA-graphed layers, a second set of graphs. Not with compiled layers,
+    fused weight gradients, zero=3 or parallel.tp_async (refused)."""
     tp_async: Literal["false", "true", "p2p"] = "false"
     """tp > 1 with sequence parallelism: each column layer's all-gather and row layer's
     reduce-scatter run fused with the GEMM, chunked and overlapped, both directions
@@ -581,10 +589,28 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(t.fused_elementwise != "true" or cfg.model.family == "llama", "train.fused_elementwise",
            "compiles the llama family's RMSNorm, RoPE and SwiGLU; gpt2's LayerNorm and GELU are one "
            "kernel each already", "set train.fused_elementwise=false for model.family=gpt2")
+    if p.tp_microbatch_pairs:
+        _check_microbatch_pairs(cfg)
     if t.cuda_graphs == "true":
         _check_cuda_graphs(cfg, dp)
     p.dp = dp
     return cfg
+
+
+def _check_microbatch_pairs(cfg: Config) -> None:
+    """What parallel.tp_microbatch_pairs cannot run with (training/concurrent.py says why)."""
+    p, t = cfg.parallel, cfg.train
+    key, off = "parallel.tp_microbatch_pairs", "or set parallel.tp_microbatch_pairs=false"
+    _check(p.tp > 1, key, f"pairs hide TP collectives, and tp={p.tp} has none", f"use parallel.tp > 1 {off}")
+    _check(p.pp == 1, key, f"pairs run pp=1 steps; pp={p.pp} runs a pipeline schedule", f"use parallel.pp=1 {off}")
+    _check(t.compile != "true", key, "compiled layers call the TP collectives by the group's name, fixed when "
+           "compiled, so the second micro-batch cannot take its own communicator", f"leave train.compile at auto {off}")
+    _check(t.grad_accum_fusion != "true", key, "fused weight-gradient GEMMs add straight into the main gradients, "
+           "and a pair's two streams would add into one at once", f"leave train.grad_accum_fusion at auto {off}")
+    _check(p.zero < 3, key, "zero=3 (FSDP) gathers and frees each layer's parameters around every forward",
+           f"use parallel.zero 0, 1 or 2 {off}")
+    _check(p.tp_async == "false", key, "the fused and ring TP collectives (parallel.tp_async) were not built "
+           "for two communicators", f"set parallel.tp_async=false {off}")
 
 
 def can_graph_layers(cfg: Config) -> bool:

@@ -55,6 +55,11 @@ class PipelineExecutor:
         # its launch, CUDA events at its start and end on the compute stream), for timelines
         self.trace: list[tuple] | None = None
 
+    @staticmethod
+    def gradient_arrivals(num_microbatches: int) -> int:
+        """How many times each parameter's gradient arrives in a step: once per micro-batch."""
+        return num_microbatches
+
     def _stage(self, chunk: int) -> int:
         return chunk * self.pp + self.pp_rank
 

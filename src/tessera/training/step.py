@@ -42,6 +42,7 @@ from torch import Tensor
 from tessera.distributed.finalize import finalize_model_grads
 from tessera.optim import DynamicLossScaler, clip_coefficient, global_grad_norm
 from tessera.pipeline_parallel.executor import PipelineExecutor
+from tessera.training.concurrent import PairedExecutor
 from tessera.topology import Topology
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -120,8 +121,8 @@ def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: PipelineExecutor, data_parallel, *,
-               clip_grad: float, scaler: DynamicLossScaler | None = None) -> StepResult:
+def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: PipelineExecutor | PairedExecutor,
+               data_parallel, *, clip_grad: float, scaler: DynamicLossScaler | None = None) -> StepResult:
     """``micro_batches``: this dp rank's share. ``optimizer``: a MainParamOptimizer or
     FSDPOptimizer over the chunks the executor runs; ``data_parallel`` their DataParallel or
     FullyShardedDataParallel."""
@@ -133,7 +134,7 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
     # for the previous step's overlapped parameter all-gather, and the forward with them
     scalars = topo.group("dp_scalars") or topo.group("dp")
     global_tokens = _sum_over(local_tokens.clone(), scalars)
-    data_parallel.start_step(len(micro_batches))
+    data_parallel.start_step(executor.gradient_arrivals(len(micro_batches)))
     loss_sum = executor.run(micro_batches, global_tokens, loss_scale=scaler.scale if scaler is not None else 1.0,
                             after_comm=getattr(data_parallel, "pipeline_comm_done", None))
     data_parallel.finish_grad_sync()

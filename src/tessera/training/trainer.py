@@ -36,6 +36,7 @@ from tessera.topology import Topology
 from tessera.training.data_feed import DataFeed
 from tessera.training.flops import flops_per_token, peak_flops
 from tessera.training.gc_control import GarbageCollection
+from tessera.training.concurrent import PairedExecutor, graph_pairs
 from tessera.training.cuda_graphs import graph_stage
 from tessera.training.launch import init_distributed, pick_device, world_from_env
 from tessera.training.metrics import JsonlLogger, NullLogger
@@ -208,13 +209,23 @@ class Stage:
         # DataFeed gives every step's micro-batches one shape, so the stages negotiate the
         # activation shapes once: later steps' receives never make the host wait (p2p.py)
         self.p2p = P2P(topo, keep_shapes=True) if p.pp > 1 else None
-        self._executors: dict[int, PipelineExecutor] = {}
+        # micro-batch pairs (training/concurrent.py): the second of each on a side stream with a TP
+        # communicator of its own (made on every rank alike: the config is the same everywhere)
+        self.pairs = p.tp_microbatch_pairs
+        self.first_tp = topo.group("tp")
+        self.second_tp = topo.new_groups(topo.all_ranks_along("tp")) if self.pairs else None
+        self.side_stream = torch.cuda.Stream(topo.device) if self.pairs and topo.device.type == "cuda" else None
+        self._executors: dict[int, PipelineExecutor | PairedExecutor] = {}
 
     def microbatches(self, global_batch: int, dp: int) -> int:
         return global_batch // (self.cfg.train.micro_batch * dp)
 
-    def executor(self, m: int) -> PipelineExecutor:
-        """The executor of this rank's action list for ``m`` micro-batches (one per count)."""
+    def executor(self, m: int) -> PipelineExecutor | PairedExecutor:
+        """The executor of this rank's action list for ``m`` micro-batches (one per count), or
+        the one that runs them in pairs."""
+        if self.pairs:
+            return self._executors.setdefault(0, PairedExecutor(self.chunks[0], self.first_tp, self.second_tp,
+                                                                self.side_stream))
         if m not in self._executors:
             actions = build_schedule(self.schedule, self.pp, len(self.chunks), m, self.pp_rank)
             self._executors[m] = PipelineExecutor(self.chunks, actions, self.p2p, self.pp, self.pp_rank,
@@ -268,12 +279,17 @@ def train(cfg: Config) -> list[dict]:
                  f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
                  f"{f' (deferred, {stage.schedule})' if stage.schedule in SPLIT_BACKWARD else ''}"
                  f"{', TP backward comm overlapped' if stage.comm_overlap and p.tp > 1 else ''}"
+                 f"{', micro-batches in pairs on two streams' if stage.pairs else ''}"
                  f"{', RMSNorm / RoPE / SwiGLU compiled' if stage.elementwise_compiled else ''}")
     logger.print(str(memory_report(data_parallel, optimizer)))
 
     model.train()
     # captured after data parallelism placed the parameters in their buffers
-    graphs = graph_stage(stage.chunks, cfg, data_parallel, fused=stage.fuse_wgrad) if stage.graphed else []
+    graphs = []
+    if stage.graphed:
+        def capture():
+            return graph_stage(stage.chunks, cfg, data_parallel, fused=stage.fuse_wgrad)
+        graphs = graph_pairs(stage.chunks, capture, stage.first_tp, stage.second_tp) if stage.pairs else capture()
     try:
         return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device)
     finally:  # a graph holding NCCL work would hang destroy_process_group

@@ -1,0 +1,161 @@
+"""Micro-batch pairs on two streams (``parallel.tp_microbatch_pairs``): at tp > 1 the step runs
+its micro-batches two at a time, the second of each pair on a side CUDA stream with a TP
+communicator of its own, so one micro-batch's sequence-parallel collectives run while the
+other's GEMMs do. Inside a layer the collectives and the GEMMs that need their result run back
+to back on one stream (a CUDA-graphed layer too), so at tp=2 the GPU spends part of each layer
+waiting for NVLink; two whole micro-batches (their GEMMs keep their size, unlike halves of one)
+on two streams measured 0.832 of their time one after the other (8 GPT-1.3B layers,
+``benchmarks/tp_two_stream_probe.py``, BENCHMARKS.md session 16). DeepSpeed's Domino splits a
+batch the same way for the same reason.
+
+How a pair runs (``PairedExecutor``): the first micro-batch's forward on the current stream;
+then the side stream waits for it (so the second one's forward starts once the parameters that
+this step's first forward waited for are in place: zero 1/2's overlapped gather) and runs the
+second micro-batch's forward with every TP collective on the second communicator
+(``TPGroupSwap``); then one backward over both losses. Autograd runs each backward op on
+its forward's stream, so the two backwards overlap too, and it sums the two contributions to a
+parameter's gradient (syncing the streams) before that gradient's accumulate hook runs once:
+data parallelism sees one gradient per pair (``gradient_arrivals``). The current stream waits
+for the side stream at the end of each pair. An odd last micro-batch runs alone.
+
+Two communicators, because NCCL runs one communicator's operations in order: on one, the second
+micro-batch's collectives would queue behind the first's. CUDA-graphed layers are captured once
+per communicator (``graph_pairs``): each micro-batch of a pair replays its own graphs, with their
+own static buffers.
+
+What it needs (config.validate refuses the rest): pp=1, tp > 1, layers not compiled whole (the
+compiled collectives take the group by name), no fused weight gradients (two streams would add
+into one main gradient at once) and not FSDP (zero=3's hooks gather and free per forward).
+On a CPU it runs the same steps, one after the other (no streams); the tests check it there
+against the single-process model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from torch import Tensor, nn
+from torch.autograd import Variable
+
+from tessera.tensor_parallel.mappings import Group
+
+
+class TPGroupSwap:
+    """A reusable context: while inside, every TP group reference of ``modules`` (a submodule's
+    attribute that is ``old``, and the ``group`` of a TPContext a submodule holds) is ``new``;
+    put back on exit, also after an error. The references are found once, here (the walk over
+    every module's attributes would cost host time per micro-batch). Autograd functions keep the
+    group they were given in forward, so the backward of what ran inside uses ``new`` too."""
+
+    def __init__(self, modules: list[nn.Module], old: Group, new: Group) -> None:
+        if old is None or new is None:  # None is "no TP": it would match every unset attribute
+            raise ValueError(f"TPGroupSwap swaps a TP group for another, not {old!r} for {new!r}")
+        self.old, self.new = old, new
+        self.references: list[tuple[object, str]] = []
+        seen: set[int] = set()
+        for module in modules:
+            for sub in module.modules():
+                for name, value in vars(sub).items():
+                    if value is old:
+                        self.references.append((sub, name))
+                    elif (dataclasses.is_dataclass(value) and not isinstance(value, type) and id(value) not in seen
+                          and getattr(value, "group", None) is old):
+                        seen.add(id(value))
+                        self.references.append((value, "group"))
+
+    def __enter__(self) -> "TPGroupSwap":
+        for owner, name in self.references:
+            setattr(owner, name, self.new)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name in self.references:
+            setattr(owner, name, self.old)
+
+
+def _backward(outputs: list[Tensor], grads: list[Tensor]) -> None:
+    Variable._execution_engine.run_backward(
+        tensors=tuple(outputs), grad_tensors=tuple(grads), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+class PairedExecutor:
+    """Runs a pp=1 step's micro-batches in pairs, the second of each on ``side`` (a CUDA stream;
+    None on a CPU) with its TP collectives on ``second_group``. The PipelineExecutor's ``run``
+    interface, for the trainer's step."""
+
+    def __init__(self, model: nn.Module, first_group: Group, second_group: Group,
+                 side: torch.cuda.Stream | None):
+        self.model, self.side = model, side
+        self.second = TPGroupSwap([model], first_group, second_group)
+
+    @staticmethod
+    def gradient_arrivals(num_microbatches: int) -> int:
+        """How many times each parameter's gradient arrives in a step: once per pair (autograd
+        sums a pair's two before the accumulate hook), once for an odd last micro-batch."""
+        return (num_microbatches + 1) // 2
+
+    def _loss(self, batch: dict[str, Tensor], global_tokens: Tensor) -> Tensor:
+        out = self.model(tokens=batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"),
+                         document_ids=batch.get("document_ids"))
+        return (out * batch["loss_mask"]).sum() / global_tokens
+
+    def _on_side(self):
+        return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+
+    def run(self, micro_batches: list[dict[str, Tensor]], global_tokens: Tensor, loss_scale: float = 1.0,
+            after_comm=None) -> Tensor:
+        """Forward and backward of every micro-batch; returns the summed loss. ``after_comm``
+        (a pipeline's last message sent) is called at once: pp=1 sends none."""
+        if after_comm is not None:
+            after_comm()
+        scale = (lambda x: x * loss_scale) if loss_scale != 1.0 else (lambda x: x)
+        current = torch.cuda.current_stream() if self.side is not None else None
+        loss_first = torch.zeros((), device=global_tokens.device)
+        loss_second = torch.zeros((), device=global_tokens.device)  # added to on the side stream only
+        for i in range(0, len(micro_batches), 2):
+            pair = micro_batches[i:i + 2]
+            out = self._loss(pair[0], global_tokens)
+            loss_first += out.detach()
+            outputs, seeds = [scale(out)], [torch.ones_like(out)]
+            if len(pair) == 2:
+                if self.side is not None:
+                    self.side.wait_stream(current)  # this forward's inputs and parameters ready
+                with self._on_side(), self.second:
+                    out = self._loss(pair[1], global_tokens)
+                    loss_second += out.detach()
+                    outputs.append(scale(out))
+                    seeds.append(torch.ones_like(out))  # on the side stream, where its backward starts
+            _backward(outputs, seeds)
+            if self.side is not None:
+                current.wait_stream(self.side)  # the pair's side work done before what follows
+        return loss_first + loss_second
+
+
+def graph_pairs(chunks: list[nn.Module], capture, first_group: Group, second_group: Group) -> list:
+    """CUDA-graphed layers for micro-batch pairs: ``capture()`` (the trainer's ``graph_stage``,
+    returning a list of LayerGraphs) runs once with the first communicator and once with the
+    second; each layer then replays the graphs of the communicator it currently holds (the
+    second inside ``TPGroupSwap``). Returns both captures' LayerGraphs (release them all)."""
+    first = capture()
+    layers = [layer for chunk in chunks for layer in chunk.layers.values()]
+    replays_first = [layer.__dict__.pop("forward") for layer in layers]
+    try:
+        with TPGroupSwap(chunks, first_group, second_group):
+            second = capture()
+    except BaseException:
+        for g in first:
+            g.release()
+        raise
+    for layer, replay_first in zip(layers, replays_first):
+        replay_second = layer.forward
+        layer.forward = _by_group(layer.tp, second_group, replay_first, replay_second)
+    return first + second
+
+
+def _by_group(tp, second_group: Group, replay_first, replay_second):
+    def forward(x: Tensor, seq=None) -> Tensor:
+        return (replay_second if tp.group is second_group else replay_first)(x, seq)
+    return forward
