@@ -6,23 +6,14 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 16's calls, in order (30 device minutes; kind nvidia-h100-x2; a warm machine idles out
-# after 30 s, so send the next call at once; a fresh machine costs ~60 s of the budget):
-#   1. s16A -- the 200-step fast-path curve tests, now three (compiled / eager / graphed, ~150 s
-#      each): session 15 fixed the graphed layers with the compiled elementwise functions (auto at
-#      Llama's tp > 1 since) but ran out of time before this test's verdict (~480 s)
-#   2. s16B -- the GPU test of the SM carveout; GEMM contention: the probe (GEMMs beside NCCL's
-#      reduce-scatters, cuBLAS and cuBLASLt with 0/8/16/32 SMs carved out) with NCCL_MAX_CTAS
-#      unset and 16; then GPT-1.3B one GPU, dp=2 zero=1 plain, with cuBLASLt alone (the control),
-#      with parallel.dp_sm_carveout=16, with it and NCCL_MAX_CTAS=16; tp=2 + SP plain and with
-#      parallel.tp_sm_carveout=16 (the overlapped W GEMMs); one GPU again on GPU 1 (~520 s)
-#   3. s16C -- tp_two_stream_probe.py with two whole micro-batches on two streams (session 8's
-#      halves lost 1.5x; whole ones keep their GEMMs' size: is overlap across micro-batches a
-#      route to tp=2's 0.85?); Llama-1B one GPU against compiled PyTorch (1.035-1.043x in session 14, target
-#      1.05x): one GPU default (compiled layers), compiled layers + fused weight gradients (no
-#      graph breaks now), eager layers + fused weight gradients + compiled elementwise functions,
-#      the peer, one GPU again; GPT-1.3B dp=2's step phases with train.gc_interval 0 and 10
-#      (step_jitter.py; 3 of 40 steps slow in session 15, a host behind) (~520 s)
+# Session 17's calls, in order (30 device minutes; kind nvidia-h100-x2; send the next call at once):
+#   1. s17A -- the GPU test of the micro-batch pairs (parallel.tp_microbatch_pairs: one GPU, tp=2 +
+#      SP graphed and eager; session 16's ran out of its 170 s), then GPT-1.3B tp=2 + SP with and
+#      without pairs (the version with two backward calls and forwards side by side; session 16's
+#      first version, in lockstep, +1.0 %), one GPU in the same call (~480 s)
+#   2. s17B -- Llama-1B: one GPU (auto now: compiled layers with fused weight gradients), dp=2
+#      zero=1 (issue 4's 0.97), tp=2 + SP with and without pairs, the peer (~500 s)
+# Session 16's modes (s16A-D) are kept below for their commands.
 # Session 15's modes (s15A-E) are kept below for their commands.
 # Session 14's modes (s14A-E) are kept below for their commands.
 # The benchmark modes log the GPUs' clocks, power and throttle reasons (smi_*.csv under $OUT).
@@ -237,6 +228,19 @@ case "${1:-tests}" in
     for n in 2 1; do log="${OUT:-/tmp}/jitter_n$n.log"
       STEPS=40 timeout 150 torchrun --nproc-per-node $n benchmarks/step_jitter.py $([ $n = 2 ] && echo parallel.zero=1) \
         > "$log" 2>&1; grep -E "SUMMARY|Error" "$log" | tail -3; reap; done ;;
+  s17A)  # session 17, first call: see the plan at the top
+    smi_log s17A; date +"runs from %T"
+    BUDGET=260 bash "$0" tests "microbatch_pairs" | grep -E "rc=|SKIPPED"
+    run() { NPROC=$1 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; reap; }
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    run 2 $sp parallel.tp_microbatch_pairs=true; run 2 $sp; run 1 ;;
+  s17B)  # session 17, second call: see the plan at the top
+    smi_log s17B; date +"runs from %T"
+    run() { NPROC=$1 timeout 100 python3 benchmarks/quick_train.py llama-1b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; reap; }
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    run 1; run 2 parallel.zero=1; run 2 $sp parallel.tp_microbatch_pairs=true; run 2 $sp
+    timeout 120 python3 .peers/torch_gpt_bench.py --mbs 2 --gbs 16 --llama 1 --kv-heads 8 --ffn 8192 --heads 32 --layers 16 \
+      --vocab 128256 2>&1 | grep -E "^RESULT|Error" | tail -2 ;;
   s16D)  # session 16, last call: micro-batch pairs on two streams (parallel.tp_microbatch_pairs,
     # built this session after s16C's probe: two whole micro-batches on two streams 0.832 of
     # their time one after the other) at GPT-1.3B tp=2 + SP (graphed layers) against plain, one

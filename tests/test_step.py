@@ -117,12 +117,13 @@ def test_garbage_collection_at_fixed_steps(monkeypatch):
 
     calls = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 0)
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
     with GarbageCollection(3) as collector:
         assert not gc.isenabled()
+        assert gc.get_freeze_count() > 0  # what lived at the start is out of the collections' sight
         for step in range(7):
             collector.step(step)
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
     assert calls == [2, 2, 2, 2]  # before; after steps 3 and 6; after
     calls.clear()
     with GarbageCollection(0) as collector:

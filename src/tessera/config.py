@@ -163,11 +163,14 @@ class ParallelConfig:
     tp_microbatch_pairs: bool = False
     """tp > 1, pp=1: run the step's micro-batches two at a time, the second of each pair on a side
     CUDA stream with a TP communicator of its own, so one micro-batch's TP collectives run
-    while the other's GEMMs do (training/concurrent.py; an odd last micro-batch runs alone).
-    Two whole micro-batches on two streams measured 0.832 of their time one after the other
-    (8 GPT-1.3B layers at tp=2 + SP, graphed, session 16). Costs a second micro-batch's
-    activations and, with CUDA-graphed layers, a second set of graphs. Not with compiled layers,
-    fused weight gradients, zero=3 or parallel.tp_async (refused)."""
+    while the other's GEMMs do (training/concurrent.py; an odd last micro-batch runs alone; the
+    same sums in the same order as without). Two whole micro-batches on two streams measured
+    0.832 of their time one after the other (8 GPT-1.3B layers at tp=2 + SP, graphed, session
+    16); a first version in the trainer, whose two backwards ran in lockstep, measured +1.0 %
+    (GPT-1.3B tp=2 + SP), and the version now here (two backward calls, forwards side by side)
+    is not yet measured on a GPU: opt-in. Costs a second micro-batch's activations and, with
+    CUDA-graphed layers, a second set of graphs. Not with compiled layers, fused weight
+    gradients, zero=3 or parallel.tp_async (refused)."""
     tp_async: Literal["false", "true", "p2p"] = "false"
     """tp > 1 with sequence parallelism: each column layer's all-gather and row layer's
     reduce-scatter run fused with the GEMM, chunked and overlapped, both directions
@@ -276,8 +279,11 @@ class TrainConfig:
     allocated enough, at a different moment on each rank). N > 0: automatic collection off while
     training, a full collection every N steps on every rank at once, and before and after the
     loop (training/gc_control.py; Megatron's --manual-gc,
-    torchtitan's gc_freq). Opt-in until measured: in session 15's dp=2 step timeline 3 of 40
-    steps were 6-13 % slower, one rank's host having fallen behind its GPU."""
+    torchtitan's gc_freq); what is alive when training starts is frozen out of the collections'
+    sight. Opt-in: measured at GPT-1.3B dp=2 on 2x H100 (session 16) before that freeze, each
+    full collection held the host ~225 ms (every 10th step 520-538 ms against ~298), which cost
+    more than the automatic collector's rare slow steps (the slowest of 40: 348 ms); the frozen
+    version is not yet measured."""
     timeout_s: float = 300.0
     """Collective timeout: a dead or stuck peer ends the job with an error after this long."""
     batch_rampup: str = ""

@@ -28,7 +28,7 @@ from tessera.pipeline_parallel.schedules import COMPUTE, Action, Op
 from tessera.tensor_parallel.wgrad import WeightGradStore
 
 
-def _backward(output: Tensor, grad: Tensor | None) -> None:
+def run_backward(output: Tensor, grad: Tensor | None) -> None:
     """Backward from ``output`` whose values may have been released (so no shape check);
     ``grad=None`` for the scalar loss."""
     if grad is None:
@@ -54,11 +54,6 @@ class PipelineExecutor:
         # a list to fill (CUDA): per compute action, (op, micro-batch, chunk, host perf_counter at
         # its launch, CUDA events at its start and end on the compute stream), for timelines
         self.trace: list[tuple] | None = None
-
-    @staticmethod
-    def gradient_arrivals(num_microbatches: int) -> int:
-        """How many times each parameter's gradient arrives in a step: once per micro-batch."""
-        return num_microbatches
 
     def _stage(self, chunk: int) -> int:
         return chunk * self.pp + self.pp_rank
@@ -120,7 +115,7 @@ class PipelineExecutor:
                 x, out = state.pop(key)
                 grad = None if self._stage(c) == last else recvs.pop((Op.RECV_B, key)).wait()
                 with self.wgrad_store.defer(key) if op == Op.I else contextlib.nullcontext():
-                    _backward(out, grad)
+                    run_backward(out, grad)
                 if x is not None:
                     input_grads[key] = x.grad
                 holding.discard(key)

@@ -8,15 +8,22 @@ on two streams measured 0.832 of their time one after the other (8 GPT-1.3B laye
 ``benchmarks/tp_two_stream_probe.py``, BENCHMARKS.md session 16). DeepSpeed's Domino splits a
 batch the same way for the same reason.
 
-How a pair runs (``PairedExecutor``): the first micro-batch's forward on the current stream;
-then the side stream waits for it (so the second one's forward starts once the parameters that
-this step's first forward waited for are in place: zero 1/2's overlapped gather) and runs the
-second micro-batch's forward with every TP collective on the second communicator
-(``TPGroupSwap``); then one backward over both losses. Autograd runs each backward op on
-its forward's stream, so the two backwards overlap too, and it sums the two contributions to a
-parameter's gradient (syncing the streams) before that gradient's accumulate hook runs once:
-data parallelism sees one gradient per pair (``gradient_arrivals``). The current stream waits
-for the side stream at the end of each pair. An odd last micro-batch runs alone.
+How a pair runs (``PairedExecutor``): the side stream waits for the current one, then the
+first micro-batch's forward is issued on the current stream and the second's on the side stream,
+with every TP collective on the second communicator (``TPGroupSwap``), so the two forwards run
+side by side; then the first's backward, then the second's (autograd runs each backward op on
+its forward's stream, so the two backwards overlap too). Each micro-batch's gradients arrive in
+data parallelism as usual; their accumulation runs on the current stream, which autograd makes
+wait for the side stream's gradient first. The current stream waits for the side stream at the
+end of each pair. An odd last micro-batch runs alone. Where zero 1/2's parameter gather
+overlaps the step's first forward (its waits are forward hooks, run on the first micro-batch's
+stream), the side stream of the step's first pair waits for the first forward instead.
+
+Why two backward calls, not one over both losses: one call sums a parameter's two gradients
+before its accumulate hook, which makes the current stream wait for the side stream's
+gradient of each layer in turn -- the two backwards then run in lockstep, and the first
+version, built that way with the side stream waiting for the first forward, measured +1.0 %
+at GPT-1.3B tp=2 + SP (41,834 against 41,421 tokens/s, 2x H100, session 16).
 
 Two communicators, because NCCL runs one communicator's operations in order: on one, the second
 micro-batch's collectives would queue behind the first's. CUDA-graphed layers are captured once
@@ -37,8 +44,8 @@ import dataclasses
 
 import torch
 from torch import Tensor, nn
-from torch.autograd import Variable
 
+from tessera.pipeline_parallel.executor import run_backward
 from tessera.tensor_parallel.mappings import Group
 
 
@@ -75,27 +82,16 @@ class TPGroupSwap:
             setattr(owner, name, self.old)
 
 
-def _backward(outputs: list[Tensor], grads: list[Tensor]) -> None:
-    Variable._execution_engine.run_backward(
-        tensors=tuple(outputs), grad_tensors=tuple(grads), keep_graph=False, create_graph=False, inputs=(),
-        allow_unreachable=True, accumulate_grad=True)
-
-
 class PairedExecutor:
     """Runs a pp=1 step's micro-batches in pairs, the second of each on ``side`` (a CUDA stream;
-    None on a CPU) with its TP collectives on ``second_group``. The PipelineExecutor's ``run``
-    interface, for the trainer's step."""
+    None on a CPU) with its TP collectives on ``second_group``. ``gathers_in_forward``: zero 1/2's
+    parameter gather waits in the step's first forward (the first pair's second forward then
+    starts after it). The PipelineExecutor's ``run`` interface, for the trainer's step."""
 
     def __init__(self, model: nn.Module, first_group: Group, second_group: Group,
-                 side: torch.cuda.Stream | None):
-        self.model, self.side = model, side
+                 side: torch.cuda.Stream | None, gathers_in_forward: bool = False):
+        self.model, self.side, self.gathers_in_forward = model, side, gathers_in_forward
         self.second = TPGroupSwap([model], first_group, second_group)
-
-    @staticmethod
-    def gradient_arrivals(num_microbatches: int) -> int:
-        """How many times each parameter's gradient arrives in a step: once per pair (autograd
-        sums a pair's two before the accumulate hook), once for an odd last micro-batch."""
-        return (num_microbatches + 1) // 2
 
     def _loss(self, batch: dict[str, Tensor], global_tokens: Tensor) -> Tensor:
         out = self.model(tokens=batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"),
@@ -111,27 +107,35 @@ class PairedExecutor:
         (a pipeline's last message sent) is called at once: pp=1 sends none."""
         if after_comm is not None:
             after_comm()
-        scale = (lambda x: x * loss_scale) if loss_scale != 1.0 else (lambda x: x)
         current = torch.cuda.current_stream() if self.side is not None else None
-        loss_first = torch.zeros((), device=global_tokens.device)
-        loss_second = torch.zeros((), device=global_tokens.device)  # added to on the side stream only
+        losses = []  # each micro-batch's, summed in their order at the end (as the pipeline executor sums)
         for i in range(0, len(micro_batches), 2):
             pair = micro_batches[i:i + 2]
-            out = self._loss(pair[0], global_tokens)
-            loss_first += out.detach()
-            outputs, seeds = [scale(out)], [torch.ones_like(out)]
+            paired = len(pair) == 2 and self.side is not None
+            # the side stream starts with the first forward, or, where the step's first forward waits
+            # for gathered parameters, after it
+            after_first = i == 0 and self.gathers_in_forward
+            if paired and not after_first:
+                self.side.wait_stream(current)
+            first = self._loss(pair[0], global_tokens)
+            losses.append(first.detach())
             if len(pair) == 2:
-                if self.side is not None:
-                    self.side.wait_stream(current)  # this forward's inputs and parameters ready
+                if paired and after_first:
+                    self.side.wait_stream(current)
                 with self._on_side(), self.second:
-                    out = self._loss(pair[1], global_tokens)
-                    loss_second += out.detach()
-                    outputs.append(scale(out))
-                    seeds.append(torch.ones_like(out))  # on the side stream, where its backward starts
-            _backward(outputs, seeds)
-            if self.side is not None:
+                    second = self._loss(pair[1], global_tokens)
+                    losses.append(second.detach())
+                    second = second * loss_scale if loss_scale != 1.0 else second
+            run_backward(first * loss_scale if loss_scale != 1.0 else first, None)
+            if len(pair) == 2:
+                with self._on_side():  # its seed made, and its backward called, in its forward's stream
+                    run_backward(second, None)
+            if paired:
                 current.wait_stream(self.side)  # the pair's side work done before what follows
-        return loss_first + loss_second
+        loss_sum = torch.zeros((), device=global_tokens.device)
+        for loss in losses:  # (the side stream's are done: the current stream waited for it)
+            loss_sum += loss
+        return loss_sum
 
 
 def graph_pairs(chunks: list[nn.Module], capture, first_group: Group, second_group: Group) -> list:

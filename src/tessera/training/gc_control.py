@@ -8,6 +8,12 @@ collection is off during training and a full collection runs every ``interval`` 
 step everywhere (as Megatron's; torchtitan collects only the young generations, which leaves
 cycles that reach the oldest one, and any GPU memory they hold, until the end), and once before
 and after the loop.
+
+The objects alive when the loop starts (torch's and the model's: modules, parameters, captured
+graphs) are frozen after the first collection (``gc.freeze``: moved out of the collector's
+sight) and unfrozen after the loop, so the periodic collections scan what training allocated,
+not the whole heap: with everything scanned, each full collection held the host ~225 ms (GPT-1.3B
+at dp=2 on 2x H100, steps of ~298 ms going to ~520-538 ms every 10th step, session 16).
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ class GarbageCollection:
     def __init__(self, interval: int):
         if interval < 0:
             raise ValueError(f"a garbage-collection interval is a number of steps >= 0, not {interval}")
-        self.interval, self._was_enabled = interval, True
+        self.interval, self._was_enabled, self._froze = interval, True, False
 
     def __enter__(self) -> GarbageCollection:
         if self.interval:
             self._was_enabled = gc.isenabled()
             gc.collect()
+            self._froze = gc.get_freeze_count() == 0  # (someone else's freeze is theirs to undo)
+            if self._froze:
+                gc.freeze()
             gc.disable()
         return self
 
@@ -37,6 +46,8 @@ class GarbageCollection:
 
     def __exit__(self, *exc) -> None:
         if self.interval:
+            if self._froze:
+                gc.unfreeze()
             if self._was_enabled:
                 gc.enable()
             gc.collect()

@@ -134,7 +134,7 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
     # for the previous step's overlapped parameter all-gather, and the forward with them
     scalars = topo.group("dp_scalars") or topo.group("dp")
     global_tokens = _sum_over(local_tokens.clone(), scalars)
-    data_parallel.start_step(executor.gradient_arrivals(len(micro_batches)))
+    data_parallel.start_step(len(micro_batches))
     loss_sum = executor.run(micro_batches, global_tokens, loss_scale=scaler.scale if scaler is not None else 1.0,
                             after_comm=getattr(data_parallel, "pipeline_comm_done", None))
     data_parallel.finish_grad_sync()

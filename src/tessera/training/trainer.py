@@ -212,7 +212,7 @@ class Stage:
         # micro-batch pairs (training/concurrent.py): the second of each on a side stream with a TP
         # communicator of its own (made on every rank alike: the config is the same everywhere)
         self.pairs = p.tp_microbatch_pairs
-        self.first_tp = topo.group("tp")
+        self.first_tp, self.dp = topo.group("tp"), topo.dp
         self.second_tp = topo.new_groups(topo.all_ranks_along("tp")) if self.pairs else None
         self.side_stream = torch.cuda.Stream(topo.device) if self.pairs and topo.device.type == "cuda" else None
         self._executors: dict[int, PipelineExecutor | PairedExecutor] = {}
@@ -224,8 +224,12 @@ class Stage:
         """The executor of this rank's action list for ``m`` micro-batches (one per count), or
         the one that runs them in pairs."""
         if self.pairs:
-            return self._executors.setdefault(0, PairedExecutor(self.chunks[0], self.first_tp, self.second_tp,
-                                                                self.side_stream))
+            if 0 not in self._executors:  # zero 1/2's overlapped gather waits in the step's first forward
+                p = self.cfg.parallel
+                gathers = p.zero in (1, 2) and p.overlap_param_gather and self.dp > 1
+                self._executors[0] = PairedExecutor(self.chunks[0], self.first_tp, self.second_tp, self.side_stream,
+                                                    gathers_in_forward=gathers)
+            return self._executors[0]
         if m not in self._executors:
             actions = build_schedule(self.schedule, self.pp, len(self.chunks), m, self.pp_rank)
             self._executors[m] = PipelineExecutor(self.chunks, actions, self.p2p, self.pp, self.pp_rank,
