@@ -7,10 +7,12 @@
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
 # Session 17's calls, in order (30 device minutes; kind nvidia-h100-x2; send the next call at once):
-#   1. s17A -- the GPU test of the micro-batch pairs (parallel.tp_microbatch_pairs: one GPU, tp=2 +
-#      SP graphed and eager; session 16's ran out of its 170 s), then GPT-1.3B tp=2 + SP with and
-#      without pairs (the version with two backward calls and forwards side by side; session 16's
-#      first version, in lockstep, +1.0 %), one GPU in the same call (~480 s)
+#   1. s17A -- the GPU test of the micro-batch pairs (parallel.tp_microbatch_pairs against the
+#      plain tp=2 + SP run, graphed and eager, fp32; session 16's ran out of its 170 s), then
+#      GPT-1.3B tp=2 + SP with and without pairs (the version with two backward calls, forwards
+#      side by side, set B captured on its own stream; session 16's first version +1.0 %), one GPU
+#      in the same call. The plain tp=2 figure also checks DataParallel's hook now moving graphed
+#      layers' gradient adds onto the step's stream (session 16: 41,421-41,629) (~480 s)
 #   2. s17B -- Llama-1B: one GPU (auto now: compiled layers with fused weight gradients), dp=2
 #      zero=1 (issue 4's 0.97), tp=2 + SP with and without pairs, the peer (~500 s)
 # Session 16's modes (s16A-D) are kept below for their commands.

@@ -6,6 +6,8 @@ last micro-batch runs alone, and training equals the run without pairs."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,32 +25,59 @@ from tessera.training.trainer import Stage, build_data_parallel
 STEPS = 3
 
 
+def _counting(calls: dict[str, int], groups: dict[int, str], inside: list[bool]):
+    """Patches of the TP collectives (all-reduce; the SP all-gather and reduce-scatter) that
+    count, per communicator, the calls made inside an executor's run."""
+    from tessera.tensor_parallel import mappings
+
+    def wrap(fn):
+        def call(*args, group=None, **kwargs):
+            if inside[0]:
+                name = groups.get(id(group), "other")
+                calls[name] = calls.get(name, 0) + 1
+            return fn(*args, group=group, **kwargs)
+        return call
+    return [(owner, name, getattr(owner, name), wrap(getattr(owner, name)))
+            for owner, name in ((dist, "all_reduce"), (mappings, "all_gather_single"),
+                                (mappings, "reduce_scatter_single"))]
+
+
 def _train(topo: Topology, overrides: list[str], count: int) -> dict:
     """STEPS steps on the first ``count`` micro-batches of each dp rank's share; the TP
-    all-reduces counted per communicator (without sequence parallelism every TP collective is one)."""
+    collectives of the executor's runs counted per communicator."""
     cfg = validate(load_config(None, BASE + overrides), topo.world_size)
     stage = Stage(cfg, topo, RNGTracker.for_rank(cfg.train.seed, topo.tp_rank, topo.pp_rank))
     data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
     calls: dict[str, int] = {}
-    groups = {id(topo.group("tp")): "first", id(getattr(stage, "second_tp", None)): "second"}
-    all_reduce = dist.all_reduce
-
-    def counting(tensor, *args, group=None, **kwargs):
-        name = groups.get(id(group), "other")
-        calls[name] = calls.get(name, 0) + 1
-        return all_reduce(tensor, *args, group=group, **kwargs)
-
-    dist.all_reduce = counting
+    inside = [False]
+    patches = _counting(calls, {id(topo.group("tp")): "first", id(getattr(stage, "second_tp", None)): "second"},
+                        inside)
     losses, norms = [], []
+    for owner, name, _, new in patches:
+        setattr(owner, name, new)
     try:
         for step in range(STEPS):
             micro_batches = my_micro_batches(step, topo)[:count]
             executor = stage.executor(len(micro_batches))
-            r = train_step(optimizer, micro_batches, topo, executor, data_parallel, clip_grad=cfg.optim.clip_grad)
+            run = executor.run
+
+            def counted(*args, run=run, **kwargs):
+                inside[0] = True
+                try:
+                    return run(*args, **kwargs)
+                finally:
+                    inside[0] = False
+            executor.run = counted
+            try:
+                r = train_step(optimizer, micro_batches, topo, executor, data_parallel,
+                               clip_grad=cfg.optim.clip_grad)
+            finally:
+                del executor.run
             losses.append(r.loss)
             norms.append(r.grad_norm)
     finally:
-        dist.all_reduce = all_reduce
+        for owner, name, old, _ in patches:
+            setattr(owner, name, old)
     if hasattr(data_parallel, "wait_param_gather"):  # zero 1/2: the last update's gather overlaps nothing now
         data_parallel.wait_param_gather()
     params = {n: p.detach().clone() for n, p in stage.model.named_parameters()}
@@ -81,12 +110,17 @@ def test_pairs_train_as_the_micro_batches_one_by_one(tp, dp, extra, count):
         plain, paired = out["false"], out["true"]
         assert paired["paired"] and not plain["paired"]
         _assert_same(paired, plain, f"tp={tp} dp={dp} {extra} {count} micro-batches, rank {rank}")
-        # the second micro-batch of each pair used the second communicator instead of the first
-        pairs = count // 2
-        first, second = paired["calls"].get("first", 0), paired["calls"].get("second", 0)
-        assert plain["calls"].get("second", 0) == 0 and second > 0, paired["calls"]
-        assert first == plain["calls"]["first"] - second, (paired["calls"], plain["calls"])
-        assert second % pairs == 0, (paired["calls"], pairs)  # (the step's own all-reduces go over the first)
+        _assert_second_communicator(paired, plain, count, STEPS)
+
+
+def _assert_second_communicator(paired: dict, plain: dict, count: int, steps: int) -> None:
+    """The second micro-batch of each pair, forward and backward, used the second communicator,
+    exactly as often as a micro-batch uses the first."""
+    per_microbatch, rest = divmod(plain["calls"]["first"], count * steps)
+    assert per_microbatch > 0 and rest == 0 and "second" not in plain["calls"], plain["calls"]
+    pairs = count // 2
+    assert paired["calls"] == {"first": per_microbatch * (count - pairs) * steps,
+                               "second": per_microbatch * pairs * steps}, (paired["calls"], per_microbatch)
 
 
 def _sequence_parallel_worker(rank: int, world: int) -> dict:
@@ -98,6 +132,115 @@ def test_pairs_under_sequence_parallelism():
     for rank, out in enumerate(run_ranks(_sequence_parallel_worker, 2, timeout=240)):
         assert out["true"]["paired"]
         _assert_same(out["true"], out["false"], f"tp=2 + SP, rank {rank}")
+        _assert_second_communicator(out["true"], out["false"], 6, STEPS)
+
+
+class _Stream:
+    """A stand-in CUDA stream that logs what waits for what."""
+
+    def __init__(self, name: str, log: list[str]):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+@pytest.mark.parametrize("gathers", [False, True])
+def test_pairs_issue_the_forwards_side_by_side_then_two_backwards(monkeypatch, gathers):
+    """The order a pair's work is issued in, with stand-in streams: the side stream waits for
+    the current one before the first forward (after it, in the step's first pair, where zero
+    1/2's gather waits in that forward), the second forward and its backward on the side stream,
+    the first backward before the second, the current stream waiting for the side stream after
+    each pair; an odd last micro-batch alone on the current stream."""
+    from tessera.training import concurrent
+
+    log: list[str] = []
+    where = ["current"]
+
+    class Logged(PairedExecutor):
+        def _loss(self, batch, global_tokens):
+            log.append(f"F{batch['i']} on {where[0]}")
+            return torch.ones((), requires_grad=True) * batch["i"]
+
+        @contextlib.contextmanager
+        def _on_side(self):
+            where[0] = "side"
+            try:
+                yield
+            finally:
+                where[0] = "current"
+
+        @staticmethod
+        def _current():
+            return current
+
+    current = _Stream("current", log)
+    monkeypatch.setattr(concurrent, "run_backward", lambda out, grad: log.append(f"B{int(out.item())} on {where[0]}"))
+    model = nn.Linear(1, 1)
+    model.tp_group = object()
+    executor = Logged(model, model.tp_group, object(), _Stream("side", log), gathers_in_forward=gathers)
+    loss = executor.run([{"i": i} for i in range(5)], torch.tensor(1.0))
+    assert loss.item() == 0 + 1 + 2 + 3 + 4
+    first_pair = (["F0 on current", "side waits for current"] if gathers
+                  else ["side waits for current", "F0 on current"])
+    assert log == [*first_pair, "F1 on side", "B0 on current", "B1 on side", "current waits for side",
+                   "side waits for current", "F2 on current", "F3 on side", "B2 on current", "B3 on side",
+                   "current waits for side",
+                   "F4 on current", "B4 on current"]
+
+
+def test_graph_pairs_capture_per_communicator_and_dispatch_by_the_group_held():
+    """graph_pairs with a stand-in capture (no CUDA): the second capture runs with the layers
+    holding the second communicator; each layer then replays the capture of the group it holds;
+    releasing puts the layers' own forward back; a failed second capture releases the first."""
+    from tessera.models.transformer import TPContext
+    from tessera.training.concurrent import graph_pairs
+
+    first, second = object(), object()
+    ctx = TPContext(group=first)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tp, self.tp_group = ctx, first
+
+        def forward(self, x, seq=None):
+            return "eager"
+
+    chunk = nn.Module()
+    chunk.layers = nn.ModuleDict({"0": Layer(), "1": Layer()})
+    captured, released = [], []
+
+    class Handle:
+        def __init__(self, n):
+            self.n = n
+
+        def release(self):
+            released.append(self.n)
+            for layer in chunk.layers.values():
+                layer.__dict__.pop("forward", None)
+
+    def capture(fail_at=None):
+        n = len(captured)
+        captured.append(ctx.group)
+        if n == fail_at:
+            raise RuntimeError("capture failed")
+        for name, layer in chunk.layers.items():
+            layer.forward = lambda x, seq=None, n=n, name=name: (n, name, ctx.group is second)
+        return [Handle(n)]
+
+    handles = graph_pairs([chunk], capture, first, second)
+    assert captured == [first, second] and ctx.group is first
+    assert [chunk.layers[k](None) for k in "01"] == [(0, "0", False), (0, "1", False)]
+    with TPGroupSwap([chunk], first, second):
+        assert [chunk.layers[k](None) for k in "01"] == [(1, "0", True), (1, "1", True)]
+    for h in handles:
+        h.release()
+    assert released == [0, 1] and chunk.layers["0"](None) == "eager"
+    captured.clear(), released.clear()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        graph_pairs([chunk], lambda: capture(fail_at=1), first, second)
+    assert released == [0] and ctx.group is first and chunk.layers["1"](None) == "eager"
 
 
 def test_tp_group_swap_swaps_every_reference_and_puts_them_back():
@@ -131,6 +274,7 @@ def test_tp_group_swap_swaps_every_reference_and_puts_them_back():
     (["parallel.tp=2", "train.compile=true"], "parallel.tp_microbatch_pairs"),
     (["parallel.tp=2", "train.grad_accum_fusion=true"], "parallel.tp_microbatch_pairs"),
     (["parallel.tp=2", "parallel.zero=3"], "parallel.tp_microbatch_pairs"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=p2p"], "parallel.tp_microbatch_pairs"),
 ])
 def test_pairs_refused_where_they_cannot_run(sets, key):
     cfg = load_config(None, [*sets, "parallel.tp_microbatch_pairs=true"])

@@ -99,6 +99,7 @@ class DataParallel:
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
+        self.device, self._stream = torch.device(topo.device), None
         self.zero, self.sharded, self.reduce_dtype = zero, zero >= 1, reduce_dtype
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.buffers = [ParamAndGradBuffer([p for p in chunk.parameters() if p.requires_grad],
@@ -174,6 +175,8 @@ class DataParallel:
         copied into the buffer, so nothing is zeroed here but zero=2's accumulating shards and
         the buffers of weights whose fused gradient GEMM a CUDA graph replays)."""
         self._expected = num_microbatches
+        # the stream the step's gradient work runs on (see _on_grad)
+        self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for p in self._count:
             self._count[p] = 0
         for buffer in self.buffers:  # (zero 0/1: no memset; a step's first gradient is copied in)
@@ -195,7 +198,21 @@ class DataParallel:
 
     def _on_grad(self, p: nn.Parameter) -> None:
         grad, p.grad = p.grad, None
-        if grad is not None:  # None: a deferred weight gradient (zero-bubble I step); it comes later
+        if grad is None:  # a deferred weight gradient (zero-bubble I step); it comes later
+            return
+        here = torch.cuda.current_stream(self.device) if self._stream is not None else None
+        if here is None or here == self._stream:
+            self.accumulate(p, grad)
+            return
+        # Autograd runs this hook on the stream its AccumulateGrad node was made on, which waits
+        # for the gradient's producer: for CUDA-graphed layers the capture's warm-up stream (the
+        # graphs keep those nodes alive), while the embedding's and head's run on the step's
+        # stream; with micro-batch pairs the gradient may come from the side stream. A bucket's
+        # reduction waits for the stream it is launched from only, so every add into the buffers
+        # runs on the step's stream, after the stream that holds this gradient.
+        self._stream.wait_stream(here)
+        grad.record_stream(self._stream)
+        with torch.cuda.stream(self._stream):
             self.accumulate(p, grad)
 
     def accumulate(self, p: nn.Parameter, grad: Tensor) -> None:

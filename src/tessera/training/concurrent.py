@@ -13,9 +13,9 @@ first micro-batch's forward is issued on the current stream and the second's on 
 with every TP collective on the second communicator (``TPGroupSwap``), so the two forwards run
 side by side; then the first's backward, then the second's (autograd runs each backward op on
 its forward's stream, so the two backwards overlap too). Each micro-batch's gradients arrive in
-data parallelism as usual; their accumulation runs on the current stream, which autograd makes
-wait for the side stream's gradient first. The current stream waits for the side stream at the
-end of each pair. An odd last micro-batch runs alone. Where zero 1/2's parameter gather
+data parallelism as usual, and DataParallel adds every one into its buffers on the step's
+stream, after the stream that holds it (a bucket's reduction waits for the stream it is launched
+from only). The current stream waits for the side stream at the end of each pair. An odd last micro-batch runs alone. Where zero 1/2's parameter gather
 overlaps the step's first forward (its waits are forward hooks, run on the first micro-batch's
 stream), the side stream of the step's first pair waits for the first forward instead.
 
@@ -28,7 +28,7 @@ at GPT-1.3B tp=2 + SP (41,834 against 41,421 tokens/s, 2x H100, session 16).
 Two communicators, because NCCL runs one communicator's operations in order: on one, the second
 micro-batch's collectives would queue behind the first's. CUDA-graphed layers are captured once
 per communicator (``graph_pairs``): each micro-batch of a pair replays its own graphs, with their
-own static buffers.
+own static buffers, captured on their own stream (so with their own cuBLAS workspace).
 
 What it needs (config.validate refuses the rest): pp=1, tp > 1, layers not compiled whole (the
 compiled collectives take the group by name), no fused weight gradients (two streams would add
@@ -101,13 +101,17 @@ class PairedExecutor:
     def _on_side(self):
         return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
 
+    @staticmethod
+    def _current():
+        return torch.cuda.current_stream()
+
     def run(self, micro_batches: list[dict[str, Tensor]], global_tokens: Tensor, loss_scale: float = 1.0,
             after_comm=None) -> Tensor:
         """Forward and backward of every micro-batch; returns the summed loss. ``after_comm``
         (a pipeline's last message sent) is called at once: pp=1 sends none."""
         if after_comm is not None:
             after_comm()
-        current = torch.cuda.current_stream() if self.side is not None else None
+        current = self._current() if self.side is not None else None
         losses = []  # each micro-batch's, summed in their order at the end (as the pipeline executor sums)
         for i in range(0, len(micro_batches), 2):
             pair = micro_batches[i:i + 2]
@@ -147,7 +151,7 @@ def graph_pairs(chunks: list[nn.Module], capture, first_group: Group, second_gro
     layers = [layer for chunk in chunks for layer in chunk.layers.values()]
     replays_first = [layer.__dict__.pop("forward") for layer in layers]
     try:
-        with TPGroupSwap(chunks, first_group, second_group):
+        with TPGroupSwap(chunks, first_group, second_group), _own_capture_stream():
             second = capture()
     except BaseException:
         for g in first:
@@ -157,6 +161,24 @@ def graph_pairs(chunks: list[nn.Module], capture, first_group: Group, second_gro
         replay_second = layer.forward
         layer.forward = _by_group(layer.tp, second_group, replay_first, replay_second)
     return first + second
+
+
+@contextlib.contextmanager
+def _own_capture_stream():
+    """While inside, ``torch.cuda.graph`` captures on a new stream instead of its one default
+    capture stream. cuBLAS keeps a workspace per (handle, stream), and a graph replays the
+    workspace of the stream it was captured on: graphs captured on one stream share it, so two of
+    them replayed at once on two streams (a pair's) would overwrite each other's split-K partial
+    sums. (``default_capture_stream`` is torch.cuda.graph's class attribute for this.)"""
+    if not torch.cuda.is_available():
+        yield
+        return
+    before = torch.cuda.graph.default_capture_stream
+    torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    try:
+        yield
+    finally:
+        torch.cuda.graph.default_capture_stream = before
 
 
 def _by_group(tp, second_group: Group, replay_first, replay_second):
