@@ -14,7 +14,9 @@
 #      in the same call. The plain tp=2 figure also checks DataParallel's hook now moving graphed
 #      layers' gradient adds onto the step's stream (session 16: 41,421-41,629) (~480 s)
 #   2. s17B -- Llama-1B: one GPU (auto now: compiled layers with fused weight gradients), dp=2
-#      zero=1 (issue 4's 0.97), tp=2 + SP with and without pairs, the peer (~500 s)
+#      zero=1 (issue 4's 0.97), tp=2 + SP with and without pairs; the GPU test of graphed layers at
+#      dp=2 under the overlapped gather (DataParallel's hook moved their adds onto the step's
+#      stream); the peer (~520 s)
 # Session 16's modes (s16A-D) are kept below for their commands.
 # Session 15's modes (s15A-E) are kept below for their commands.
 # Session 14's modes (s14A-E) are kept below for their commands.
@@ -233,7 +235,8 @@ case "${1:-tests}" in
   s17A)  # session 17, first call: see the plan at the top
     smi_log s17A; date +"runs from %T"
     BUDGET=260 bash "$0" tests "microbatch_pairs" | grep -E "rc=|SKIPPED"
-    run() { NPROC=$1 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; reap; }
+    # (LOSSES: pairs and plain train the same bf16 curve at full size, where cuBLAS may split K)
+    run() { NPROC=$1 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b ${@:2} 2>&1 | grep -E "STEPS|LOSSES|RESULT|Error" | tail -3; reap; }
     sp="parallel.tp=2 parallel.sequence_parallel=true"
     run 2 $sp parallel.tp_microbatch_pairs=true; run 2 $sp; run 1 ;;
   s17B)  # session 17, second call: see the plan at the top
@@ -241,6 +244,8 @@ case "${1:-tests}" in
     run() { NPROC=$1 timeout 100 python3 benchmarks/quick_train.py llama-1b ${@:2} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; reap; }
     sp="parallel.tp=2 parallel.sequence_parallel=true"
     run 1; run 2 parallel.zero=1; run 2 $sp parallel.tp_microbatch_pairs=true; run 2 $sp
+    # the graphed layers at dp=2: their gradients' adds, and the reductions they launch, now on the step's stream
+    BUDGET=170 bash "$0" tests "under_the_overlapped_gather" | grep -E "rc=|SKIPPED"
     timeout 120 python3 .peers/torch_gpt_bench.py --mbs 2 --gbs 16 --llama 1 --kv-heads 8 --ffn 8192 --heads 32 --layers 16 \
       --vocab 128256 2>&1 | grep -E "^RESULT|Error" | tail -2 ;;
   s16D)  # session 16, last call: micro-batch pairs on two streams (parallel.tp_microbatch_pairs,

@@ -43,6 +43,7 @@ def main() -> None:
     if "peak_mem_gib" in steps[-1]:
         extra += f", peak memory {steps[-1]['peak_mem_gib']:.1f} GiB (the logging rank)"
     print("STEPS tokens/s per GPU:", " ".join(f"{m['tokens_per_s'] / nproc:,.0f}" for m in steps))
+    print("LOSSES", " ".join(f"{m['loss']:.5f}" for m in steps))  # two ways of running one model: the same curve?
     print(f"RESULT {name} nproc={nproc} {' '.join(sys.argv[2:])}: {tps:,.0f} tokens/s per GPU{extra}")
 
 

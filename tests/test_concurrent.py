@@ -282,3 +282,89 @@ def test_pairs_refused_where_they_cannot_run(sets, key):
     with pytest.raises(ConfigError) as e:
         validate(cfg, p.tp * p.pp * 2)
     assert e.value.key == key
+
+
+def test_gradient_adds_run_on_the_steps_stream(monkeypatch):
+    """DataParallel's hook, run by autograd on another stream than the step's (a graphed layer's
+    AccumulateGrad lives on the capture stream; a pair's second gradients come from the side
+    stream): the step's stream waits for that stream, the gradient is recorded on the step's
+    stream, and the add runs there, the hook's stream put back after; on the step's own stream
+    nothing of that happens. Stand-in streams on a CPU."""
+    from tessera.distributed.data_parallel import DataParallel
+
+    log: list[str] = []
+    current = [None]
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append(f"{self.name} waits for {event.stream.name}")
+
+    class Event:
+        stream = None
+
+        def record(self, stream):
+            self.stream = stream
+
+    def set_stream(stream):
+        current[0] = stream
+        log.append(f"on {stream.name}")
+
+    step, capture = Stream("step"), Stream("capture")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: log.append(f"recorded on {s.name}"))
+    model = nn.Linear(2, 2)
+    dp = DataParallel([model], Topology.build(), bucket_size=10**6)
+    dp.device = torch.device("cuda")  # (pretended: the streams above stand in)
+    add = dp.accumulate
+    monkeypatch.setattr(dp, "accumulate", lambda p, g: (log.append(f"add on {current[0].name}"), add(p, g)))
+    current[0] = step
+    dp.start_step(2)
+    model(torch.ones(1, 2)).sum().backward()  # the hooks run on the step's stream: plain adds
+    assert log == ["add on step", "add on step"]
+    log.clear()
+    current[0] = capture  # as autograd sets it for an AccumulateGrad node made on the capture stream
+    model(torch.ones(1, 2)).sum().backward()
+    handover = ["step waits for capture", "recorded on step", "on step", "add on step", "on capture"]
+    assert log == handover * 2 and current[0] is capture
+
+
+def test_the_second_graph_set_is_captured_on_a_stream_of_its_own(monkeypatch):
+    """graph_pairs' second capture runs with torch.cuda.graph's default capture stream replaced by
+    a new one (cuBLAS's workspace is per stream: two graph sets replayed at once must not share
+    one), put back after, also when that capture fails. Stand-in streams on a CPU."""
+    from tessera.training.concurrent import graph_pairs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    made: list[str] = []
+
+    def new_stream():
+        made.append(f"stream {len(made) + 1}")
+        return made[-1]
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    before = "the default capture stream"
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", before)
+    chunk = nn.Module()
+    chunk.layers = nn.ModuleDict()  # no layers: only the streams are watched
+    seen = []
+
+    def capture():
+        seen.append(torch.cuda.graph.default_capture_stream)
+        return []
+
+    first, second = object(), object()
+    graph_pairs([chunk], capture, first, second)
+    assert seen == [before, "stream 1"] and torch.cuda.graph.default_capture_stream == before
+
+    def failing():
+        seen.append(torch.cuda.graph.default_capture_stream)
+        if len(seen) == 4:
+            raise RuntimeError("capture failed")
+        return []
+    with pytest.raises(RuntimeError, match="capture failed"):
+        graph_pairs([chunk], failing, first, second)
+    assert seen[2:] == [before, "stream 2"] and torch.cuda.graph.default_capture_stream == before

@@ -99,7 +99,7 @@ class DataParallel:
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
-        self.device, self._stream = torch.device(topo.device), None
+        self.device, self._stream, self._handover = torch.device(topo.device), None, None
         self.zero, self.sharded, self.reduce_dtype = zero, zero >= 1, reduce_dtype
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.buffers = [ParamAndGradBuffer([p for p in chunk.parameters() if p.requires_grad],
@@ -177,6 +177,8 @@ class DataParallel:
         self._expected = num_microbatches
         # the stream the step's gradient work runs on (see _on_grad)
         self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if self._stream is not None and self._handover is None:
+            self._handover = torch.cuda.Event()
         for p in self._count:
             self._count[p] = 0
         for buffer in self.buffers:  # (zero 0/1: no memset; a step's first gradient is copied in)
@@ -204,16 +206,21 @@ class DataParallel:
         if here is None or here == self._stream:
             self.accumulate(p, grad)
             return
-        # Autograd runs this hook on the stream its AccumulateGrad node was made on, which waits
-        # for the gradient's producer: for CUDA-graphed layers the capture's warm-up stream (the
-        # graphs keep those nodes alive), while the embedding's and head's run on the step's
+        # Autograd runs this hook on the stream its AccumulateGrad node was made on, after that
+        # stream waited for the gradient's producer: for CUDA-graphed layers the capture stream
+        # (the graphs keep those nodes alive), while the embedding's and head's run on the step's
         # stream; with micro-batch pairs the gradient may come from the side stream. A bucket's
         # reduction waits for the stream it is launched from only, so every add into the buffers
-        # runs on the step's stream, after the stream that holds this gradient.
-        self._stream.wait_stream(here)
+        # runs on the step's stream, after the stream that holds this gradient (one reused event:
+        # this runs for every graphed weight of every micro-batch).
+        self._handover.record(here)
+        self._stream.wait_event(self._handover)
         grad.record_stream(self._stream)
-        with torch.cuda.stream(self._stream):
+        torch.cuda.set_stream(self._stream)
+        try:
             self.accumulate(p, grad)
+        finally:
+            torch.cuda.set_stream(here)
 
     def accumulate(self, p: nn.Parameter, grad: Tensor) -> None:
         """Add one micro-batch's gradient of ``p``; start reductions that became possible."""
