@@ -212,10 +212,15 @@ class Stage:
         # micro-batch pairs (training/concurrent.py): the second of each on a side stream with a TP
         # communicator of its own (made on every rank alike: the config is the same everywhere)
         self.pairs = p.tp_microbatch_pairs
-        self.first_tp, self.dp = topo.group("tp"), topo.dp
+        self.first_tp = topo.group("tp")
         self.second_tp = topo.new_groups(topo.all_ranks_along("tp")) if self.pairs else None
-        self.side_stream = torch.cuda.Stream(topo.device) if self.pairs and topo.device.type == "cuda" else None
-        self._executors: dict[int, PipelineExecutor | PairedExecutor] = {}
+        self._paired = None
+        if self.pairs:  # zero 1/2's overlapped gather waits in the step's first forward
+            side = torch.cuda.Stream(topo.device) if topo.device.type == "cuda" else None
+            gathers = p.zero in (1, 2) and p.overlap_param_gather and topo.dp > 1
+            self._paired = PairedExecutor(self.chunks[0], self.first_tp, self.second_tp, side,
+                                          gathers_in_forward=gathers)
+        self._executors: dict[int, PipelineExecutor] = {}
 
     def microbatches(self, global_batch: int, dp: int) -> int:
         return global_batch // (self.cfg.train.micro_batch * dp)
@@ -223,13 +228,8 @@ class Stage:
     def executor(self, m: int) -> PipelineExecutor | PairedExecutor:
         """The executor of this rank's action list for ``m`` micro-batches (one per count), or
         the one that runs them in pairs."""
-        if self.pairs:
-            if 0 not in self._executors:  # zero 1/2's overlapped gather waits in the step's first forward
-                p = self.cfg.parallel
-                gathers = p.zero in (1, 2) and p.overlap_param_gather and self.dp > 1
-                self._executors[0] = PairedExecutor(self.chunks[0], self.first_tp, self.second_tp, self.side_stream,
-                                                    gathers_in_forward=gathers)
-            return self._executors[0]
+        if self._paired is not None:
+            return self._paired
         if m not in self._executors:
             actions = build_schedule(self.schedule, self.pp, len(self.chunks), m, self.pp_rank)
             self._executors[m] = PipelineExecutor(self.chunks, actions, self.p2p, self.pp, self.pp_rank,
