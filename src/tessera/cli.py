@@ -14,6 +14,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 
 from tessera.config import ConfigError, load_config
 
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if rank == 0:
             print(f"tessera: {e}", file=sys.stderr, flush=True)
+        else:  # every rank finds the error; torchrun stops the others once one exits, so the
+            time.sleep(3)  # rest leave rank 0 time to say it (seen lost on a loaded 2-core CI box)
         return 2
     finally:
         shutdown()
