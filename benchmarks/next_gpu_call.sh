@@ -232,6 +232,18 @@ case "${1:-tests}" in
     for n in 2 1; do log="${OUT:-/tmp}/jitter_n$n.log"
       STEPS=40 timeout 150 torchrun --nproc-per-node $n benchmarks/step_jitter.py $([ $n = 2 ] && echo parallel.zero=1) \
         > "$log" 2>&1; grep -E "SUMMARY|Error" "$log" | tail -3; reap; done ;;
+  s17C)  # session 17, third call: s17A's plain tp=2 fell to 37,412 (41,421-41,629 in session 16):
+    # DataParallel's per-gradient stream handover for graphed layers. Now DataParallel holds each
+    # parameter's AccumulateGrad node (made on the step's stream): no handover. GPU test of that,
+    # then GPT-1.3B one GPU, tp=2 + SP plain / pairs, dp=2 zero=1 with automatic GC / gc_interval=5
+    # (frozen heap), Llama-1B tp=2 + SP plain / pairs, one GPU (~430 s)
+    smi_log s17C; date +"runs from %T"
+    BUDGET=60 bash "$0" tests "steps_stream" | grep -E "rc=|SKIPPED"
+    run() { NPROC=$2 timeout 85 python3 benchmarks/quick_train.py $1 ${@:3} 2>&1 | grep -E "STEPS|RESULT|Error" | tail -2; reap; }
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    run gpt-1.3b 1; run gpt-1.3b 2 $sp; run gpt-1.3b 2 $sp parallel.tp_microbatch_pairs=true
+    run llama-1b 2 $sp; run llama-1b 2 $sp parallel.tp_microbatch_pairs=true; run llama-1b 1
+    run gpt-1.3b 2 parallel.zero=1; run gpt-1.3b 2 parallel.zero=1 train.gc_interval=5 ;;
   s17A)  # session 17, first call: see the plan at the top
     smi_log s17A; date +"runs from %T"
     BUDGET=260 bash "$0" tests "microbatch_pairs" | grep -E "rc=|SKIPPED"

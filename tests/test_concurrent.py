@@ -285,11 +285,11 @@ def test_pairs_refused_where_they_cannot_run(sets, key):
 
 
 def test_gradient_adds_run_on_the_steps_stream(monkeypatch):
-    """DataParallel's hook, run by autograd on another stream than the step's (a graphed layer's
-    AccumulateGrad lives on the capture stream; a pair's second gradients come from the side
-    stream): the step's stream waits for that stream, the gradient is recorded on the step's
-    stream, and the add runs there, the hook's stream put back after; on the step's own stream
-    nothing of that happens. Stand-in streams on a CPU."""
+    """Autograd runs DataParallel's hook on the stream the parameter's AccumulateGrad node was
+    made on, which DataParallel makes and holds when built. A step on that stream adds every
+    gradient where the hook runs, with no stream calls; a step on another stream gets a handover
+    per gradient: the step's stream waits for the hook's, the gradient is recorded on the step's
+    stream, the add runs there, the hook's stream put back after. Stand-in streams on a CPU."""
     from tessera.distributed.data_parallel import DataParallel
 
     log: list[str] = []
@@ -312,25 +312,57 @@ def test_gradient_adds_run_on_the_steps_stream(monkeypatch):
         current[0] = stream
         log.append(f"on {stream.name}")
 
-    step, capture = Stream("step"), Stream("capture")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    def current_stream(device=None):
+        log.append("asked")
+        return current[0]
+
+    step, other = Stream("step"), Stream("other")
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
     monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: log.append(f"recorded on {s.name}"))
     model = nn.Linear(2, 2)
     dp = DataParallel([model], Topology.build(), bucket_size=10**6)
-    dp.device = torch.device("cuda")  # (pretended: the streams above stand in)
+    dp.device, dp._made_on = torch.device("cuda"), step  # (pretended: built on the step's stream)
     add = dp.accumulate
     monkeypatch.setattr(dp, "accumulate", lambda p, g: (log.append(f"add on {current[0].name}"), add(p, g)))
     current[0] = step
     dp.start_step(2)
-    model(torch.ones(1, 2)).sum().backward()  # the hooks run on the step's stream: plain adds
+    log.clear()
+    model(torch.ones(1, 2)).sum().backward()  # the hooks run where the nodes were made: plain adds
     assert log == ["add on step", "add on step"]
     log.clear()
-    current[0] = capture  # as autograd sets it for an AccumulateGrad node made on the capture stream
+    current[0] = other  # a step started on another stream than the nodes were made on
+    dp.start_step(1)
+    current[0] = step  # (where autograd runs the hooks)
     model(torch.ones(1, 2)).sum().backward()
-    handover = ["step waits for capture", "recorded on step", "on step", "add on step", "on capture"]
-    assert log == handover * 2 and current[0] is capture
+    handover = ["asked", "other waits for step", "recorded on other", "on other", "add on other", "on step"]
+    assert log == ["asked", *handover * 2] and current[0] is step
+
+
+def test_data_parallel_holds_each_parameters_accumulator():
+    """The AccumulateGrad node autograd uses for a parameter is the one DataParallel made and
+    holds (so a CUDA graph capture cannot make another on its capture stream)."""
+    from tessera.distributed.data_parallel import DataParallel
+
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    dp = DataParallel([model], Topology.build(), bucket_size=10**6)
+    held = {id(node.variable): node for node in dp._accumulators}
+    assert len(held) == 4
+    out = model(torch.ones(1, 2))
+    used = []
+    stack = [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if type(nxt).__name__ == "AccumulateGrad":
+                used.append(nxt)
+            else:
+                stack.append(nxt)
+    assert used and all(held[id(n.variable)] is n for n in used)
+    assert {id(n.variable) for n in used} == set(held)
 
 
 def test_the_second_graph_set_is_captured_on_a_stream_of_its_own(monkeypatch):

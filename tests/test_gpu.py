@@ -408,6 +408,46 @@ def test_fused_weight_gradient_accumulation_is_exact_to_fp32():
         assert errors[0].max().item() < 1e-5 * exact.abs().max().item(), mean
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_graphed_layers_add_their_gradients_on_the_steps_stream():
+    """DataParallel holds each parameter's AccumulateGrad node, made on the step's stream, so
+    capturing the layers' CUDA graphs (on a capture stream of torch's) makes no new ones there:
+    every gradient, graphed layers' included, reaches DataParallel on the step's stream, where
+    its bucket's reduction is launched from (no handover per gradient), and the gradients equal
+    the eager layers'."""
+    from tessera.distributed.data_parallel import DataParallel
+    from tessera.topology import Topology
+    from tessera.training.cuda_graphs import graph_layers
+
+    cfg = ModelConfig(family="gpt2", hidden=128, heads=4, layers=2, seq_len=64, vocab_size=300)
+    model = GPTModel(cfg, device="cuda")
+    model.init_weights(3)
+    dp = DataParallel([model], Topology.build(device="cuda"), bucket_size=10**6)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), device="cuda")
+    streams = []
+    add = dp.accumulate
+    dp.accumulate = lambda p, g: (streams.append(torch.cuda.current_stream()), add(p, g))
+
+    def step():
+        dp.start_step(1)
+        model(tokens, labels=tokens.roll(-1, 1)).mean().backward()
+        dp.finish_grad_sync()
+        return [p.main_grad.clone() for p in model.parameters()]
+
+    eager = step()
+    graphs = graph_layers(model, micro_batch=2, sequence_length=cfg.seq_len, data_parallel=dp)
+    try:
+        streams.clear()
+        graphed = [step(), step()]
+    finally:
+        graphs.release()
+    n = sum(1 for _ in model.parameters())
+    assert len(streams) == 2 * n and set(streams) == {torch.cuda.current_stream()}, set(streams)
+    for grads in graphed:
+        for a, b in zip(grads, eager):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 # train.fused_elementwise is auto (on in llama's eager and graphed CUDA layers): runs without it say false
 _NO_EW = "train.fused_elementwise=false"
 # the fast paths, in groups that each fit one GPU call (~40 s a run): name -> overrides

@@ -120,6 +120,12 @@ class DataParallel:
                 for p in bucket.params:
                     self._state[p] = st
                     p.register_post_accumulate_grad_hook(self._on_grad)
+        # Each parameter's AccumulateGrad node, made here and held: autograd reuses a live node
+        # for every later graph, and runs it (and so _on_grad) on the stream current when it was
+        # made -- the step's. Unheld, a CUDA graph capture would make it on the capture stream
+        # and keep it there, and every graphed gradient would need a handover (_on_grad).
+        self._made_on = self._current_stream()
+        self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in self._state]
         self._count: dict[nn.Parameter, int] = dict.fromkeys(self._state, 0)
         self._expected = 0
         self._in_flight: collections.deque[Pending] = collections.deque()
@@ -175,9 +181,12 @@ class DataParallel:
         copied into the buffer, so nothing is zeroed here but zero=2's accumulating shards and
         the buffers of weights whose fused gradient GEMM a CUDA graph replays)."""
         self._expected = num_microbatches
-        # the stream the step's gradient work runs on (see _on_grad)
-        self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if self._stream is not None and self._handover is None:
+        # the stream the step's gradient work runs on; the hooks run on the one the accumulators
+        # were made on: a handover only where the two differ (see _on_grad)
+        self._stream = self._current_stream()
+        if self._stream == self._made_on:
+            self._stream = None
+        elif self._handover is None:
             self._handover = torch.cuda.Event()
         for p in self._count:
             self._count[p] = 0
@@ -202,17 +211,18 @@ class DataParallel:
         grad, p.grad = p.grad, None
         if grad is None:  # a deferred weight gradient (zero-bubble I step); it comes later
             return
-        here = torch.cuda.current_stream(self.device) if self._stream is not None else None
-        if here is None or here == self._stream:
+        if self._stream is None:  # the step runs on the stream the accumulators were made on
             self.accumulate(p, grad)
             return
-        # Autograd runs this hook on the stream its AccumulateGrad node was made on, after that
-        # stream waited for the gradient's producer: for CUDA-graphed layers the capture stream
-        # (the graphs keep those nodes alive), while the embedding's and head's run on the step's
-        # stream; with micro-batch pairs the gradient may come from the side stream. A bucket's
-        # reduction waits for the stream it is launched from only, so every add into the buffers
-        # runs on the step's stream, after the stream that holds this gradient (one reused event:
-        # this runs for every graphed weight of every micro-batch).
+        here = torch.cuda.current_stream(self.device)
+        if here == self._stream:
+            self.accumulate(p, grad)
+            return
+        # Autograd runs this hook on the stream its AccumulateGrad node was made on (__init__'s),
+        # after that stream waited for the gradient's producer; the step runs on another. A
+        # bucket's reduction waits for the stream it is launched from only, so every add into the
+        # buffers runs on the step's stream, after the stream that holds this gradient (one
+        # reused event).
         self._handover.record(here)
         self._stream.wait_event(self._handover)
         grad.record_stream(self._stream)
@@ -221,6 +231,9 @@ class DataParallel:
             self.accumulate(p, grad)
         finally:
             torch.cuda.set_stream(here)
+
+    def _current_stream(self):
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def accumulate(self, p: nn.Parameter, grad: Tensor) -> None:
         """Add one micro-batch's gradient of ``p``; start reductions that became possible."""
