@@ -232,6 +232,17 @@ case "${1:-tests}" in
     for n in 2 1; do log="${OUT:-/tmp}/jitter_n$n.log"
       STEPS=40 timeout 150 torchrun --nproc-per-node $n benchmarks/step_jitter.py $([ $n = 2 ] && echo parallel.zero=1) \
         > "$log" 2>&1; grep -E "SUMMARY|Error" "$log" | tail -3; reap; done ;;
+  s17D)  # session 17, last call: s17C's graphed tp=2 runs failed (DataParallel held AccumulateGrad
+    # nodes made on the legacy default stream; a capture cannot make that stream wait). Now the
+    # trainer captures and trains graphed layers on a stream of its own (cuda_graphs.step_stream):
+    # the captured nodes live on the step's stream. GPU test of that; GPT-1.3B and Llama-1B tp=2 +
+    # SP plain / pairs and one GPU; the graphed-vs-eager tp=2 GPU test (~430 s)
+    smi_log s17D; date +"runs from %T"
+    BUDGET=50 bash "$0" tests "steps_stream" | grep -E "rc=|SKIPPED"
+    run() { NPROC=$2 timeout 85 python3 benchmarks/quick_train.py $1 ${@:3} 2>&1 | grep -E "STEPS|LOSSES|RESULT|Error" | tail -3; reap; }
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    for m in gpt-1.3b llama-1b; do run $m 2 $sp; run $m 2 $sp parallel.tp_microbatch_pairs=true; run $m 1; done
+    BUDGET=90 bash "$0" tests "graphed_layers_follow_eager" | grep -E "rc=|SKIPPED" ;;
   s17C)  # session 17, third call: s17A's plain tp=2 fell to 37,412 (41,421-41,629 in session 16):
     # DataParallel's per-gradient stream handover for graphed layers. Now DataParallel holds each
     # parameter's AccumulateGrad node (made on the step's stream): no handover. GPU test of that,

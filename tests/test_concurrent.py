@@ -285,11 +285,12 @@ def test_pairs_refused_where_they_cannot_run(sets, key):
 
 
 def test_gradient_adds_run_on_the_steps_stream(monkeypatch):
-    """Autograd runs DataParallel's hook on the stream the parameter's AccumulateGrad node was
-    made on, which DataParallel makes and holds when built. A step on that stream adds every
-    gradient where the hook runs, with no stream calls; a step on another stream gets a handover
-    per gradient: the step's stream waits for the hook's, the gradient is recorded on the step's
-    stream, the add runs there, the hook's stream put back after. Stand-in streams on a CPU."""
+    """DataParallel's hook, run by autograd on the stream the parameter's AccumulateGrad node was
+    made on: on the step's stream it adds, with no stream calls but one id query; on another (a
+    pair's second forward made its nodes on the side stream) the step's stream waits for that
+    one, the gradient is recorded on the step's stream, the add runs there, the hook's stream put
+    back after. Stand-in streams on a CPU."""
+    from tessera.distributed import data_parallel
     from tessera.distributed.data_parallel import DataParallel
 
     log: list[str] = []
@@ -312,57 +313,66 @@ def test_gradient_adds_run_on_the_steps_stream(monkeypatch):
         current[0] = stream
         log.append(f"on {stream.name}")
 
-    def current_stream(device=None):
-        log.append("asked")
-        return current[0]
-
-    step, other = Stream("step"), Stream("other")
-    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    step, side = Stream("step"), Stream("side")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(data_parallel, "current_stream_id", lambda device: id(current[0]))
     monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: log.append(f"recorded on {s.name}"))
     model = nn.Linear(2, 2)
     dp = DataParallel([model], Topology.build(), bucket_size=10**6)
-    dp.device, dp._made_on = torch.device("cuda"), step  # (pretended: built on the step's stream)
+    dp.device = torch.device("cuda")  # (pretended: the streams above stand in)
     add = dp.accumulate
     monkeypatch.setattr(dp, "accumulate", lambda p, g: (log.append(f"add on {current[0].name}"), add(p, g)))
     current[0] = step
     dp.start_step(2)
-    log.clear()
-    model(torch.ones(1, 2)).sum().backward()  # the hooks run where the nodes were made: plain adds
+    model(torch.ones(1, 2)).sum().backward()  # the hooks run on the step's stream: plain adds
     assert log == ["add on step", "add on step"]
     log.clear()
-    current[0] = other  # a step started on another stream than the nodes were made on
-    dp.start_step(1)
-    current[0] = step  # (where autograd runs the hooks)
+    current[0] = side  # where autograd runs the hooks of nodes made on the side stream
     model(torch.ones(1, 2)).sum().backward()
-    handover = ["asked", "other waits for step", "recorded on other", "on other", "add on other", "on step"]
-    assert log == ["asked", *handover * 2] and current[0] is step
+    handover = ["step waits for side", "recorded on step", "on step", "add on step", "on side"]
+    assert log == handover * 2 and current[0] is side
 
 
-def test_data_parallel_holds_each_parameters_accumulator():
-    """The AccumulateGrad node autograd uses for a parameter is the one DataParallel made and
-    holds (so a CUDA graph capture cannot make another on its capture stream)."""
-    from tessera.distributed.data_parallel import DataParallel
+def test_step_stream_is_current_and_captured_on_then_put_back(monkeypatch):
+    """cuda_graphs.step_stream: inside, a new stream (which waited for the old one) is current and
+    torch.cuda.graph's capture stream; on leaving, also after an error, both are put back and the
+    old stream waits for the new one. Stand-in streams on a CPU."""
+    from tessera.training.cuda_graphs import step_stream
 
-    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
-    dp = DataParallel([model], Topology.build(), bucket_size=10**6)
-    held = {id(node.variable): node for node in dp._accumulators}
-    assert len(held) == 4
-    out = model(torch.ones(1, 2))
-    used = []
-    stack = [out.grad_fn]
-    while stack:
-        node = stack.pop()
-        for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            if type(nxt).__name__ == "AccumulateGrad":
-                used.append(nxt)
-            else:
-                stack.append(nxt)
-    assert used and all(held[id(n.variable)] is n for n in used)
-    assert {id(n.variable) for n in used} == set(held)
+    log: list[str] = []
+    current = ["default"]
+
+    class Stream:
+        def __init__(self, name="new"):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits for {other.name}")
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, current[0] = current[0], s.name
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    default = Stream("default")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: default if current[0] == "default" else None)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", "torch's")
+    for fail in (False, True):
+        log.clear()
+        with contextlib.suppress(RuntimeError):
+            with step_stream(torch.device("cuda")) as s:
+                assert current[0] == "new" and torch.cuda.graph.default_capture_stream is s
+                if fail:
+                    raise RuntimeError("a step failed")
+        assert current[0] == "default" and torch.cuda.graph.default_capture_stream == "torch's"
+        assert log == ["new waits for default", "default waits for new"]
 
 
 def test_the_second_graph_set_is_captured_on_a_stream_of_its_own(monkeypatch):

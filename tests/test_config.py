@@ -1,6 +1,7 @@
 """Configuration: TOML + --set overrides, types checked, and every bad configuration refused
 with one clear message that names the key (before any process group or model exists)."""
 
+import contextlib
 import subprocess
 import sys
 
@@ -375,20 +376,34 @@ def test_trainer_releases_the_layer_graphs_after_training_and_after_an_error(mon
     stood in for on CPU; the GPU tests run the real one."""
     from tessera.training import trainer
 
+    log = []
+
     class Recorded:
         released = 0
 
         def release(self):
             Recorded.released += 1
+            log.append("released")
+
+    @contextlib.contextmanager
+    def step_stream(device):  # (the capture and the steps run on a stream of their own)
+        log.append("stream")
+        try:
+            yield
+        finally:
+            log.append("stream put back")
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(trainer, "fast_paths", lambda cfg, schedule, device: (False, False, True))
-    monkeypatch.setattr(trainer, "graph_stage", lambda chunks, cfg, data_parallel=None, fused=False: [Recorded()])
+    monkeypatch.setattr(trainer, "step_stream", step_stream)
+    monkeypatch.setattr(trainer, "graph_stage",
+                        lambda chunks, cfg, data_parallel=None, fused=False: log.append("captured") or [Recorded()])
     sets = ["train.device=cpu", "data.source=synthetic", "model.layers=2", "model.hidden=32", "model.heads=2",
             "model.seq_len=16", "model.vocab_size=64", "train.steps=2", "train.micro_batch=1",
             "train.global_batch=2", "train.sample_tokens=0", f"train.out_dir={tmp_path}"]
     history = trainer.train(load_config(None, sets))
     assert len(history) == 2 and Recorded.released == 1
+    assert log == ["stream", "captured", "released", "stream put back"]
     assert all(m["step_time_s"] > 0 for m in history)  # the real step on the host clock
 
     def broken(*args):
@@ -397,7 +412,7 @@ def test_trainer_releases_the_layer_graphs_after_training_and_after_an_error(mon
     monkeypatch.setattr(trainer, "_run", broken)
     with pytest.raises(RuntimeError, match="a step failed"):
         trainer.train(load_config(None, sets))
-    assert Recorded.released == 2
+    assert Recorded.released == 2 and log[4:] == ["stream", "captured", "released", "stream put back"]
 
 
 def test_trainer_reads_each_step_after_launching_the_next(monkeypatch, tmp_path):

@@ -1,5 +1,6 @@
 """GPU paths (skipped without CUDA; run on the GPU machine): SDPA's CUDA kernels, NCCL, bf16."""
 
+import contextlib
 import json
 import os
 import re
@@ -410,39 +411,50 @@ def test_fused_weight_gradient_accumulation_is_exact_to_fp32():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_graphed_layers_add_their_gradients_on_the_steps_stream():
-    """DataParallel holds each parameter's AccumulateGrad node, made on the step's stream, so
-    capturing the layers' CUDA graphs (on a capture stream of torch's) makes no new ones there:
+    """Layers captured and trained inside cuda_graphs.step_stream, as the trainer does: the
+    AccumulateGrad nodes the capture makes (kept by the graphs) live on the step's stream, so
     every gradient, graphed layers' included, reaches DataParallel on the step's stream, where
-    its bucket's reduction is launched from (no handover per gradient), and the gradients equal
-    the eager layers'."""
+    its bucket's reduction is launched from (no handover per gradient); and the gradients equal
+    the eager layers'. Captured on torch's own capture stream instead, the graphed layers'
+    gradients arrive on that one."""
     from tessera.distributed.data_parallel import DataParallel
     from tessera.topology import Topology
-    from tessera.training.cuda_graphs import graph_layers
+    from tessera.training.cuda_graphs import graph_layers, step_stream
 
     cfg = ModelConfig(family="gpt2", hidden=128, heads=4, layers=2, seq_len=64, vocab_size=300)
-    model = GPTModel(cfg, device="cuda")
-    model.init_weights(3)
-    dp = DataParallel([model], Topology.build(device="cuda"), bucket_size=10**6)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), device="cuda")
-    streams = []
-    add = dp.accumulate
-    dp.accumulate = lambda p, g: (streams.append(torch.cuda.current_stream()), add(p, g))
 
-    def step():
-        dp.start_step(1)
-        model(tokens, labels=tokens.roll(-1, 1)).mean().backward()
-        dp.finish_grad_sync()
-        return [p.main_grad.clone() for p in model.parameters()]
+    def run(own_stream: bool):
+        model = GPTModel(cfg, device="cuda")
+        model.init_weights(3)
+        dp = DataParallel([model], Topology.build(device="cuda"), bucket_size=10**6)
+        streams, add = [], dp.accumulate
+        dp.accumulate = lambda p, g: (streams.append(torch.cuda.current_stream()), add(p, g))
 
-    eager = step()
-    graphs = graph_layers(model, micro_batch=2, sequence_length=cfg.seq_len, data_parallel=dp)
-    try:
-        streams.clear()
-        graphed = [step(), step()]
-    finally:
-        graphs.release()
-    n = sum(1 for _ in model.parameters())
-    assert len(streams) == 2 * n and set(streams) == {torch.cuda.current_stream()}, set(streams)
+        def step():
+            dp.start_step(1)
+            model(tokens, labels=tokens.roll(-1, 1)).mean().backward()
+            dp.finish_grad_sync()
+            return [p.main_grad.clone() for p in model.parameters()]
+
+        with step_stream(torch.device("cuda")) if own_stream else contextlib.nullcontext():
+            eager = step()
+            graphs = graph_layers(model, micro_batch=2, sequence_length=cfg.seq_len, data_parallel=dp)
+            try:
+                streams.clear()
+                graphed = [step(), step()]
+            finally:
+                graphs.release()
+            here = torch.cuda.current_stream()
+        return eager, graphed, streams, here, sum(1 for _ in model.parameters())
+
+    eager, graphed, streams, here, n = run(own_stream=True)
+    assert len(streams) == 2 * n and set(streams) == {here}, set(streams)
+    for grads in graphed:
+        for a, b in zip(grads, eager):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    _, graphed, streams, here, _ = run(own_stream=False)  # the handover's case: still the same sums
+    assert len(set(streams)) == 2 and here in set(streams)
     for grads in graphed:
         for a, b in zip(grads, eager):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -87,6 +87,15 @@ class _BucketState:
     launched: bool = False  # the step's final reduction has started
 
 
+def current_stream_id(device: torch.device) -> int:
+    """The current CUDA stream of ``device`` as a number: torch's raw-stream query, which the
+    gradient hook asks for every gradient of every micro-batch (torch.cuda.current_stream builds
+    a Stream object each time), or the public call's handle where this torch lacks it."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device.index if device.index is not None else torch.cuda.current_device()) if raw else \
+        torch.cuda.current_stream(device).cuda_stream
+
+
 class DataParallel:
     """Buckets, hooks and reductions for this rank's model chunks (zero 0, 1, 2)."""
 
@@ -99,7 +108,7 @@ class DataParallel:
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
-        self.device, self._stream, self._handover = torch.device(topo.device), None, None
+        self.device, self._stream, self._stream_id, self._handover = torch.device(topo.device), None, 0, None
         self.zero, self.sharded, self.reduce_dtype = zero, zero >= 1, reduce_dtype
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.buffers = [ParamAndGradBuffer([p for p in chunk.parameters() if p.requires_grad],
@@ -120,12 +129,6 @@ class DataParallel:
                 for p in bucket.params:
                     self._state[p] = st
                     p.register_post_accumulate_grad_hook(self._on_grad)
-        # Each parameter's AccumulateGrad node, made here and held: autograd reuses a live node
-        # for every later graph, and runs it (and so _on_grad) on the stream current when it was
-        # made -- the step's. Unheld, a CUDA graph capture would make it on the capture stream
-        # and keep it there, and every graphed gradient would need a handover (_on_grad).
-        self._made_on = self._current_stream()
-        self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in self._state]
         self._count: dict[nn.Parameter, int] = dict.fromkeys(self._state, 0)
         self._expected = 0
         self._in_flight: collections.deque[Pending] = collections.deque()
@@ -181,13 +184,11 @@ class DataParallel:
         copied into the buffer, so nothing is zeroed here but zero=2's accumulating shards and
         the buffers of weights whose fused gradient GEMM a CUDA graph replays)."""
         self._expected = num_microbatches
-        # the stream the step's gradient work runs on; the hooks run on the one the accumulators
-        # were made on: a handover only where the two differ (see _on_grad)
-        self._stream = self._current_stream()
-        if self._stream == self._made_on:
-            self._stream = None
-        elif self._handover is None:
-            self._handover = torch.cuda.Event()
+        # the stream the step's gradient work runs on (see _on_grad)
+        if self.device.type == "cuda":
+            self._stream, self._stream_id = torch.cuda.current_stream(self.device), current_stream_id(self.device)
+            if self._handover is None:
+                self._handover = torch.cuda.Event()
         for p in self._count:
             self._count[p] = 0
         for buffer in self.buffers:  # (zero 0/1: no memset; a step's first gradient is copied in)
@@ -211,18 +212,17 @@ class DataParallel:
         grad, p.grad = p.grad, None
         if grad is None:  # a deferred weight gradient (zero-bubble I step); it comes later
             return
-        if self._stream is None:  # the step runs on the stream the accumulators were made on
+        if self._stream is None or current_stream_id(self.device) == self._stream_id:
             self.accumulate(p, grad)
             return
+        # Autograd runs this hook on the stream its AccumulateGrad node was made on, after that
+        # stream waited for the gradient's producer: a micro-batch pair's second forward makes its
+        # nodes on the side stream, and a node made in a CUDA graph capture lives as long as the
+        # graph, on the capture stream (the trainer captures on the step's own stream,
+        # training/cuda_graphs.step_stream, so that this costs nothing per step there). A bucket's
+        # reduction waits for the stream it is launched from only, so every add into the buffers
+        # runs on the step's stream, after the stream that holds this gradient (one reused event).
         here = torch.cuda.current_stream(self.device)
-        if here == self._stream:
-            self.accumulate(p, grad)
-            return
-        # Autograd runs this hook on the stream its AccumulateGrad node was made on (__init__'s),
-        # after that stream waited for the gradient's producer; the step runs on another. A
-        # bucket's reduction waits for the stream it is launched from only, so every add into the
-        # buffers runs on the step's stream, after the stream that holds this gradient (one
-        # reused event).
         self._handover.record(here)
         self._stream.wait_event(self._handover)
         grad.record_stream(self._stream)
@@ -231,9 +231,6 @@ class DataParallel:
             self.accumulate(p, grad)
         finally:
             torch.cuda.set_stream(here)
-
-    def _current_stream(self):
-        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def accumulate(self, p: nn.Parameter, grad: Tensor) -> None:
         """Add one micro-batch's gradient of ``p``; start reductions that became possible."""

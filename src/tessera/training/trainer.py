@@ -37,7 +37,7 @@ from tessera.training.data_feed import DataFeed
 from tessera.training.flops import flops_per_token, peak_flops
 from tessera.training.gc_control import GarbageCollection
 from tessera.training.concurrent import PairedExecutor, graph_pairs
-from tessera.training.cuda_graphs import graph_stage
+from tessera.training.cuda_graphs import graph_stage, step_stream
 from tessera.training.launch import init_distributed, pick_device, world_from_env
 from tessera.training.metrics import JsonlLogger, NullLogger
 from tessera.training.step import DTYPES, StepClock, train_step
@@ -288,17 +288,19 @@ def train(cfg: Config) -> list[dict]:
     logger.print(str(memory_report(data_parallel, optimizer)))
 
     model.train()
-    # captured after data parallelism placed the parameters in their buffers
+    # captured after data parallelism placed the parameters in their buffers, on the stream the
+    # steps then run on (cuda_graphs.step_stream)
     graphs = []
-    if stage.graphed:
-        def capture():
-            return graph_stage(stage.chunks, cfg, data_parallel, fused=stage.fuse_wgrad)
-        graphs = graph_pairs(stage.chunks, capture, stage.first_tp, stage.second_tp) if stage.pairs else capture()
-    try:
-        return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device)
-    finally:  # a graph holding NCCL work would hang destroy_process_group
-        for g in graphs:
-            g.release()
+    with step_stream(device) if stage.graphed else contextlib.nullcontext():
+        if stage.graphed:
+            def capture():
+                return graph_stage(stage.chunks, cfg, data_parallel, fused=stage.fuse_wgrad)
+            graphs = graph_pairs(stage.chunks, capture, stage.first_tp, stage.second_tp) if stage.pairs else capture()
+        try:
+            return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device)
+        finally:  # a graph holding NCCL work would hang destroy_process_group
+            for g in graphs:
+                g.release()
 
 
 def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, logger, logs: bool, world: int,
