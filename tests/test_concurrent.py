@@ -284,6 +284,38 @@ def test_pairs_refused_where_they_cannot_run(sets, key):
     assert e.value.key == key
 
 
+@pytest.mark.parametrize("sets, device, microbatches, expected", [
+    (["parallel.tp=2"], "cuda", 4, True),
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], "cuda", 2, True),
+    (["parallel.tp=2"], "cpu", 4, False),  # no streams
+    (["parallel.tp=2"], "cuda", 1, False),  # nothing to pair
+    (["parallel.tp=1"], "cuda", 4, False),
+    (["parallel.tp=2", "parallel.pp=2"], "cuda", 4, False),
+    (["parallel.tp=2", "parallel.zero=3"], "cuda", 4, False),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=p2p"], "cuda", 4, False),
+    (["parallel.tp=2", "parallel.tp_microbatch_pairs=false"], "cuda", 4, False),
+    (["parallel.tp=2", "parallel.tp_microbatch_pairs=true"], "cpu", 4, True),
+])
+def test_auto_runs_pairs_where_they_can_run_and_pay(sets, device, microbatches, expected):
+    """parallel.tp_microbatch_pairs=auto: pairs on CUDA at tp > 1, pp=1 with two or more
+    micro-batches, not with zero=3 or tp_async; true and false as set."""
+    from tessera.training.trainer import microbatch_pairs
+
+    cfg = load_config(None, sets)
+    validate(cfg, cfg.parallel.tp * cfg.parallel.pp)
+    assert microbatch_pairs(cfg, False, False, microbatches, torch.device(device)) is expected
+
+
+def test_auto_runs_no_pairs_around_compiled_layers_or_fused_weight_gradients():
+    from tessera.training.trainer import microbatch_pairs
+
+    cfg = load_config(None, ["parallel.tp=2"])
+    validate(cfg, 2)
+    cuda = torch.device("cuda")
+    assert microbatch_pairs(cfg, False, False, 8, cuda)
+    assert not microbatch_pairs(cfg, True, False, 8, cuda) and not microbatch_pairs(cfg, False, True, 8, cuda)
+
+
 def test_gradient_adds_run_on_the_steps_stream(monkeypatch):
     """DataParallel's hook, run by autograd on the stream the parameter's AccumulateGrad node was
     made on: on the step's stream it adds, with no stream calls but one id query; on another (a

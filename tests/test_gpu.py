@@ -153,14 +153,15 @@ def test_cuda_graphed_layers_follow_eager_layers(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_microbatch_pairs_on_two_streams_follow_the_plain_run(tmp_path):
-    """parallel.tp_microbatch_pairs at tp=2 + SP (training/concurrent.py): the second micro-batch
+    """parallel.tp_microbatch_pairs at tp=2 + SP (training/concurrent.py; auto there): the second micro-batch
     of each pair on a side stream with its own NCCL communicator, graphed layers captured once per
     communicator on their own capture stream, every gradient added into the buffers on the step's
     stream. The same sums in the same order as without pairs, so fp32 curves follow the plain
     tp=2 run to rounding (a race between the streams would not), graphed and eager."""
     sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
-    plain = _train(tmp_path, "tp2-plain", 2, sp, timeout=110)
-    runs = {"pairs-graphed": sp + ["parallel.tp_microbatch_pairs=true"],
+    plain = _train(tmp_path, "tp2-plain", 2, sp + ["parallel.tp_microbatch_pairs=false"], timeout=110)
+    assert "in pairs" not in (tmp_path / "tp2-plain" / "output.log").read_text()
+    runs = {"pairs-graphed": sp,  # (auto)
             "pairs-eager": sp + ["parallel.tp_microbatch_pairs=true", "train.cuda_graphs=false"]}
     failed = []
     for name, sets in runs.items():
@@ -410,13 +411,13 @@ def test_fused_weight_gradient_accumulation_is_exact_to_fp32():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_graphed_layers_add_their_gradients_on_the_steps_stream():
+def test_graphed_layers_add_their_gradients_on_the_steps_stream(monkeypatch):
     """Layers captured and trained inside cuda_graphs.step_stream, as the trainer does: the
     AccumulateGrad nodes the capture makes (kept by the graphs) live on the step's stream, so
     every gradient, graphed layers' included, reaches DataParallel on the step's stream, where
-    its bucket's reduction is launched from (no handover per gradient); and the gradients equal
-    the eager layers'. Captured on torch's own capture stream instead, the graphed layers'
-    gradients arrive on that one."""
+    its bucket's reduction is launched from, with no handover; and the gradients equal the eager
+    layers'. Captured on torch's own capture stream instead, the graphed layers' gradients
+    arrive on that one and DataParallel hands each over to the step's stream (the same sums)."""
     from tessera.distributed.data_parallel import DataParallel
     from tessera.topology import Topology
     from tessera.training.cuda_graphs import graph_layers, step_stream
@@ -428,8 +429,9 @@ def test_graphed_layers_add_their_gradients_on_the_steps_stream():
         model = GPTModel(cfg, device="cuda")
         model.init_weights(3)
         dp = DataParallel([model], Topology.build(device="cuda"), bucket_size=10**6)
-        streams, add = [], dp.accumulate
+        streams, add, switches, set_stream = [], dp.accumulate, [], torch.cuda.set_stream
         dp.accumulate = lambda p, g: (streams.append(torch.cuda.current_stream()), add(p, g))
+        monkeypatch.setattr(torch.cuda, "set_stream", lambda s: (switches.append(s), set_stream(s)))
 
         def step():
             dp.start_step(1)
@@ -442,22 +444,24 @@ def test_graphed_layers_add_their_gradients_on_the_steps_stream():
             graphs = graph_layers(model, micro_batch=2, sequence_length=cfg.seq_len, data_parallel=dp)
             try:
                 streams.clear()
+                switches.clear()
                 graphed = [step(), step()]
+                handovers = len(switches)
             finally:
                 graphs.release()
             here = torch.cuda.current_stream()
-        return eager, graphed, streams, here, sum(1 for _ in model.parameters())
+        return eager, graphed, streams, here, handovers
 
-    eager, graphed, streams, here, n = run(own_stream=True)
-    assert len(streams) == 2 * n and set(streams) == {here}, set(streams)
-    for grads in graphed:
-        for a, b in zip(grads, eager):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    _, graphed, streams, here, _ = run(own_stream=False)  # the handover's case: still the same sums
-    assert len(set(streams)) == 2 and here in set(streams)
-    for grads in graphed:
-        for a, b in zip(grads, eager):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    n = sum(1 for _ in GPTModel(cfg).parameters())
+    graphed_params = sum(1 for _ in GPTModel(cfg).layers.parameters())
+    for own_stream in (True, False):
+        eager, graphed, streams, here, handovers = run(own_stream)
+        assert len(streams) == 2 * n and set(streams) == {here}, set(streams)
+        # a handover switches to the step's stream and back, per graphed gradient
+        assert handovers == (0 if own_stream else 2 * 2 * graphed_params), (own_stream, handovers)
+        for grads in graphed:
+            for a, b in zip(grads, eager):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 # train.fused_elementwise is auto (on in llama's eager and graphed CUDA layers): runs without it say false

@@ -160,17 +160,17 @@ class ParallelConfig:
     A/Bs (session 14), +2.6 % (session 7); off around eager layers (-1.8 % in one A/B, session 4)
     and compiled ones (its asynchronous collectives break dynamo's graph, ~6 breaks per layer).
     false: the collective, then the GEMM (BENCHMARKS.md)."""
-    tp_microbatch_pairs: bool = False
+    tp_microbatch_pairs: Literal["auto", "true", "false"] = "auto"
     """tp > 1, pp=1: run the step's micro-batches two at a time, the second of each pair on a side
     CUDA stream with a TP communicator of its own, so one micro-batch's TP collectives run
     while the other's GEMMs do (training/concurrent.py; an odd last micro-batch runs alone; the
-    same sums in the same order as without). Two whole micro-batches on two streams measured
-    0.832 of their time one after the other (8 GPT-1.3B layers at tp=2 + SP, graphed, session
-    16); a first version in the trainer, whose two backwards ran in lockstep, measured +1.0 %
-    (GPT-1.3B tp=2 + SP), and the version now here (two backward calls, forwards side by side)
-    is not yet measured on a GPU: opt-in. Costs a second micro-batch's activations and, with
-    CUDA-graphed layers, a second set of graphs. Not with compiled layers, fused weight
-    gradients, zero=3 or parallel.tp_async (refused)."""
+    same sums in the same order as without). auto: on on CUDA at tp > 1, pp=1 with two or more
+    micro-batches per step wherever it can run (below): +4.1 % on GPT-1.3B and +3.7 % on
+    Llama-1B at tp=2 + SP with graphed layers (2x H200, session 17; +3.3 % and +5.7 % on 2x H100
+    the same session), the loss curves the same within bf16 rounding. Costs a second
+    micro-batch's activations (+2.2 GiB on GPT-1.3B) and, with CUDA-graphed layers, a second set
+    of graphs. Not with compiled layers, fused weight gradients, zero=3 or parallel.tp_async
+    (true is refused there, auto stays off)."""
     tp_async: Literal["false", "true", "p2p"] = "false"
     """tp > 1 with sequence parallelism: each column layer's all-gather and row layer's
     reduce-scatter run fused with the GEMM, chunked and overlapped, both directions
@@ -282,8 +282,9 @@ class TrainConfig:
     torchtitan's gc_freq); what is alive when training starts is frozen out of the collections'
     sight. Opt-in: measured at GPT-1.3B dp=2 on 2x H100 (session 16) before that freeze, each
     full collection held the host ~225 ms (every 10th step 520-538 ms against ~298), which cost
-    more than the automatic collector's rare slow steps (the slowest of 40: 348 ms); the frozen
-    version is not yet measured."""
+    more than the automatic collector's rare slow steps (the slowest of 40: 348 ms); with the
+    freeze, each collection still cost ~0.3 s (GPT-1.3B dp=2, gc_interval=5, 2x H200, session
+    17)."""
     timeout_s: float = 300.0
     """Collective timeout: a dead or stuck peer ends the job with an error after this long."""
     batch_rampup: str = ""
@@ -595,7 +596,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(t.fused_elementwise != "true" or cfg.model.family == "llama", "train.fused_elementwise",
            "compiles the llama family's RMSNorm, RoPE and SwiGLU; gpt2's LayerNorm and GELU are one "
            "kernel each already", "set train.fused_elementwise=false for model.family=gpt2")
-    if p.tp_microbatch_pairs:
+    if p.tp_microbatch_pairs == "true":
         _check_microbatch_pairs(cfg)
     if t.cuda_graphs == "true":
         _check_cuda_graphs(cfg, dp)
@@ -606,7 +607,7 @@ def validate(cfg: Config, world_size: int) -> Config:
 def _check_microbatch_pairs(cfg: Config) -> None:
     """What parallel.tp_microbatch_pairs cannot run with (training/concurrent.py says why)."""
     p, t = cfg.parallel, cfg.train
-    key, off = "parallel.tp_microbatch_pairs", "or set parallel.tp_microbatch_pairs=false"
+    key, off = "parallel.tp_microbatch_pairs", "or set parallel.tp_microbatch_pairs=auto (off where it cannot run)"
     _check(p.tp > 1, key, f"pairs hide TP collectives, and tp={p.tp} has none", f"use parallel.tp > 1 {off}")
     _check(p.pp == 1, key, f"pairs run pp=1 steps; pp={p.pp} runs a pipeline schedule", f"use parallel.pp=1 {off}")
     _check(t.compile != "true", key, "compiled layers call the TP collectives by the group's name, fixed when "

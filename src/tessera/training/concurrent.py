@@ -15,7 +15,8 @@ side by side; then the first's backward, then the second's (autograd runs each b
 its forward's stream, so the two backwards overlap too). Each micro-batch's gradients arrive in
 data parallelism as usual, and DataParallel adds every one into its buffers on the step's
 stream, after the stream that holds it (a bucket's reduction waits for the stream it is launched
-from only). The current stream waits for the side stream at the end of each pair. An odd last micro-batch runs alone. Where zero 1/2's parameter gather
+from only). The current stream waits for the side stream at the end of each pair. An odd last
+micro-batch runs alone. Where zero 1/2's parameter gather
 overlaps the step's first forward (its waits are forward hooks, run on the first micro-batch's
 stream), the side stream of the step's first pair waits for the first forward instead.
 
@@ -29,6 +30,10 @@ Two communicators, because NCCL runs one communicator's operations in order: on 
 micro-batch's collectives would queue behind the first's. CUDA-graphed layers are captured once
 per communicator (``graph_pairs``): each micro-batch of a pair replays its own graphs, with their
 own static buffers, captured on their own stream (so with their own cuBLAS workspace).
+
+Measured with graphed layers at tp=2 + SP: +4.1 % on GPT-1.3B and +3.7 % on Llama-1B (2x H200),
++3.3 % and +5.7 % (2x H100, session 17): auto runs pairs wherever they can run on CUDA
+(trainer.microbatch_pairs).
 
 What it needs (config.validate refuses the rest): pp=1, tp > 1, layers not compiled whole (the
 compiled collectives take the group by name), no fused weight gradients (two streams would add
