@@ -6,7 +6,15 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 17's calls, in order (30 device minutes; kind nvidia-h100-x2; send the next call at once):
+# Session 18's calls, in order (30 device minutes; kind nvidia-h100-x2; send the next call at once):
+#   1. s18A -- the GPU tests that session 17's changes touch and that did not run after them:
+#      graphed layers' gradients on the step's stream (its corrected second half), the pairs
+#      against the plain tp=2 run (pairs now auto), graphed tp=2 against eager (pairs auto there
+#      too), the graphed group of the 200-step curve test (the step stream) (~480 s)
+#   2. s18B -- GPT-1.3B one GPU (twice), tp=2 (pairs auto) and dp=2 with both peers
+#      (benchmarks/compare.py; torch DDP left out), the issue-6 rows on one card (~580 s)
+#   3. s18C -- the same for Llama-1B (~580 s)
+# Session 17's calls (done; BENCHMARKS.md session 17):
 #   1. s17A -- the GPU test of the micro-batch pairs (parallel.tp_microbatch_pairs against the
 #      plain tp=2 + SP run, graphed and eager, fp32; session 16's ran out of its 170 s), then
 #      GPT-1.3B tp=2 + SP with and without pairs (the version with two backward calls, forwards
@@ -232,6 +240,18 @@ case "${1:-tests}" in
     for n in 2 1; do log="${OUT:-/tmp}/jitter_n$n.log"
       STEPS=40 timeout 150 torchrun --nproc-per-node $n benchmarks/step_jitter.py $([ $n = 2 ] && echo parallel.zero=1) \
         > "$log" 2>&1; grep -E "SUMMARY|Error" "$log" | tail -3; reap; done ;;
+  s18A)  # session 18, first call: see the plan at the top
+    smi_log s18A; date +"runs from %T"
+    BUDGET=540 bash "$0" tests "steps_stream or microbatch_pairs or graphed_layers_follow_eager or (curve and graphed)" \
+      | grep -E "rc=|SKIPPED" ;;
+  s18B)  # session 18, second call: see the plan at the top
+    smi_log s18B; date +"runs from %T"
+    COMPARE_BUDGET=585 python3 benchmarks/compare.py gpt-1.3b 1gpu tp2 dp2 --skip torch@dp2 2>&1 \
+      | tee "${OUT:-/tmp}/compare_gpt.log" | grep -E "^\||RESULT|Error" | tail -14 ;;
+  s18C)  # session 18, third call: see the plan at the top
+    smi_log s18C; date +"runs from %T"
+    COMPARE_BUDGET=585 python3 benchmarks/compare.py llama-1b 1gpu tp2 dp2 --skip torch@dp2 2>&1 \
+      | tee "${OUT:-/tmp}/compare_llama.log" | grep -E "^\||RESULT|Error" | tail -14 ;;
   s17D)  # session 17, last call: s17C's graphed tp=2 runs failed (DataParallel held AccumulateGrad
     # nodes made on the legacy default stream; a capture cannot make that stream wait). Now the
     # trainer captures and trains graphed layers on a stream of its own (cuda_graphs.step_stream):
