@@ -8,9 +8,12 @@
 #       K="pipeline or curve" then K="zero"
 # Session 18's calls, in order (30 device minutes; kind nvidia-h100-x2; send the next call at once):
 #   1. s18A -- the GPU tests that session 17's changes touch and that did not run after them:
-#      graphed layers' gradients on the step's stream (its corrected second half), the pairs
-#      against the plain tp=2 run (pairs now auto), graphed tp=2 against eager (pairs auto there
-#      too), the graphed group of the 200-step curve test (the step stream) (~480 s)
+#      graphed layers' gradients on the step's stream (every layer's nodes now held on the capture
+#      stream; a review found the last layer's left on the warm-up stream), the pairs against the
+#      plain tp=2 run (pairs now auto), graphed tp=2 against eager and graphed tp=2 without SP
+#      (both now with auto pairs) (~420 s)
+#   1b. s18A2 -- the graphed group of the 200-step curve test (the step stream) and the graphed
+#      overlapped TP paths (pairs auto with tp_comm_overlap) (~350 s)
 #   2. s18B -- GPT-1.3B one GPU (twice), tp=2 (pairs auto) and dp=2 with both peers
 #      (benchmarks/compare.py; torch DDP left out), the issue-6 rows on one card (~580 s)
 #   3. s18C -- the same for Llama-1B (~580 s)
@@ -242,8 +245,11 @@ case "${1:-tests}" in
         > "$log" 2>&1; grep -E "SUMMARY|Error" "$log" | tail -3; reap; done ;;
   s18A)  # session 18, first call: see the plan at the top
     smi_log s18A; date +"runs from %T"
-    BUDGET=540 bash "$0" tests "steps_stream or microbatch_pairs or graphed_layers_follow_eager or (curve and graphed)" \
+    BUDGET=540 bash "$0" tests "steps_stream or microbatch_pairs or graphed_layers_follow_eager or without_sp" \
       | grep -E "rc=|SKIPPED" ;;
+  s18A2)  # session 18, second call: see the plan at the top
+    smi_log s18A2; date +"runs from %T"
+    BUDGET=540 bash "$0" tests "(curve and graphed) or overlapped_tp_paths" | grep -E "rc=|SKIPPED" ;;
   s18B)  # session 18, second call: see the plan at the top
     smi_log s18B; date +"runs from %T"
     COMPARE_BUDGET=585 python3 benchmarks/compare.py gpt-1.3b 1gpu tp2 dp2 --skip torch@dp2 2>&1 \

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from test_data_parallel import BASE, my_micro_batches
-from tessera.config import ConfigError, load_config, validate
+from tessera.config import ConfigError, ModelConfig, load_config, validate
 from tessera.tensor_parallel import RNGTracker
 from tessera.testing import run_ranks
 from tessera.topology import Topology
@@ -297,30 +297,31 @@ def test_pairs_refused_where_they_cannot_run(sets, key):
     (["parallel.tp=2", "parallel.tp_microbatch_pairs=true"], "cpu", 4, True),
 ])
 def test_auto_runs_pairs_where_they_can_run_and_pay(sets, device, microbatches, expected):
-    """parallel.tp_microbatch_pairs=auto: pairs on CUDA at tp > 1, pp=1 with two or more
-    micro-batches, not with zero=3 or tp_async; true and false as set."""
+    """parallel.tp_microbatch_pairs=auto: pairs around graphed layers on CUDA at tp > 1, pp=1 with
+    two or more micro-batches, not with zero=3 or tp_async; true and false as set."""
     from tessera.training.trainer import microbatch_pairs
 
     cfg = load_config(None, sets)
     validate(cfg, cfg.parallel.tp * cfg.parallel.pp)
-    assert microbatch_pairs(cfg, False, False, microbatches, torch.device(device)) is expected
+    assert microbatch_pairs(cfg, True, False, microbatches, torch.device(device)) is expected
 
 
-def test_auto_runs_no_pairs_around_compiled_layers_or_fused_weight_gradients():
+def test_auto_runs_pairs_only_around_graphed_layers_without_fused_weight_gradients():
     from tessera.training.trainer import microbatch_pairs
 
     cfg = load_config(None, ["parallel.tp=2"])
     validate(cfg, 2)
     cuda = torch.device("cuda")
-    assert microbatch_pairs(cfg, False, False, 8, cuda)
-    assert not microbatch_pairs(cfg, True, False, 8, cuda) and not microbatch_pairs(cfg, False, True, 8, cuda)
+    assert microbatch_pairs(cfg, True, False, 8, cuda)
+    assert not microbatch_pairs(cfg, False, False, 8, cuda)  # eager (or compiled) layers: not measured
+    assert not microbatch_pairs(cfg, True, True, 8, cuda)
 
 
 def test_gradient_adds_run_on_the_steps_stream(monkeypatch):
     """DataParallel's hook, run by autograd on the stream the parameter's AccumulateGrad node was
-    made on: on the step's stream it adds, with no stream calls but one id query; on another (a
-    pair's second forward made its nodes on the side stream) the step's stream waits for that
-    one, the gradient is recorded on the step's stream, the add runs there, the hook's stream put
+    made on: on the step's stream it adds, with no stream calls but one id query; on another
+    (graphs captured on a stream the step does not run on) the step's stream waits for that one,
+    the gradient is recorded on the step's stream, the add runs there, the hook's stream put
     back after. Stand-in streams on a CPU."""
     from tessera.distributed import data_parallel
     from tessera.distributed.data_parallel import DataParallel
@@ -361,7 +362,7 @@ def test_gradient_adds_run_on_the_steps_stream(monkeypatch):
     model(torch.ones(1, 2)).sum().backward()  # the hooks run on the step's stream: plain adds
     assert log == ["add on step", "add on step"]
     log.clear()
-    current[0] = side  # where autograd runs the hooks of nodes made on the side stream
+    current[0] = side  # where autograd runs the hooks of nodes made on another stream
     model(torch.ones(1, 2)).sum().backward()
     handover = ["step waits for side", "recorded on step", "on step", "add on step", "on side"]
     assert log == handover * 2 and current[0] is side
@@ -405,6 +406,79 @@ def test_step_stream_is_current_and_captured_on_then_put_back(monkeypatch):
                     raise RuntimeError("a step failed")
         assert current[0] == "default" and torch.cuda.graph.default_capture_stream == "torch's"
         assert log == ["new waits for default", "default waits for new"]
+
+
+def test_graphs_keep_accumulators_made_on_the_capture_stream(monkeypatch):
+    """cuda_graphs.capture makes every layer parameter's AccumulateGrad node on the capture
+    stream and holds it through make_graphed_callables: the nodes the graphs keep (autograd runs
+    each gradient's hook on its node's stream) are those, the last layer's too, whose warm-up
+    outputs outlive its warm-up. torch's real make_graphed_callables, its CUDA calls stood in
+    for on a CPU; a node is tagged where it is first seen."""
+    from tessera.models import GPTModel
+    from tessera.training import cuda_graphs
+
+    current = ["legacy"]
+
+    class Stream:
+        def __init__(self, name="warm-up"):
+            self.name = name
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, current[0] = current[0], s.name
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, **kwargs):  # torch.cuda.graph captures on its default capture stream
+        with stream(graph.default_capture_stream):
+            yield
+
+    graph.default_capture_stream = Stream("capture")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda.graphs, "graph_pool_handle", lambda: None)
+    cfg = ModelConfig(family="gpt2", hidden=32, heads=4, layers=3, seq_len=16, vocab_size=64)
+    layers = list(GPTModel(cfg).layers.values())
+    params = [p for layer in layers for p in layer.parameters()]
+
+    def node(p, tag):
+        n = p.view_as(p).grad_fn.next_functions[0][0]
+        n.metadata.setdefault("tag", tag)
+        return n
+
+    made_on = []  # the stream current while the capture's own nodes are made
+    view_as = torch.Tensor.view_as
+    monkeypatch.setattr(torch.Tensor, "view_as", lambda t, o: (made_on.append(current[0]), view_as(t, o))[1])
+    held = cuda_graphs._accumulators_on_the_capture_stream(layers)
+    assert len(held) == len(params) and set(made_on) == {"capture"} and current[0] == "legacy"
+    monkeypatch.setattr(torch.Tensor, "view_as", view_as)
+    del held
+
+    for layer in layers:  # tag nodes as the layers' forwards use them: warm-up or capture
+        def forward(x, *args, layer=layer, own=layer.forward):
+            out = own(x, *args)
+            for p in layer.parameters():
+                node(p, current[0])
+            return out
+        layer.forward = forward
+    real = torch.cuda.make_graphed_callables
+
+    def graphed(*args, **kwargs):  # what is alive when it starts: the held nodes
+        for p in params:
+            node(p, "held")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", graphed)
+    samples = tuple((torch.randn(16, 2, 32, requires_grad=True),) for _ in layers)
+    cuda_graphs.capture(layers, samples, 2)
+    kept = [[node(p, "after").metadata["tag"] for p in layer.parameters()] for layer in layers]
+    assert kept == [["held"] * len(k) for k in kept], kept
 
 
 def test_the_second_graph_set_is_captured_on_a_stream_of_its_own(monkeypatch):

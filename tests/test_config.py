@@ -414,6 +414,18 @@ def test_trainer_releases_the_layer_graphs_after_training_and_after_an_error(mon
         trainer.train(load_config(None, sets))
     assert Recorded.released == 2 and log[4:] == ["stream", "captured", "released", "stream put back"]
 
+    class Failing(Recorded):  # (a CUDA error in its synchronize)
+        def release(self):
+            super().release()
+            raise RuntimeError("a release failed")
+
+    # two sets (micro-batch pairs): the second is released although the first's release failed
+    monkeypatch.setattr(trainer, "graph_stage", lambda chunks, cfg, data_parallel=None, fused=False: [Failing(), Recorded()])
+    monkeypatch.setattr(trainer, "_run", lambda *args: [])
+    with pytest.raises(RuntimeError, match="a release failed"):
+        trainer.train(load_config(None, sets))
+    assert Recorded.released == 4
+
 
 def test_trainer_reads_each_step_after_launching_the_next(monkeypatch, tmp_path):
     """The host never waits for step k before step k+1 is queued: the trainer reads a step's

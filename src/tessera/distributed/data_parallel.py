@@ -216,12 +216,13 @@ class DataParallel:
             self.accumulate(p, grad)
             return
         # Autograd runs this hook on the stream its AccumulateGrad node was made on, after that
-        # stream waited for the gradient's producer: a micro-batch pair's second forward makes its
-        # nodes on the side stream, and a node made in a CUDA graph capture lives as long as the
-        # graph, on the capture stream (the trainer captures on the step's own stream,
-        # training/cuda_graphs.step_stream, so that this costs nothing per step there). A bucket's
-        # reduction waits for the stream it is launched from only, so every add into the buffers
-        # runs on the step's stream, after the stream that holds this gradient (one reused event).
+        # stream waited for the gradient's producer. A node made in a CUDA graph capture lives as
+        # long as the graph, on the capture stream: the trainer captures on the step's own stream
+        # (training/cuda_graphs.step_stream), so there this never runs, nor for a micro-batch
+        # pair's second micro-batch (its forward reuses the first's live nodes). Graphs captured
+        # elsewhere: a bucket's reduction waits for the stream it is launched from only, so every
+        # add into the buffers runs on the step's stream, after the stream that holds this
+        # gradient (one reused event).
         here = torch.cuda.current_stream(self.device)
         self._handover.record(here)
         self._stream.wait_event(self._handover)

@@ -13,9 +13,10 @@ first micro-batch's forward is issued on the current stream and the second's on 
 with every TP collective on the second communicator (``TPGroupSwap``), so the two forwards run
 side by side; then the first's backward, then the second's (autograd runs each backward op on
 its forward's stream, so the two backwards overlap too). Each micro-batch's gradients arrive in
-data parallelism as usual, and DataParallel adds every one into its buffers on the step's
-stream, after the stream that holds it (a bucket's reduction waits for the stream it is launched
-from only). The current stream waits for the side stream at the end of each pair. An odd last
+data parallelism as usual, on the step's stream: the second forward reuses the first's live
+AccumulateGrad nodes (graphed, the nodes the first set's capture made on the step's stream,
+cuda_graphs.step_stream), and autograd makes their stream wait for the side stream's gradient.
+The current stream waits for the side stream at the end of each pair. An odd last
 micro-batch runs alone. Where zero 1/2's parameter gather
 overlaps the step's first forward (its waits are forward hooks, run on the first micro-batch's
 stream), the side stream of the step's first pair waits for the first forward instead.
@@ -32,8 +33,8 @@ per communicator (``graph_pairs``): each micro-batch of a pair replays its own g
 own static buffers, captured on their own stream (so with their own cuBLAS workspace).
 
 Measured with graphed layers at tp=2 + SP: +4.1 % on GPT-1.3B and +3.7 % on Llama-1B (2x H200),
-+3.3 % and +5.7 % (2x H100, session 17): auto runs pairs wherever they can run on CUDA
-(trainer.microbatch_pairs).
++3.3 % and +5.7 % (2x H100, session 17): auto runs pairs around graphed layers wherever they
+can run (trainer.microbatch_pairs).
 
 What it needs (config.validate refuses the rest): pp=1, tp > 1, layers not compiled whole (the
 compiled collectives take the group by name), no fused weight gradients (two streams would add
@@ -52,6 +53,7 @@ from torch import Tensor, nn
 
 from tessera.pipeline_parallel.executor import run_backward
 from tessera.tensor_parallel.mappings import Group
+from tessera.training.cuda_graphs import release_all
 
 
 class TPGroupSwap:
@@ -159,8 +161,8 @@ def graph_pairs(chunks: list[nn.Module], capture, first_group: Group, second_gro
         with TPGroupSwap(chunks, first_group, second_group), _own_capture_stream():
             second = capture()
     except BaseException:
-        for g in first:
-            g.release()
+        with contextlib.suppress(Exception):  # (the capture's error is the one to see)
+            release_all(first)
         raise
     for layer, replay_first in zip(layers, replays_first):
         replay_second = layer.forward

@@ -52,6 +52,20 @@ class LayerGraphs:
             _reset(graphs)
 
 
+def release_all(handles: list[LayerGraphs]) -> None:
+    """``release()`` every handle, each even when one before it fails (a CUDA error in its
+    synchronize): a set left alive would hang destroy_process_group. The first error is raised
+    after all were released."""
+    error = None
+    for handle in handles:
+        try:
+            handle.release()
+        except BaseException as e:  # noqa: BLE001 -- raised below, after the rest are freed
+            error = error or e
+    if error is not None:
+        raise error
+
+
 def _reset(graphs: list) -> None:
     for graph in graphs:
         graph.reset()
@@ -159,8 +173,23 @@ def capture(layers: list[nn.Module], samples: tuple, warmup: int, data_parallel=
             stack.enter_context(data_parallel.gather_hooks_lifted(layers))
         if fused:
             stack.enter_context(data_parallel.capture_fused())
+        held = _accumulators_on_the_capture_stream(layers)  # noqa: F841 -- alive while capturing
         torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup,
                                           allow_unused_input=fused)
+
+
+def _accumulators_on_the_capture_stream(layers: list[nn.Module]) -> list:
+    """Each layer parameter's AccumulateGrad node, made on the stream ``torch.cuda.graph`` will
+    capture on (the step's, inside ``step_stream``), or the live one. Held through the capture,
+    they are the nodes the graphs keep: autograd runs a gradient's hook on its node's stream.
+    Unheld, the last layer's nodes were the ones its warm-up made on make_graphed_callables' own
+    warm-up stream (its warm-up outputs stay alive through the captures), and every step handed
+    that layer's gradients over to the step's stream (DataParallel._on_grad)."""
+    if torch.cuda.graph.default_capture_stream is None:  # (as torch.cuda.graph makes it)
+        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    with torch.enable_grad(), torch.cuda.stream(torch.cuda.graph.default_capture_stream):
+        return [p.view_as(p).grad_fn.next_functions[0][0]
+                for layer in layers for p in layer.parameters() if p.requires_grad]
 
 
 @contextlib.contextmanager
@@ -181,9 +210,13 @@ def step_stream(device: torch.device):
     try:
         with torch.cuda.stream(stream):
             yield stream
-    finally:
+    except BaseException:
         torch.cuda.graph.default_capture_stream = capture_before
-        before.wait_stream(stream)
+        with contextlib.suppress(Exception):  # (after a CUDA error: the first error is the one to see)
+            before.wait_stream(stream)
+        raise
+    torch.cuda.graph.default_capture_stream = capture_before
+    before.wait_stream(stream)
 
 
 def graph_stage(chunks: list[nn.Module], cfg, data_parallel=None, fused: bool = False) -> list[LayerGraphs]:
@@ -198,8 +231,8 @@ def graph_stage(chunks: list[nn.Module], cfg, data_parallel=None, fused: bool = 
             graphs.append(graph_layers(chunk, cfg.train.micro_batch, seq, data_parallel=data_parallel,
                                        fused=fused))
     except BaseException:
-        for g in graphs:
-            g.release()
+        with contextlib.suppress(Exception):  # (the capture's error is the one to see)
+            release_all(graphs)
         raise
     return graphs
 

@@ -37,7 +37,7 @@ from tessera.training.data_feed import DataFeed
 from tessera.training.flops import flops_per_token, peak_flops
 from tessera.training.gc_control import GarbageCollection
 from tessera.training.concurrent import PairedExecutor, graph_pairs
-from tessera.training.cuda_graphs import graph_stage, step_stream
+from tessera.training.cuda_graphs import graph_stage, release_all, step_stream
 from tessera.training.launch import init_distributed, pick_device, world_from_env
 from tessera.training.metrics import JsonlLogger, NullLogger
 from tessera.training.step import DTYPES, StepClock, train_step
@@ -179,15 +179,17 @@ def tp_comm_overlap(cfg: Config, graphed: bool) -> bool:
     return {"true": True, "false": False}.get(p.tp_comm_overlap, graphed and p.tp > 1)
 
 
-def microbatch_pairs(cfg: Config, compiled: bool, fuse: bool, microbatches: int, device: torch.device) -> bool:
-    """parallel.tp_microbatch_pairs resolved (true was validated by config): auto runs pairs on
-    CUDA at tp > 1, pp=1 with two or more micro-batches a step, around eager or graphed layers
-    without fused weight gradients, zero < 3 and plain TP collectives, where they measured
-    +3.3-5.7 % (GPT-1.3B and Llama-1B, tp=2 + SP, session 17); never on a CPU (no streams)."""
+def microbatch_pairs(cfg: Config, graphed: bool, fuse: bool, microbatches: int, device: torch.device) -> bool:
+    """parallel.tp_microbatch_pairs resolved (true was validated by config): auto runs pairs
+    around CUDA-graphed layers (so on CUDA, pp=1, not compiled) at tp > 1 with two or more
+    micro-batches a step, without fused weight gradients, zero < 3 and with plain TP
+    collectives: there they measured +3.3-5.7 % (GPT-1.3B and Llama-1B, tp=2 + SP, session 17).
+    Not around eager layers (dropout, packed sequences, train.cuda_graphs=false): never
+    measured, and an eager tp > 1 step is bound by the host's launches, which pairs add to."""
     p = cfg.parallel
     if p.tp_microbatch_pairs != "auto":
         return p.tp_microbatch_pairs == "true"
-    return (device.type == "cuda" and p.tp > 1 and p.pp == 1 and microbatches >= 2 and not compiled and not fuse
+    return (device.type == "cuda" and graphed and p.tp > 1 and p.pp == 1 and microbatches >= 2 and not fuse
             and p.zero < 3 and p.tp_async == "false")
 
 
@@ -223,7 +225,7 @@ class Stage:
         self.p2p = P2P(topo, keep_shapes=True) if p.pp > 1 else None
         # micro-batch pairs (training/concurrent.py): the second of each on a side stream with a TP
         # communicator of its own (made on every rank alike: the config is the same everywhere)
-        self.pairs = microbatch_pairs(cfg, self.compiled, self.fuse_wgrad,
+        self.pairs = microbatch_pairs(cfg, self.graphed, self.fuse_wgrad,
                                       self.microbatches(cfg.train.global_batch, topo.dp), topo.device)
         self.first_tp = topo.group("tp")
         self.second_tp = topo.new_groups(topo.all_ranks_along("tp")) if self.pairs else None
@@ -312,8 +314,7 @@ def train(cfg: Config) -> list[dict]:
         try:
             return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device)
         finally:  # a graph holding NCCL work would hang destroy_process_group
-            for g in graphs:
-                g.release()
+            release_all(graphs)
 
 
 def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, logger, logs: bool, world: int,
