@@ -2,6 +2,7 @@
 GPT-1.3B, bf16, micro-batch 2, global batch 16, synthetic tokens) built as the trainer builds it,
 on this torchrun rank."""
 
+import contextlib
 import datetime
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ from tessera.tensor_parallel import RNGTracker
 from tessera.topology import Topology
 from tessera.training.data_feed import DataFeed
 from tessera.training.launch import init_distributed, pick_device, world_from_env
-from tessera.training.cuda_graphs import graph_stage
+from tessera.training.cuda_graphs import step_stream
 from tessera.training.trainer import Stage, build_data_parallel, check_runnable
 
 MODEL = MODELS["gpt-1.3b"] + ["train.micro_batch=2", "train.global_batch=16", "train.dtype=bf16",
@@ -32,6 +33,11 @@ def build(sets: list[str]) -> SimpleNamespace:
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device, timeout=datetime.timedelta(seconds=300))
     stage = Stage(cfg, topo, RNGTracker.for_rank(1, topo.tp_rank, topo.pp_rank, device))
     dp, opt = build_data_parallel(stage, topo, cfg)
-    graphs = graph_stage(stage.chunks, cfg, dp, fused=stage.fuse_wgrad) if stage.graphed else []
+    # graphed layers: captured and run on the step's own stream, as the trainer does, for the
+    # rest of the process (the namespace keeps the context: collected, it would be left)
+    stream = contextlib.ExitStack()
+    if stage.graphed:
+        stream.enter_context(step_stream(device))
+    graphs = stage.capture_graphs(dp)  # (two sets with micro-batch pairs, as the trainer)
     return SimpleNamespace(cfg=cfg, rank=rank, world=world, topo=topo, stage=stage, dp=dp, opt=opt,
-                           data=DataFeed(cfg, topo), graphs=graphs)
+                           data=DataFeed(cfg, topo), graphs=graphs, stream=stream)

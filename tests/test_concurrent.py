@@ -437,6 +437,7 @@ def test_graphs_keep_accumulators_made_on_the_capture_stream(monkeypatch):
             yield
 
     graph.default_capture_stream = Stream("capture")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: Stream())
     monkeypatch.setattr(torch.cuda, "stream", stream)

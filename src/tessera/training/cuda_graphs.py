@@ -185,6 +185,8 @@ def _accumulators_on_the_capture_stream(layers: list[nn.Module]) -> list:
     Unheld, the last layer's nodes were the ones its warm-up made on make_graphed_callables' own
     warm-up stream (its warm-up outputs stay alive through the captures), and every step handed
     that layer's gradients over to the step's stream (DataParallel._on_grad)."""
+    if not torch.cuda.is_available():  # (no streams: a CPU test's stand-in for the capture)
+        return []
     if torch.cuda.graph.default_capture_stream is None:  # (as torch.cuda.graph makes it)
         torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
     with torch.enable_grad(), torch.cuda.stream(torch.cuda.graph.default_capture_stream):

@@ -237,6 +237,17 @@ class Stage:
                                           gathers_in_forward=gathers)
         self._executors: dict[int, PipelineExecutor] = {}
 
+    def capture_graphs(self, data_parallel) -> list:
+        """The layers' CUDA graphs as ``train`` takes them (inside ``cuda_graphs.step_stream``,
+        after data parallelism placed the parameters; free them with ``release_all``): one set,
+        or one per TP communicator for micro-batch pairs; none where the layers are not graphed."""
+        if not self.graphed:
+            return []
+
+        def capture():
+            return graph_stage(self.chunks, self.cfg, data_parallel, fused=self.fuse_wgrad)
+        return graph_pairs(self.chunks, capture, self.first_tp, self.second_tp) if self.pairs else capture()
+
     def microbatches(self, global_batch: int, dp: int) -> int:
         return global_batch // (self.cfg.train.micro_batch * dp)
 
@@ -307,10 +318,7 @@ def train(cfg: Config) -> list[dict]:
     # steps then run on (cuda_graphs.step_stream)
     graphs = []
     with step_stream(device) if stage.graphed else contextlib.nullcontext():
-        if stage.graphed:
-            def capture():
-                return graph_stage(stage.chunks, cfg, data_parallel, fused=stage.fuse_wgrad)
-            graphs = graph_pairs(stage.chunks, capture, stage.first_tp, stage.second_tp) if stage.pairs else capture()
+        graphs = stage.capture_graphs(data_parallel)
         try:
             return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device)
         finally:  # a graph holding NCCL work would hang destroy_process_group
