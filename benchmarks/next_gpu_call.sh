@@ -17,6 +17,9 @@
 #   2. s18B -- GPT-1.3B one GPU (twice), tp=2 (pairs auto) and dp=2 with both peers
 #      (benchmarks/compare.py; torch DDP left out), the issue-6 rows on one card (~580 s)
 #   3. s18C -- the same for Llama-1B (~580 s)
+#   4. s18D -- where tp=2 + SP's step goes with pairs (auto) and without: kernel_table.py per
+#      rank (session 13: ~95 ms of a 384 ms step in unoverlapped SP collectives; the pairs hid
+#      only ~4 %: do the two streams' NCCL and GEMMs overlap, or does one wait?) (~250 s)
 # Session 17's calls (done; BENCHMARKS.md session 17):
 #   1. s17A -- the GPU test of the micro-batch pairs (parallel.tp_microbatch_pairs against the
 #      plain tp=2 + SP run, graphed and eager, fp32; session 16's ran out of its 170 s), then
@@ -258,6 +261,10 @@ case "${1:-tests}" in
     smi_log s18C; date +"runs from %T"
     COMPARE_BUDGET=585 python3 benchmarks/compare.py llama-1b 1gpu tp2 dp2 --skip torch@dp2 2>&1 \
       | tee "${OUT:-/tmp}/compare_llama.log" | grep -E "^\||RESULT|Error" | tail -14 ;;
+  s18D)  # session 18, fourth call: see the plan at the top
+    for v in true false; do log="${OUT:-/tmp}/kernels_tp2_pairs_$v.log"
+      timeout 150 torchrun --nproc-per-node 2 benchmarks/kernel_table.py parallel.tp=2 parallel.sequence_parallel=true \
+        parallel.tp_microbatch_pairs=$v > "$log" 2>&1; grep -h -E "SUMMARY|Error" "$log" | tail -4; done ;;
   s17D)  # session 17, last call: s17C's graphed tp=2 runs failed (DataParallel held AccumulateGrad
     # nodes made on the legacy default stream; a capture cannot make that stream wait). Now the
     # trainer captures and trains graphed layers on a stream of its own (cuda_graphs.step_stream):
