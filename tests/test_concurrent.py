@@ -189,6 +189,40 @@ def test_pairs_issue_the_forwards_side_by_side_then_two_backwards(monkeypatch, g
                    "F4 on current", "B4 on current"]
 
 
+def test_the_second_backward_hides_only_torchs_stream_mismatch_warning(monkeypatch):
+    """The second micro-batch's backward runs with torch's AccumulateGrad stream-mismatch
+    warning hidden (its gradients reach the nodes made on the step's stream from the side stream,
+    by design); the first's shows it, and any other warning passes."""
+    import warnings
+
+    from tessera.training import concurrent
+
+    mismatch = "The AccumulateGrad node's stream does not match the stream of the node that produced"
+
+    def backward(out, grad):
+        warnings.warn(f"{mismatch} (micro-batch {int(out.item())})")
+        warnings.warn(f"another warning (micro-batch {int(out.item())})")
+
+    class Ones(PairedExecutor):
+        def _loss(self, batch, global_tokens):
+            return torch.ones((), requires_grad=True) * batch["i"]
+
+        @staticmethod
+        def _current():
+            return _Stream("current", [])
+
+    monkeypatch.setattr(concurrent, "run_backward", backward)
+    model = nn.Linear(1, 1)
+    model.tp_group = object()
+    executor = Ones(model, model.tp_group, object(), _Stream("side", []))
+    executor._on_side = contextlib.nullcontext
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        executor.run([{"i": 1}, {"i": 2}], torch.tensor(1.0))
+    assert [str(w.message) for w in caught] == [f"{mismatch} (micro-batch 1)", "another warning (micro-batch 1)",
+                                                "another warning (micro-batch 2)"]
+
+
 def test_graph_pairs_capture_per_communicator_and_dispatch_by_the_group_held():
     """graph_pairs with a stand-in capture (no CUDA): the second capture runs with the layers
     holding the second communicator; each layer then replays the capture of the group it holds;

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -139,7 +140,8 @@ class PairedExecutor:
                     second = second * loss_scale if loss_scale != 1.0 else second
             run_backward(first * loss_scale if loss_scale != 1.0 else first, None)
             if len(pair) == 2:
-                with self._on_side():  # its seed made, and its backward called, in its forward's stream
+                # its seed made, and its backward called, in its forward's stream
+                with self._on_side(), _expected_stream_mismatch():
                     run_backward(second, None)
             if paired:
                 current.wait_stream(self.side)  # the pair's side work done before what follows
@@ -147,6 +149,17 @@ class PairedExecutor:
         for loss in losses:  # (the side stream's are done: the current stream waited for it)
             loss_sum += loss
         return loss_sum
+
+
+@contextlib.contextmanager
+def _expected_stream_mismatch():
+    """Inside, torch's warning that an AccumulateGrad node's stream differs from its gradient's
+    producer's is not shown: the second micro-batch's gradients come from the side stream into
+    the nodes the first forward made on the step's stream, and the wait it warns of is the one
+    wanted (DataParallel adds on the step's stream). Other warnings pass."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
+        yield
 
 
 def graph_pairs(chunks: list[nn.Module], capture, first_group: Group, second_group: Group) -> list:
