@@ -145,6 +145,21 @@ class _Stream:
         self.log.append(f"{self.name} waits for {other.name}")
 
 
+def _current_stream_stand_in(name: str):
+    """A stand-in for torch.cuda's current stream: ``current[0]`` names it, ``stream(s)`` is
+    torch.cuda.stream for stand-in streams (``s.name`` current inside, put back after)."""
+    current = [name]
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, current[0] = current[0], s.name
+        try:
+            yield
+        finally:
+            current[0] = before
+    return current, stream
+
+
 @pytest.mark.parametrize("gathers", [False, True])
 def test_pairs_issue_the_forwards_side_by_side_then_two_backwards(monkeypatch, gathers):
     """The order a pair's work is issued in, with stand-in streams: the side stream waits for
@@ -409,25 +424,9 @@ def test_step_stream_is_current_and_captured_on_then_put_back(monkeypatch):
     from tessera.training.cuda_graphs import step_stream
 
     log: list[str] = []
-    current = ["default"]
-
-    class Stream:
-        def __init__(self, name="new"):
-            self.name = name
-
-        def wait_stream(self, other):
-            log.append(f"{self.name} waits for {other.name}")
-
-    @contextlib.contextmanager
-    def stream(s):
-        before, current[0] = current[0], s.name
-        try:
-            yield
-        finally:
-            current[0] = before
-
-    default = Stream("default")
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    current, stream = _current_stream_stand_in("default")
+    default = _Stream("default", log)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream("new", log))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: default if current[0] == "default" else None)
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", "torch's")
@@ -451,29 +450,16 @@ def test_graphs_keep_accumulators_made_on_the_capture_stream(monkeypatch):
     from tessera.models import GPTModel
     from tessera.training import cuda_graphs
 
-    current = ["legacy"]
-
-    class Stream:
-        def __init__(self, name="warm-up"):
-            self.name = name
-
-    @contextlib.contextmanager
-    def stream(s):
-        before, current[0] = current[0], s.name
-        try:
-            yield
-        finally:
-            current[0] = before
-
+    current, stream = _current_stream_stand_in("legacy")
     @contextlib.contextmanager
     def graph(g, pool=None, **kwargs):  # torch.cuda.graph captures on its default capture stream
         with stream(graph.default_capture_stream):
             yield
 
-    graph.default_capture_stream = Stream("capture")
+    graph.default_capture_stream = _Stream("capture", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _Stream("warm-up", []))
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
