@@ -316,7 +316,6 @@ def train(cfg: Config) -> list[dict]:
     model.train()
     # captured after data parallelism placed the parameters in their buffers, on the stream the
     # steps then run on (cuda_graphs.step_stream)
-    graphs = []
     with step_stream(device) if stage.graphed else contextlib.nullcontext():
         graphs = stage.capture_graphs(data_parallel)
         try:
