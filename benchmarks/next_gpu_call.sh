@@ -20,6 +20,9 @@
 #   4. s18D -- where tp=2 + SP's step goes with pairs (auto) and without: kernel_table.py per
 #      rank (session 13: ~95 ms of a 384 ms step in unoverlapped SP collectives; the pairs hid
 #      only ~4 %: do the two streams' NCCL and GEMMs overlap, or does one wait?) (~250 s)
+#   5. (if time is left) s18E -- GPT-1.3B dp=2 with train.gc_interval=5: each collection's host
+#      time (gc_ms, "GC host ms" line) against the ~0.3 s dips of session 17 (a frozen collection
+#      takes ~0.1 ms on a CPU) (~70 s)
 # Session 17's calls (done; BENCHMARKS.md session 17):
 #   1. s17A -- the GPU test of the micro-batch pairs (parallel.tp_microbatch_pairs against the
 #      plain tp=2 + SP run, graphed and eager, fp32; session 16's ran out of its 170 s), then
@@ -265,6 +268,9 @@ case "${1:-tests}" in
     for v in true false; do log="${OUT:-/tmp}/kernels_tp2_pairs_$v.log"
       timeout 150 torchrun --nproc-per-node 2 benchmarks/kernel_table.py parallel.tp=2 parallel.sequence_parallel=true \
         parallel.tp_microbatch_pairs=$v > "$log" 2>&1; grep -h -E "SUMMARY|Error" "$log" | tail -4; done ;;
+  s18E)  # session 18, optional: see the plan at the top
+    NPROC=2 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b parallel.zero=1 train.gc_interval=5 2>&1 \
+      | grep -E "STEPS|GC host|RESULT|Error" | tail -3 ;;
   s17D)  # session 17, last call: s17C's graphed tp=2 runs failed (DataParallel held AccumulateGrad
     # nodes made on the legacy default stream; a capture cannot make that stream wait). Now the
     # trainer captures and trains graphed layers on a stream of its own (cuda_graphs.step_stream):

@@ -43,6 +43,8 @@ def main() -> None:
     if "peak_mem_gib" in steps[-1]:
         extra += f", peak memory {steps[-1]['peak_mem_gib']:.1f} GiB (the logging rank)"
     print("STEPS tokens/s per GPU:", " ".join(f"{m['tokens_per_s'] / nproc:,.0f}" for m in steps))
+    if any("gc_ms" in m for m in steps):  # train.gc_interval: each collection's host time, after its step
+        print("GC host ms after step:", " ".join(f"{m['step']}:{m['gc_ms']:.1f}" for m in steps if "gc_ms" in m))
     print("LOSSES", " ".join(f"{m['loss']:.5f}" for m in steps))  # two ways of running one model: the same curve?
     print(f"RESULT {name} nproc={nproc} {' '.join(sys.argv[2:])}: {tps:,.0f} tokens/s per GPU{extra}")
 

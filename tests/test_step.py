@@ -121,10 +121,11 @@ def test_garbage_collection_at_fixed_steps(monkeypatch):
     with GarbageCollection(3) as collector:
         assert not gc.isenabled()
         assert gc.get_freeze_count() > 0  # what lived at the start is out of the collections' sight
-        for step in range(7):
-            collector.step(step)
+        timed = [collector.step(step) for step in range(7)]
     assert gc.isenabled() and gc.get_freeze_count() == 0
     assert calls == [2, 2, 2, 2]  # before; after steps 3 and 6; after
+    assert [t is not None for t in timed] == [False, False, True, False, False, True, False]
+    assert all(t >= 0 for t in timed if t is not None)  # each collection's host time, in ms
     calls.clear()
     with GarbageCollection(0) as collector:
         assert gc.isenabled()

@@ -48,6 +48,8 @@ def test_same_losses_on_every_layout(tmp_path, family, extra):
     tp2_dp2, _ = run_train(tmp_path / "tp2dp2", 4, base + ["parallel.tp=2", "parallel.sequence_parallel=true",
                                                            "train.gc_interval=3"])
     assert_same_curve(reference, tp2_dp2)
+    # each collection's host time, on the step after which it ran
+    assert [m["step"] for m in tp2_dp2 if "gc_ms" in m] == [3, 6, 9] and "gc_ms" not in reference[2]
 
 
 @pytest.mark.timeout(200)

@@ -284,8 +284,9 @@ class TrainConfig:
     sight. Opt-in: measured at GPT-1.3B dp=2 on 2x H100 (session 16) before that freeze, each
     full collection held the host ~225 ms (every 10th step 520-538 ms against ~298), which cost
     more than the automatic collector's rare slow steps (the slowest of 40: 348 ms); with the
-    freeze, each collection still cost ~0.3 s (GPT-1.3B dp=2, gc_interval=5, 2x H200, session
-    17)."""
+    freeze, each collection still cost ~0.3 s of step time (GPT-1.3B dp=2, gc_interval=5, 2x
+    H200, session 17), though a frozen collection takes ~0.1 ms on a CPU; the metrics log each
+    collection's host time as gc_ms."""
     timeout_s: float = 300.0
     """Collective timeout: a dead or stuck peer ends the job with an error after this long."""
     batch_rampup: str = ""

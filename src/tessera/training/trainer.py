@@ -352,13 +352,15 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
                    "step_time_s": elapsed, **speed(tokens, elapsed)}
         if scaler is not None:
             metrics.update(loss_scale=scale, skipped=result.skipped)
+        if done in collected:  # train.gc_interval: the collection run after this step's launch
+            metrics["gc_ms"] = collected.pop(done)
         logger.log(metrics)
         if logs:
             history.append(metrics)
 
     # Step k's figures are read after step k+1 is launched (training/step.py), so the host never
     # leaves the GPU idle between steps; a step's time is where its work ran (StepClock).
-    pending, clock = None, StepClock(device)
+    pending, clock, collected = None, StepClock(device), {}
     with GarbageCollection(t.gc_interval) as collector:
         for step in range(t.steps):
             try:
@@ -374,7 +376,9 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             if pending is not None:
                 log(*pending)
             pending = (step, lr, scheduler.weight_decay(step), scale, result)  # the scale the step ran with
-            collector.step(step)
+            ms = collector.step(step)
+            if ms is not None:
+                collected[step] = ms
     if pending is not None:
         log(*pending)
 
