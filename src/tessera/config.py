@@ -615,8 +615,7 @@ def _check_microbatch_pairs(cfg: Config) -> None:
     _check(t.compile != "true", key, "compiled layers call the TP collectives by the group's name, fixed when "
            "compiled, so the second micro-batch cannot take its own communicator", f"leave train.compile at auto {off}")
     _check(t.grad_accum_fusion != "true", key, "fused weight-gradient GEMMs add straight into the main gradients, "
-           "and a pair's two streams would add into one at once (and graphed, the second capture's weights "
-           "without an autograd gradient would break it: pytorch#189591)",
+           "and a pair's two streams would add into one at once (not ordered per layer yet, eager or graphed)",
            f"leave train.grad_accum_fusion at auto {off}")
     _check(p.zero < 3, key, "zero=3 (FSDP) gathers and frees each layer's parameters around every forward",
            f"use parallel.zero 0, 1 or 2 {off}")

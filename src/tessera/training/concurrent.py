@@ -54,7 +54,7 @@ from torch import Tensor, nn
 
 from tessera.pipeline_parallel.executor import run_backward
 from tessera.tensor_parallel.mappings import Group
-from tessera.training.cuda_graphs import release_all
+from tessera.training.cuda_graphs import capturing_on, release_all
 
 
 class TPGroupSwap:
@@ -189,16 +189,9 @@ def _own_capture_stream():
     capture stream. cuBLAS keeps a workspace per (handle, stream), and a graph replays the
     workspace of the stream it was captured on: graphs captured on one stream share it, so two of
     them replayed at once on two streams (a pair's) would overwrite each other's split-K partial
-    sums. (``default_capture_stream`` is torch.cuda.graph's class attribute for this.)"""
-    if not torch.cuda.is_available():
+    sums."""
+    with capturing_on(torch.cuda.Stream()) if torch.cuda.is_available() else contextlib.nullcontext():
         yield
-        return
-    before = torch.cuda.graph.default_capture_stream
-    torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
-    try:
-        yield
-    finally:
-        torch.cuda.graph.default_capture_stream = before
 
 
 def _by_group(tp, second_group: Group, replay_first, replay_second):

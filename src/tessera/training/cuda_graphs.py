@@ -207,18 +207,26 @@ def step_stream(device: torch.device):
     hence a stream of its own.) Put back on leaving, the old stream waiting for this one."""
     stream, before = torch.cuda.Stream(device), torch.cuda.current_stream(device)
     stream.wait_stream(before)
-    capture_before = torch.cuda.graph.default_capture_stream
-    torch.cuda.graph.default_capture_stream = stream
     try:
-        with torch.cuda.stream(stream):
+        with capturing_on(stream), torch.cuda.stream(stream):
             yield stream
     except BaseException:
-        torch.cuda.graph.default_capture_stream = capture_before
         with contextlib.suppress(Exception):  # (after a CUDA error: the first error is the one to see)
             before.wait_stream(stream)
         raise
-    torch.cuda.graph.default_capture_stream = capture_before
     before.wait_stream(stream)
+
+
+@contextlib.contextmanager
+def capturing_on(stream):
+    """While inside, ``torch.cuda.graph`` captures on ``stream`` (its class attribute
+    ``default_capture_stream``, which make_graphed_callables' captures use); put back after."""
+    before = torch.cuda.graph.default_capture_stream
+    torch.cuda.graph.default_capture_stream = stream
+    try:
+        yield
+    finally:
+        torch.cuda.graph.default_capture_stream = before
 
 
 def graph_stage(chunks: list[nn.Module], cfg, data_parallel=None, fused: bool = False) -> list[LayerGraphs]:
