@@ -265,9 +265,9 @@ case "${1:-tests}" in
     COMPARE_BUDGET=585 python3 benchmarks/compare.py llama-1b 1gpu tp2 dp2 --skip torch@dp2 2>&1 \
       | tee "${OUT:-/tmp}/compare_llama.log" | grep -E "^\||RESULT|Error" | tail -14 ;;
   s18D)  # session 18, fourth call: see the plan at the top
-    for v in true false; do log="${OUT:-/tmp}/kernels_tp2_pairs_$v.log"
+    for v in true false; do export KT_TAG=tp2_pairs_$v; log="${OUT:-/tmp}/kernels_tp2_pairs_$v.log"
       timeout 150 torchrun --nproc-per-node 2 benchmarks/kernel_table.py parallel.tp=2 parallel.sequence_parallel=true \
-        parallel.tp_microbatch_pairs=$v > "$log" 2>&1; grep -h -E "SUMMARY|Error" "$log" | tail -4; done ;;
+        parallel.tp_microbatch_pairs=$v > "$log" 2>&1; grep -h -E "SUMMARY|STREAM|Error" "$log" | tail -12; done ;;
   s18E)  # session 18, optional: see the plan at the top
     NPROC=2 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b parallel.zero=1 train.gc_interval=5 2>&1 \
       | grep -E "STEPS|GC host|RESULT|Error" | tail -3 ;;
