@@ -268,6 +268,17 @@ case "${1:-tests}" in
     for v in true false; do export KT_TAG=tp2_pairs_$v; log="${OUT:-/tmp}/kernels_tp2_pairs_$v.log"
       timeout 150 torchrun --nproc-per-node 2 benchmarks/kernel_table.py parallel.tp=2 parallel.sequence_parallel=true \
         parallel.tp_microbatch_pairs=$v > "$log" 2>&1; grep -h -E "SUMMARY|STREAM|Error" "$log" | tail -12; done ;;
+  s18F)  # session 18, after s18D's profile: the pairs' forwards issued layer by layer in turn and the two
+    # backwards concurrent (a worker thread); GPU test, GPT-1.3B tp=2 + SP pairs / plain / 1 GPU, the profile (~430 s)
+    smi_log s18F; date +"runs from %T"
+    BUDGET=150 bash "$0" tests "microbatch_pairs" | grep -E "rc=|SKIPPED"
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    for v in true false; do NPROC=2 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b $sp parallel.tp_microbatch_pairs=$v 2>&1 \
+      | grep -E "LOSSES|RESULT|Error" | tail -2; reap; done
+    NPROC=1 timeout 90 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -1; reap
+    export KT_TAG=tp2_pairs_interleaved; timeout 120 torchrun --nproc-per-node 2 benchmarks/kernel_table.py $sp \
+      parallel.tp_microbatch_pairs=true > "${OUT:-/tmp}/kernels_tp2_pairs_interleaved.log" 2>&1
+    grep -h -E "SUMMARY|Error" "${OUT:-/tmp}/kernels_tp2_pairs_interleaved.log" | tail -3 ;;
   s18E)  # session 18, optional: see the plan at the top
     NPROC=2 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b parallel.zero=1 train.gc_interval=5 2>&1 \
       | grep -E "STEPS|GC host|RESULT|Error" | tail -3 ;;

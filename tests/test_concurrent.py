@@ -160,54 +160,130 @@ def _current_stream_stand_in(name: str):
     return current, stream
 
 
-@pytest.mark.parametrize("gathers", [False, True])
-def test_pairs_issue_the_forwards_side_by_side_then_two_backwards(monkeypatch, gathers):
-    """The order a pair's work is issued in, with stand-in streams: the side stream waits for
-    the current one before the first forward (after it, in the step's first pair, where zero
-    1/2's gather waits in that forward), the second forward and its backward on the side stream,
-    the first backward before the second, the current stream waiting for the side stream after
-    each pair; an odd last micro-batch alone on the current stream."""
-    from tessera.training import concurrent
-
-    log: list[str] = []
+def _logged_executor(log: list[str], **kwargs) -> PairedExecutor:
+    """A PairedExecutor over stand-in streams whose forwards (three pieces each: F<i>.<piece>)
+    and stream switches go to ``log``; each micro-batch's loss is its ``i``."""
     where = ["current"]
 
     class Logged(PairedExecutor):
-        def _loss(self, batch, global_tokens):
-            log.append(f"F{batch['i']} on {where[0]}")
-            return torch.ones((), requires_grad=True) * batch["i"]
+        def _steps(self, batch, global_tokens):
+            for piece in range(3):
+                log.append(f"F{batch['i']}.{piece} on {where[0]}")
+                yield None if piece < 2 else torch.ones((), requires_grad=True) * batch["i"]
 
         @contextlib.contextmanager
         def _on_side(self):
-            where[0] = "side"
+            before, where[0] = where[0], "side"
             try:
                 yield
             finally:
-                where[0] = "current"
+                where[0] = before
 
         @staticmethod
         def _current():
             return current
 
     current = _Stream("current", log)
-    monkeypatch.setattr(concurrent, "run_backward", lambda out, grad: log.append(f"B{int(out.item())} on {where[0]}"))
     model = nn.Linear(1, 1)
     model.tp_group = object()
-    executor = Logged(model, model.tp_group, object(), _Stream("side", log), gathers_in_forward=gathers)
+    executor = Logged(model, model.tp_group, object(), _Stream("side", log), **kwargs)
+    executor.where = where
+    return executor
+
+
+@pytest.mark.parametrize("gathers", [False, True])
+def test_pairs_issue_the_forwards_piece_by_piece_in_turn_then_two_backwards(monkeypatch, gathers):
+    """The order a pair's work is issued in, with stand-in streams (the backwards one after the
+    other here): the two forwards a piece each in turn, the second's on the side stream, which
+    waits for the current one before the pair (after each of the first forward's pieces, in the
+    step's first pair, where zero 1/2's gather waits in that forward); the first backward, then
+    the second on the side stream; the current stream waiting for the side stream after each
+    pair; an odd last micro-batch alone on the current stream."""
+    from tessera.training import concurrent
+
+    log: list[str] = []
+    executor = _logged_executor(log, gathers_in_forward=gathers, concurrent_backward=False)
+    monkeypatch.setattr(concurrent, "run_backward",
+                        lambda out, grad: log.append(f"B{int(out.item())} on {executor.where[0]}"))
     loss = executor.run([{"i": i} for i in range(5)], torch.tensor(1.0))
     assert loss.item() == 0 + 1 + 2 + 3 + 4
-    first_pair = (["F0 on current", "side waits for current"] if gathers
-                  else ["side waits for current", "F0 on current"])
-    assert log == [*first_pair, "F1 on side", "B0 on current", "B1 on side", "current waits for side",
-                   "side waits for current", "F2 on current", "F3 on side", "B2 on current", "B3 on side",
-                   "current waits for side",
-                   "F4 on current", "B4 on current"]
+
+    def forwards(a, b, wait_each):
+        out = [] if wait_each else ["side waits for current"]
+        for piece in range(3):
+            out.append(f"F{a}.{piece} on current")
+            out += ["side waits for current"] if wait_each else []
+            out.append(f"F{b}.{piece} on side")
+        return out
+    assert log == [*forwards(0, 1, gathers), "B0 on current", "B1 on side", "current waits for side",
+                   *forwards(2, 3, False), "B2 on current", "B3 on side", "current waits for side",
+                   "F4.0 on current", "F4.1 on current", "F4.2 on current", "B4 on current"]
 
 
-def test_the_second_backward_hides_only_torchs_stream_mismatch_warning(monkeypatch):
+def test_the_two_backwards_run_at_once_and_their_errors_surface(monkeypatch):
+    """With a side stream the second backward runs on a worker thread while the first runs here
+    (the first waits here until the second has started, so run one after the other they would
+    deadlock), on the side stream; the second's error is raised by ``run``, and an error of the
+    first is raised only after the second has finished."""
+    import threading
+
+    from tessera.training import concurrent
+
+    log: list[str] = []
+    executor = _logged_executor(log)
+    assert executor.concurrent_backward
+    second_started, second_done = threading.Event(), threading.Event()
+    fail = {}
+
+    def backward(out, grad):
+        i = int(out.item())
+        if i == 0:
+            assert second_started.wait(timeout=10), "the second backward did not start while the first ran"
+            if "first" in fail:
+                raise RuntimeError("first failed")
+        else:
+            assert threading.current_thread() is not threading.main_thread() and executor.where[0] == "side"
+            second_started.set()
+            if "second" in fail:
+                raise RuntimeError("second failed")
+            second_done.set()
+
+    monkeypatch.setattr(concurrent, "run_backward", backward)
+    assert executor.run([{"i": 0}, {"i": 1}], torch.tensor(1.0)).item() == 1
+    assert second_done.is_set()
+    for which in ("second", "first"):
+        second_started.clear(), second_done.clear()
+        fail.clear()
+        fail[which] = True
+        with pytest.raises(RuntimeError, match=f"{which} failed"):
+            executor.run([{"i": 0}, {"i": 1}], torch.tensor(1.0))
+        assert which == "second" or second_done.is_set()
+
+
+def test_concurrent_backwards_give_the_gradients_of_one_after_the_other():
+    """Real autograd on two threads (a CPU runs each backward on its own thread): every
+    parameter gets the sum of the two micro-batches' gradients, as one after the other."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    batches = [torch.randn(4, 8, dtype=torch.float64) for _ in range(2)]
+    expected = [torch.zeros_like(p) for p in model.parameters()]
+    for x in batches:
+        for e, g in zip(expected, torch.autograd.grad(model(x).sum(), list(model.parameters()))):
+            e += g
+    executor = PairedExecutor(model, object(), object(), None)
+    executor.concurrent_backward = True  # (a CPU has no side stream; the path is the same)
+    for _ in range(3):
+        model.zero_grad()
+        executor._backwards(model(batches[0]).sum(), model(batches[1]).sum())
+        for e, p in zip(expected, model.parameters()):
+            torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("concurrent_backward", [False, True])
+def test_the_second_backward_hides_only_torchs_stream_mismatch_warning(monkeypatch, concurrent_backward):
     """The second micro-batch's backward runs with torch's AccumulateGrad stream-mismatch
     warning hidden (its gradients reach the nodes made on the step's stream from the side stream,
-    by design); the first's shows it, and any other warning passes."""
+    by design), also from the worker thread; the first's shows it, and any other warning passes."""
     import warnings
 
     from tessera.training import concurrent
@@ -218,24 +294,15 @@ def test_the_second_backward_hides_only_torchs_stream_mismatch_warning(monkeypat
         warnings.warn(f"{mismatch} (micro-batch {int(out.item())})")
         warnings.warn(f"another warning (micro-batch {int(out.item())})")
 
-    class Ones(PairedExecutor):
-        def _loss(self, batch, global_tokens):
-            return torch.ones((), requires_grad=True) * batch["i"]
-
-        @staticmethod
-        def _current():
-            return _Stream("current", [])
-
     monkeypatch.setattr(concurrent, "run_backward", backward)
-    model = nn.Linear(1, 1)
-    model.tp_group = object()
-    executor = Ones(model, model.tp_group, object(), _Stream("side", []))
+    executor = _logged_executor([], concurrent_backward=concurrent_backward)
+    assert executor.concurrent_backward == concurrent_backward
     executor._on_side = contextlib.nullcontext
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         executor.run([{"i": 1}, {"i": 2}], torch.tensor(1.0))
-    assert [str(w.message) for w in caught] == [f"{mismatch} (micro-batch 1)", "another warning (micro-batch 1)",
-                                                "another warning (micro-batch 2)"]
+    assert sorted(str(w.message) for w in caught) == [f"{mismatch} (micro-batch 1)", "another warning (micro-batch 1)",
+                                                      "another warning (micro-batch 2)"]
 
 
 def test_graph_pairs_capture_per_communicator_and_dispatch_by_the_group_held():

@@ -122,26 +122,42 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: Tensor | None = None, labels: Tensor | None = None,
                 hidden: Tensor | None = None, position_ids: Tensor | None = None,
-                document_ids: Tensor | None = None) -> Tensor:
+                document_ids: Tensor | None = None, *, in_steps: bool = False):
         """First stage: ``tokens`` [b, s]; later stages: ``hidden`` from the previous stage.
         Packed sequences (every stage): ``position_ids`` and ``document_ids`` [b, s] (models/packed.py).
 
         Last stage with ``labels`` [b, s]: per-token loss [b, s] (fp32). Last stage without
         labels: local logits [s, b, padded_vocab / tp]. Other stages: the hidden stream.
+
+        ``in_steps=True``: the same forward as a generator, a piece per ``next`` (the embedding,
+        each layer, the output layer and loss), yielding None after each piece but the last and
+        then the result; for issuing two micro-batches' forwards layer by layer in turn
+        (training/concurrent.py). Forward pre-hooks run at the call, as for any forward.
         """
+        steps = self._forward_steps(tokens, labels, hidden, position_ids, document_ids)
+        if in_steps:
+            return steps
+        *_, out = steps
+        return out
+
+    def _forward_steps(self, tokens, labels, hidden, position_ids, document_ids):
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         seq = PackedSequence(position_ids, document_ids)
         for layer in self.layers.values():
+            yield None
             x = layer(x, seq)
         if not self.post_process:
-            return x
+            yield x
+            return
+        yield None
         logits = self.logits(x)
         if labels is None:
-            return logits
+            yield logits
+            return
         # [s, b] -> [b, s]; contiguous (tiny), so it is no view (FSDP warns about returned views)
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, self.cfg.vocab_size,
                                             fused=self.tp.fused_cross_entropy)
-        return loss.t().contiguous()
+        yield loss.t().contiguous()
 
     @torch.no_grad()
     def full_logits(self, tokens: Tensor) -> Tensor:
