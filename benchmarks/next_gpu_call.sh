@@ -279,6 +279,14 @@ case "${1:-tests}" in
     export KT_TAG=tp2_pairs_interleaved; timeout 120 torchrun --nproc-per-node 2 benchmarks/kernel_table.py $sp \
       parallel.tp_microbatch_pairs=true > "${OUT:-/tmp}/kernels_tp2_pairs_interleaved.log" 2>&1
     grep -h -E "SUMMARY|Error" "${OUT:-/tmp}/kernels_tp2_pairs_interleaved.log" | tail -3 ;;
+  s18G)  # session 18, last call: the 200-step curve test's graphed group under the concurrent pairs (auto);
+    # Llama-1B tp=2 + SP pairs / plain and one GPU (~500 s)
+    smi_log s18G; date +"runs from %T"
+    BUDGET=200 bash "$0" tests "curve and graphed" | grep -E "rc=|SKIPPED"
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    for v in true false; do NPROC=2 timeout 100 python3 benchmarks/quick_train.py llama-1b $sp parallel.tp_microbatch_pairs=$v 2>&1 \
+      | grep -E "LOSSES|RESULT|Error" | tail -2; reap; done
+    NPROC=1 timeout 95 python3 benchmarks/quick_train.py llama-1b 2>&1 | grep -E "RESULT|Error" | tail -1 ;;
   s18E)  # session 18, optional: see the plan at the top
     NPROC=2 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b parallel.zero=1 train.gc_interval=5 2>&1 \
       | grep -E "STEPS|GC host|RESULT|Error" | tail -3 ;;
