@@ -164,10 +164,10 @@ class ParallelConfig:
     """tp > 1, pp=1: run the step's micro-batches two at a time, the second of each pair on a side
     CUDA stream with a TP communicator of its own, so one micro-batch's TP collectives run
     while the other's GEMMs do (training/concurrent.py; an odd last micro-batch runs alone; the
-    same sums in the same order as without). auto: on around CUDA-graphed layers (the CUDA
+    same sums as without, on a GPU a pair's two adds into a gradient in either order). auto: on around CUDA-graphed layers (the CUDA
     default at tp > 1, pp=1) with two or more micro-batches per step wherever it can run
-    (below): +4.1 % on GPT-1.3B and +3.7 % on Llama-1B at tp=2 + SP (2x H200, session 17; +3.3 %
-    and +5.7 % on 2x H100 the same session), the loss curves the same within bf16 rounding; off
+    (below): +13.7 % on GPT-1.3B (2x H200) and +8.3 % on Llama-1B (2x H100) at tp=2 + SP
+    (session 18), the loss curves the same within bf16 rounding; off
     around eager layers (not measured). Costs a second micro-batch's activations (+2.2 GiB on
     GPT-1.3B), a second set of graphs and a second TP communicator: set false where memory is
     short. Not with compiled layers, fused weight gradients, zero=3 or parallel.tp_async (true

@@ -8,39 +8,53 @@ on two streams measured 0.832 of their time one after the other (8 GPT-1.3B laye
 ``benchmarks/tp_two_stream_probe.py``, BENCHMARKS.md session 16). DeepSpeed's Domino splits a
 batch the same way for the same reason.
 
-How a pair runs (``PairedExecutor``): the side stream waits for the current one, then the
-first micro-batch's forward is issued on the current stream and the second's on the side stream,
-with every TP collective on the second communicator (``TPGroupSwap``), so the two forwards run
-side by side; then the first's backward, then the second's (autograd runs each backward op on
-its forward's stream, so the two backwards overlap too). Each micro-batch's gradients arrive in
-data parallelism as usual, on the step's stream: the second forward reuses the first's live
-AccumulateGrad nodes (graphed, the nodes the first set's capture made on the step's stream,
-cuda_graphs.step_stream), and autograd makes their stream wait for the side stream's gradient.
-The current stream waits for the side stream at the end of each pair. An odd last
-micro-batch runs alone. Where zero 1/2's parameter gather
-overlaps the step's first forward (its waits are forward hooks, run on the first micro-batch's
-stream), the side stream of the step's first pair waits for the first forward instead.
+How a pair runs (``PairedExecutor``): the side stream waits for the current one, then the two
+forwards are issued a piece each in turn (the embedding, each layer, the output layer and loss:
+GPTModel's ``in_steps``), the first's on the current stream, the second's on the side stream
+with every TP collective on the second communicator (``TPGroupSwap``). Issued one whole forward
+after the other, the GPU got the second only as the first ended (the host issues each piece as
+the GPU frees room for it), and the two backwards likewise: session 18's profile of GPT-1.3B at
+tp=2 + SP showed each pair's four passes one after the other, 37 of 103 ms of NCCL a step beside
+compute. Then the two backwards run at once: the second from a worker thread, on the side
+stream, while this thread runs the first (autograd runs each backward op on its forward's
+stream). Autograd's one thread per CUDA device takes both backwards' nodes from one queue, most
+recently created first: with the forwards alternating piece by piece, the two backwards
+alternate layer by layer, and every data-parallel hook still runs on that one thread, one
+gradient at a time. Each micro-batch's gradients arrive in data parallelism on their own (the
+same per-micro-batch fp32 adds as without pairs), on the step's stream: the second forward
+reuses the first's live AccumulateGrad nodes (graphed, the nodes the first set's capture made on
+the step's stream, cuda_graphs.step_stream), and autograd makes their stream wait for the side
+stream's gradient, so the current stream runs a layer behind the side stream. The current stream
+waits for the side stream at the end of each pair. An odd last micro-batch runs alone. Where zero
+1/2's parameter gather overlaps the step's first forward (its waits are forward hooks, run on
+the stream that runs the piece), the side stream waits for the current one after each of the
+first pair's first-forward pieces instead, running a piece behind. zero=2 runs the two backwards
+one after the other: its reduction rounds count one micro-batch's gradients at a time.
 
 Why two backward calls, not one over both losses: one call sums a parameter's two gradients
-before its accumulate hook, which makes the current stream wait for the side stream's
-gradient of each layer in turn -- the two backwards then run in lockstep, and the first
-version, built that way with the side stream waiting for the first forward, measured +1.0 %
-at GPT-1.3B tp=2 + SP (41,834 against 41,421 tokens/s, 2x H100, session 16).
+(in bf16) before its accumulate hook, where pairs keep each micro-batch's fp32 add. (The first
+version, one call with the forwards one after the other, measured +1.0 % at GPT-1.3B tp=2 + SP,
+session 16.)
 
 Two communicators, because NCCL runs one communicator's operations in order: on one, the second
 micro-batch's collectives would queue behind the first's. CUDA-graphed layers are captured once
 per communicator (``graph_pairs``): each micro-batch of a pair replays its own graphs, with their
 own static buffers, captured on their own stream (so with their own cuBLAS workspace).
 
-Measured with graphed layers at tp=2 + SP: +4.1 % on GPT-1.3B and +3.7 % on Llama-1B (2x H200),
-+3.3 % and +5.7 % (2x H100, session 17): auto runs pairs around graphed layers wherever they
-can run (trainer.microbatch_pairs).
+Measured with graphed layers at tp=2 + SP (session 18): GPT-1.3B +13.7 % over the run without
+pairs (47,399 against 41,692 tokens/s, 2x H200; 0.789 of one GPU), Llama-1B +8.3 % (50,864
+against 46,951, 2x H100; 0.814); the version that issued whole forwards and backwards one after
+the other gained +3.3-5.7 % (session 17). What is left in the profile: the step's stream carries
+both micro-batches' fp32 gradient adds (~30 ms of a 345 ms step), so it ends each pair's backward
+~13 ms after the side stream; and the two forwards, issued in step, run their collectives at the
+same moments (each layer's all-gathers side by side, then its GEMMs), so the forwards hide
+little. auto runs pairs around graphed layers wherever they can run (trainer.microbatch_pairs).
 
 What it needs (config.validate refuses the rest): pp=1, tp > 1, layers not compiled whole (the
 compiled collectives take the group by name), no fused weight gradients (two streams would add
 into one main gradient at once) and not FSDP (zero=3's hooks gather and free per forward).
-On a CPU it runs the same steps, one after the other (no streams); the tests check it there
-against the single-process model.
+On a CPU it runs the same steps with the backwards one after the other (no streams); the tests
+check it there against the run without pairs, to the bit.
 """
 
 from __future__ import annotations
