@@ -287,6 +287,16 @@ case "${1:-tests}" in
     for v in true false; do NPROC=2 timeout 100 python3 benchmarks/quick_train.py llama-1b $sp parallel.tp_microbatch_pairs=$v 2>&1 \
       | grep -E "LOSSES|RESULT|Error" | tail -2; reap; done
     NPROC=1 timeout 95 python3 benchmarks/quick_train.py llama-1b 2>&1 | grep -E "RESULT|Error" | tail -1 ;;
+  s18H)  # session 18, fifth call: the pairs' settings A/B'd in one process (side-stream forward lag,
+    # the second backward's adds on the side stream), the pairs GPU test (side adds on), GPT-1.3B
+    # tp=2 + SP pairs and one GPU (~420 s)
+    smi_log s18H; date +"runs from %T"
+    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    SETTINGS="0:0 0:1 60:1 120:1 60:0" STEPS=6 ROUNDS=3 timeout 130 torchrun --nproc-per-node 2 benchmarks/pairs_ab.py $sp \
+      > "${OUT:-/tmp}/pairs_ab.log" 2>&1; grep -h -E "PAIRS|Error" "${OUT:-/tmp}/pairs_ab.log" | tail -7; reap
+    BUDGET=135 bash "$0" tests "microbatch_pairs" | grep -E "rc=|SKIPPED"
+    NPROC=2 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b $sp 2>&1 | grep -E "LOSSES|RESULT|Error" | tail -2; reap
+    NPROC=1 timeout 85 python3 benchmarks/quick_train.py gpt-1.3b 2>&1 | grep -E "RESULT|Error" | tail -1 ;;
   s18E)  # session 18, optional: see the plan at the top
     NPROC=2 timeout 100 python3 benchmarks/quick_train.py gpt-1.3b parallel.zero=1 train.gc_interval=5 2>&1 \
       | grep -E "STEPS|GC host|RESULT|Error" | tail -3 ;;

@@ -279,11 +279,10 @@ def test_concurrent_backwards_give_the_gradients_of_one_after_the_other():
             torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("concurrent_backward", [False, True])
-def test_the_second_backward_hides_only_torchs_stream_mismatch_warning(monkeypatch, concurrent_backward):
-    """The second micro-batch's backward runs with torch's AccumulateGrad stream-mismatch
-    warning hidden (its gradients reach the nodes made on the step's stream from the side stream,
-    by design), also from the worker thread; the first's shows it, and any other warning passes."""
+def test_the_second_backward_hides_only_torchs_stream_mismatch_warning(monkeypatch):
+    """One after the other, the second micro-batch's backward runs with torch's AccumulateGrad
+    stream-mismatch warning hidden (its gradients reach the nodes made on the step's stream from
+    the side stream, by design); the first's shows it, and any other warning passes."""
     import warnings
 
     from tessera.training import concurrent
@@ -295,14 +294,53 @@ def test_the_second_backward_hides_only_torchs_stream_mismatch_warning(monkeypat
         warnings.warn(f"another warning (micro-batch {int(out.item())})")
 
     monkeypatch.setattr(concurrent, "run_backward", backward)
-    executor = _logged_executor([], concurrent_backward=concurrent_backward)
-    assert executor.concurrent_backward == concurrent_backward
+    executor = _logged_executor([], concurrent_backward=False)
     executor._on_side = contextlib.nullcontext
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         executor.run([{"i": 1}, {"i": 2}], torch.tensor(1.0))
-    assert sorted(str(w.message) for w in caught) == [f"{mismatch} (micro-batch 1)", "another warning (micro-batch 1)",
-                                                      "another warning (micro-batch 2)"]
+    assert [str(w.message) for w in caught] == [f"{mismatch} (micro-batch 1)", "another warning (micro-batch 1)",
+                                                "another warning (micro-batch 2)"]
+
+
+def test_concurrent_backwards_run_with_torchs_stream_check_off_and_put_it_back(monkeypatch):
+    """At once, the two backwards run with torch's AccumulateGrad stream check switched off
+    (a warning filter would be global state shared with the other thread), the switch put back
+    after, also after an error; other warnings pass."""
+    import warnings
+
+    from tessera.training import concurrent
+
+    switch = torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch
+    state = torch._C._warn_on_accumulate_grad_stream_mismatch
+    checked = []
+
+    def backward(out, grad):
+        checked.append(state())
+        warnings.warn(f"another warning (micro-batch {int(out.item())})")
+
+    monkeypatch.setattr(concurrent, "run_backward", backward)
+    executor = _logged_executor([])
+    executor._on_side = contextlib.nullcontext
+    for before in (True, False):
+        switch(before)
+        try:
+            checked.clear()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                executor.run([{"i": 1}, {"i": 2}], torch.tensor(1.0))
+            assert checked == [False, False] and state() == before
+            assert sorted(str(w.message) for w in caught) == ["another warning (micro-batch 1)",
+                                                              "another warning (micro-batch 2)"]
+        finally:
+            switch(True)
+
+    def failing(out, grad):
+        raise RuntimeError("backward failed")
+    monkeypatch.setattr(concurrent, "run_backward", failing)
+    with pytest.raises(RuntimeError, match="backward failed"):
+        executor.run([{"i": 1}, {"i": 2}], torch.tensor(1.0))
+    assert state()
 
 
 def test_graph_pairs_capture_per_communicator_and_dispatch_by_the_group_held():
@@ -604,3 +642,48 @@ def test_the_second_graph_set_is_captured_on_a_stream_of_its_own(monkeypatch):
     with pytest.raises(RuntimeError, match="capture failed"):
         graph_pairs([chunk], failing, first, second)
     assert seen[2:] == [before, "stream 2"] and torch.cuda.graph.default_capture_stream == before
+
+
+def test_the_second_backward_adds_on_the_side_while_the_two_run(monkeypatch):
+    """With a DataParallel, the concurrent backwards give it the pair's SideAdds for their
+    duration (cleared after, also after an error) and mark the second loss, whose backward
+    starts with the node that names its graph task; without side_adds, nothing is set."""
+    import threading
+    from types import SimpleNamespace
+
+    from tessera.training import concurrent
+
+    class Adds:
+        def __init__(self, step, side):
+            self.step, self.side = step, side
+
+    seen = []
+
+    def backward(out, grad):
+        seen.append((int(out.item()), out.grad_fn.name(), data_parallel.side_adds))
+        if out.item() == 0:
+            while len(seen) < 2:  # (the second runs on the worker thread meanwhile)
+                threading.Event().wait(0.01)
+
+    monkeypatch.setattr(concurrent, "SideAdds", Adds)
+    monkeypatch.setattr(concurrent, "run_backward", backward)
+    executor = _logged_executor([])
+    data_parallel = SimpleNamespace(side_adds=None)
+    executor.data_parallel = data_parallel
+    executor.run([{"i": 0}, {"i": 1}], torch.tensor(1.0))
+    assert data_parallel.side_adds is None
+    (first, second) = sorted(seen, key=lambda s: s[0])
+    assert first[2] is second[2] and isinstance(first[2], Adds) and first[2].side.name == "side"
+    assert second[1] == "MarkStartBackward" and first[1] != "MarkStartBackward"
+    seen.clear()
+    executor.side_adds = False
+    executor.run([{"i": 0}, {"i": 1}], torch.tensor(1.0))
+    assert [s[2] for s in seen] == [None, None] and all(s[1] != "MarkStartBackward" for s in seen)
+    executor.side_adds = True
+
+    def failing(out, grad):
+        raise RuntimeError("backward failed")
+    monkeypatch.setattr(concurrent, "run_backward", failing)
+    with pytest.raises(RuntimeError, match="backward failed"):
+        executor.run([{"i": 0}, {"i": 1}], torch.tensor(1.0))
+    assert data_parallel.side_adds is None

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from tessera.distributed import collectives
 from tessera.distributed.buffers import Bucket, ParamAndGradBuffer
 from tessera.distributed.collectives import Pending
+from tessera.distributed.side_adds import SideAdds
 from tessera.tensor_parallel.wgrad import WeightGradStore, wgrad_into
 from tessera.topology import Topology
 
@@ -144,6 +145,9 @@ class DataParallel:
         # reports their arrival (graphed_backward_done)
         self.graph_fused: set[nn.Parameter] = set()
         self._capturing = False
+        # while a micro-batch pair's backwards run at once: the second's adds on its side stream
+        # (distributed/side_adds.py; set and cleared by training/concurrent.py's PairedExecutor)
+        self.side_adds: SideAdds | None = None
         if wgrad_store is not None:
             wgrad_store.accumulate = self.accumulate
             wgrad_store.accumulate_product = self.accumulate_product if fuse_wgrad else None
@@ -212,6 +216,15 @@ class DataParallel:
         grad, p.grad = p.grad, None
         if grad is None:  # a deferred weight gradient (zero-bubble I step); it comes later
             return
+        side = self.side_adds
+        if side is not None:  # a micro-batch pair's two backwards at once (distributed/side_adds.py)
+            if side.is_side():
+                st = self._open(p)
+                with side.side_add(p):
+                    self._add(p, grad, st)
+                self._arrived(p, st)
+                return
+            side.before_step_add(p)
         if self._stream is None or current_stream_id(self.device) == self._stream_id:
             self.accumulate(p, grad)
             return
@@ -236,6 +249,10 @@ class DataParallel:
     def accumulate(self, p: nn.Parameter, grad: Tensor) -> None:
         """Add one micro-batch's gradient of ``p``; start reductions that became possible."""
         st = self._open(p)
+        self._add(p, grad, st)
+        self._arrived(p, st)
+
+    def _add(self, p: nn.Parameter, grad: Tensor, st: _BucketState) -> None:
         main = p.main_grad
         if grad.shape != main.shape:  # (no view, a dispatcher call, for the usual same-shaped gradient)
             grad = grad.view(main.shape)
@@ -243,7 +260,6 @@ class DataParallel:
             main.copy_(grad)  # the buffer still holds last step's
         else:
             main.add_(grad)
-        self._arrived(p, st)
 
     def accumulate_product(self, p: nn.Parameter, grad_out: Tensor, x: Tensor) -> None:
         """Gradient-accumulation fusion: add ``grad_out.T @ x`` (one micro-batch's gradient of
@@ -320,6 +336,8 @@ class DataParallel:
 
     def _launch(self, st: _BucketState) -> None:
         st.launched = True
+        if self.side_adds is not None:  # the buffers hold side-stream adds too
+            self.side_adds.step_waits()
         flat, rng = st.bucket.grad, st.range
         pending = None
         if self.group is None:
@@ -366,6 +384,8 @@ class DataParallel:
 
     def _reduce_round(self, st: _BucketState) -> None:
         """zero=2: reduce-scatter what the bucket holds into the fp32 shard, drop the buffer."""
+        if self.side_adds is not None:
+            self.side_adds.step_waits()
         flat = st.bucket.grad
         st.buffer.release_grad(st.bucket)
         if self.group is None:

@@ -67,6 +67,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 from torch import Tensor, nn
 
+from tessera.distributed.side_adds import MarkStart, SideAdds
 from tessera.pipeline_parallel.executor import run_backward
 from tessera.tensor_parallel.mappings import Group
 from tessera.training.cuda_graphs import capturing_on, release_all
@@ -129,6 +130,12 @@ class PairedExecutor:
         self.concurrent_backward = concurrent_backward and side is not None
         self.second = TPGroupSwap([model], first_group, second_group)
         self._worker: ThreadPoolExecutor | None = None
+        self.forward_lag_us = 0.0  # (benchmarks/pairs_ab.py's experiment; see _delay_side)
+        # the DataParallel (zero 0/1) whose buffers the gradients go to (trainer.build_data_parallel
+        # sets it): with ``side_adds``, the second backward adds its gradients on the side stream
+        self.data_parallel = None
+        self.side_adds = True
+        self._cycles_per_us: float | None = None
 
     def _steps(self, batch: dict[str, Tensor], global_tokens: Tensor):
         """One micro-batch's forward a piece per ``next`` (GPTModel's ``in_steps``): None after
@@ -183,6 +190,8 @@ class PairedExecutor:
         Returns the two losses."""
         if self.side is not None and not after_gathers:
             self.side.wait_stream(current)
+            if self.forward_lag_us:
+                self._delay_side(self.forward_lag_us)
         first = self._steps(pair[0], global_tokens)
         with self._on_side(), self.second:
             second = self._steps(pair[1], global_tokens)  # (its forward pre-hooks run here)
@@ -192,6 +201,19 @@ class PairedExecutor:
             with self._on_side(), self.second:
                 second_loss = next(second)
         return first_loss, second_loss
+
+    def _delay_side(self, microseconds: float) -> None:
+        """The side stream spins ``microseconds`` (one thread block; an experiment: does starting
+        the second forward part of a layer behind the first keep their collectives apart?)."""
+        if self._cycles_per_us is None:  # calibrated once: torch's spin kernel counts clock cycles
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(10_000_000)
+            end.record()
+            end.synchronize()
+            self._cycles_per_us = 10_000_000 / (start.elapsed_time(end) * 1e3)
+        with self._on_side():
+            torch.cuda._sleep(int(microseconds * self._cycles_per_us))
 
     def _backwards(self, first: Tensor, second: Tensor) -> None:
         """The first loss's backward, and the second's on the side stream (autograd runs each
@@ -206,18 +228,53 @@ class PairedExecutor:
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-second-backward")
-        pending = self._worker.submit(self._second_backward, second)
+        data_parallel = self.data_parallel if self.side_adds else None
+        if data_parallel is not None:  # the second's gradients added on the side stream (distributed/side_adds.py)
+            data_parallel.side_adds = SideAdds(self._current(), self.side)
+            with self._on_side():
+                second = MarkStart.apply(second, data_parallel.side_adds)
         try:
-            run_backward(first, None)
-        except BaseException:
-            wait([pending])  # (the first error is the one to see)
-            raise
-        pending.result()
+            with _mismatch_warning_off():
+                pending = self._worker.submit(self._on_side_backward, second)
+                try:
+                    run_backward(first, None)
+                except BaseException:
+                    wait([pending])  # (the first error is the one to see)
+                    raise
+                pending.result()
+        finally:
+            if data_parallel is not None:
+                data_parallel.side_adds = None
 
     def _second_backward(self, second: Tensor) -> None:
+        with _expected_stream_mismatch():
+            self._on_side_backward(second)
+
+    def _on_side_backward(self, second: Tensor) -> None:
         # its seed made, and its backward called, in its forward's stream
-        with self._on_side(), _expected_stream_mismatch():
+        with self._on_side():
             run_backward(second, None)
+
+
+@contextlib.contextmanager
+def _mismatch_warning_off():
+    """Inside, torch does not check AccumulateGrad nodes' streams (its own switch, put back
+    after): while the two backwards run at once, the second's gradients come from the side
+    stream into the nodes on the step's stream, by design (see _expected_stream_mismatch).
+    Python's warning filters cannot hide one thread's warnings only (catch_warnings is global
+    state; from the worker thread it hid the first backward's warnings at times). The first
+    backward's gradients and nodes are both on the step's stream, so it has nothing to warn of.
+    The switch's getter is private: where it is missing, the switch is put back on."""
+    switch = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    if switch is None:  # a torch without the check
+        yield
+        return
+    before = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch", lambda: True)()
+    switch(False)
+    try:
+        yield
+    finally:
+        switch(before)
 
 
 @contextlib.contextmanager

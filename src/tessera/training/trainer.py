@@ -278,6 +278,8 @@ def build_data_parallel(stage: Stage, topo: Topology, cfg: Config):
                                  embedding_group=topo.group("embedding"))
     if stage.compiled and stage.wgrad_store is not None:  # their storage is final now
         stage.wgrad_store.register(stage.model.parameters())
+    if stage.pairs:  # the pairs' second backward adds on its own stream (training/concurrent.py)
+        stage._paired.data_parallel = data_parallel
     return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
 
 
