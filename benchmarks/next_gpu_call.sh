@@ -6,6 +6,20 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
+# Session 19's calls (30 device minutes; kind nvidia-h100-x2; send the next call at once):
+#   1. s19A -- the GPU test of the pairs' second backward adding on the side stream
+#      (PairedExecutor.side_adds, off by default: session 18's first version waited in both
+#      directions and the pairs GPU test ran out of its time twice; now the side stream never
+#      waits for the step's), graphed and eager; then pairs_ab.py (side adds off / on, +2.3 % in
+#      session 18) (~250 s). If both pass: side_adds on by default, then s19B.
+#   2. s19B -- with side adds on: the pairs GPU test (fp32 against the plain run), the 200-step
+#      curve test's graphed group, GPT-1.3B and Llama-1B tp=2 + SP and one GPU (~560 s)
+#   3. the issue-6 rows with both peers (s18B / s18C: compare.py, GPT then Llama)
+# Session 18's calls (done; BENCHMARKS.md session 18): s18D (the tp=2 profile: pairs ran one
+# after the other), s18E (gc_interval: ~250 ms per collection), s18A (GPU tests), s18F (pairs
+# interleaved and concurrent: +13.7 %), s18G (curve test, Llama +8.3 %), s18H (pairs_ab: side
+# adds +2.3 %, forward lag nothing; the pairs GPU test ran out of its time with side adds on).
+# Its plan, as written before the calls:
 # Session 18's calls, in order (30 device minutes; kind nvidia-h100-x2; send the next call at once):
 #   1. s18A -- the GPU tests that session 17's changes touch and that did not run after them:
 #      graphed layers' gradients on the step's stream (every layer's nodes now held on the capture
@@ -287,6 +301,11 @@ case "${1:-tests}" in
     for v in true false; do NPROC=2 timeout 100 python3 benchmarks/quick_train.py llama-1b $sp parallel.tp_microbatch_pairs=$v 2>&1 \
       | grep -E "LOSSES|RESULT|Error" | tail -2; reap; done
     NPROC=1 timeout 95 python3 benchmarks/quick_train.py llama-1b 2>&1 | grep -E "RESULT|Error" | tail -1 ;;
+  s19A)  # session 19, first call: see the plan at the top
+    smi_log s19A; date +"runs from %T"
+    BUDGET=200 bash "$0" tests "side_stream" | grep -E "rc=|SKIPPED"
+    SETTINGS="0 1" STEPS=6 ROUNDS=3 timeout 130 torchrun --nproc-per-node 2 benchmarks/pairs_ab.py parallel.tp=2 \
+      parallel.sequence_parallel=true > "${OUT:-/tmp}/pairs_ab.log" 2>&1; grep -h -E "PAIRS|Error" "${OUT:-/tmp}/pairs_ab.log" | tail -3 ;;
   s18H)  # session 18, fifth call: the pairs' settings A/B'd in one process (side-stream forward lag,
     # the second backward's adds on the side stream), the pairs GPU test (side adds on), GPT-1.3B
     # tp=2 + SP pairs and one GPU (~420 s)

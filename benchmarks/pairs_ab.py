@@ -1,7 +1,7 @@
 """Micro-batch pairs' executor settings against each other in one process (one capture, the
-same GPUs, rounds interleaved so drift spreads evenly): the forward lag of the side stream
-(``PairedExecutor.forward_lag_us``) and the second backward's adds on the side stream
-(``side_adds``). Prints each setting's median ms per step and tokens/s per GPU. Run like the
+same GPUs, rounds interleaved so drift spreads evenly): the second backward's gradient adds on
+the side stream (``PairedExecutor.side_adds``, SETTINGS="0 1") or not. Prints each setting's
+median ms per step and tokens/s per GPU. Run like the
 trainer: `torchrun --nproc-per-node 2 benchmarks/pairs_ab.py [k=v ...]` (GPT-1.3B benchmark
 model; pairs need tp > 1, e.g. parallel.tp=2 parallel.sequence_parallel=true)."""
 
@@ -21,8 +21,7 @@ rank, topo, stage, dp, opt, data = b.rank, b.topo, b.stage, b.dp, b.opt, b.data
 executor = stage.executor(len(data.next()))
 if not isinstance(executor, PairedExecutor):
     raise SystemExit("pairs_ab.py: these settings do not run micro-batch pairs (parallel.tp_microbatch_pairs)")
-SETTINGS = [(float(lag), side == "1") for lag, side in
-            (s.split(":") for s in os.environ.get("SETTINGS", "0:1 0:0 60:1 120:1").split())]
+SETTINGS = [s == "1" for s in os.environ.get("SETTINGS", "0 1").split()]
 STEPS, ROUNDS = int(os.environ.get("STEPS", "6")), int(os.environ.get("ROUNDS", "3"))
 
 
@@ -39,8 +38,8 @@ for _ in range(3):
 times = {s: [] for s in SETTINGS}
 for _ in range(ROUNDS):
     for s in SETTINGS:
-        executor.forward_lag_us, executor.side_adds = s
-        step()  # (the first step of a setting: the side-stream spin is calibrated there)
+        executor.side_adds = s
+        step()
         sync()
         for _ in range(STEPS):
             t0 = time.perf_counter()
@@ -48,9 +47,9 @@ for _ in range(ROUNDS):
             sync()
             times[s].append(time.perf_counter() - t0)
 if rank == 0:
-    for (lag, side), ts in times.items():
+    for side, ts in times.items():
         ms = statistics.median(ts) * 1e3
-        print(f"PAIRS forward_lag_us={lag:g} side_adds={side}: {ms:.1f} ms/step median "
+        print(f"PAIRS side_adds={side}: {ms:.1f} ms/step median "
               f"({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}), {TOKENS / (ms / 1e3) / b.world:,.0f} tokens/s per GPU",
               flush=True)
 for g in b.graphs:  # graphs holding NCCL work would hang the destroy

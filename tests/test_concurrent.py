@@ -645,7 +645,7 @@ def test_the_second_graph_set_is_captured_on_a_stream_of_its_own(monkeypatch):
 
 
 def test_the_second_backward_adds_on_the_side_while_the_two_run(monkeypatch):
-    """With a DataParallel, the concurrent backwards give it the pair's SideAdds for their
+    """With a DataParallel and side_adds, the concurrent backwards give it the pair's SideAdds for their
     duration (cleared after, also after an error) and mark the second loss, whose backward
     starts with the node that names its graph task; without side_adds, nothing is set."""
     import threading
@@ -670,6 +670,8 @@ def test_the_second_backward_adds_on_the_side_while_the_two_run(monkeypatch):
     executor = _logged_executor([])
     data_parallel = SimpleNamespace(side_adds=None)
     executor.data_parallel = data_parallel
+    assert not executor.side_adds  # (off by default until its GPU test passes)
+    executor.side_adds = True
     executor.run([{"i": 0}, {"i": 1}], torch.tensor(1.0))
     assert data_parallel.side_adds is None
     (first, second) = sorted(seen, key=lambda s: s[0])

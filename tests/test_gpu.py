@@ -177,6 +177,32 @@ def test_microbatch_pairs_on_two_streams_follow_the_plain_run(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("layers", ["graphed", "eager"])
+def test_pairs_second_backward_adds_on_the_side_stream_give_the_same_gradients(layers):
+    """PairedExecutor.side_adds (off by default until this passes): the second backward's
+    gradient adds on the side stream, ordered against the first's by events, give the gradients
+    of the adds on the step's stream (fp32; tests/pairs_side_adds_check.py), without a hang (the
+    first version waited in both directions and its pairs GPU test ran out of its time)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               os.path.join(os.path.dirname(__file__), "pairs_side_adds_check.py")]
+    if layers == "eager":
+        command.append("train.cuda_graphs=false")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"no result in 150 s:\n{out[-3000:]}") from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and out.count("SIDE ADDS OK") == 2, out[-3000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cuda_graphed_layers_without_sp_and_at_dp2_follow_one_gpu(tmp_path):
     """The other layouts auto may graph: tp=2 without SP (all-reduces captured) and, with the
     graphs asked for, dp=2 (the data-parallel gradient hooks and bucket reductions fed by the

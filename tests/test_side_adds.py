@@ -25,11 +25,10 @@ class _Stream:
 
 def _stand_ins(log: list[str]):
     """SideAdds' stand-in event factory and stream context, logging records and stream switches."""
-    names = iter(["side_done", "step_done"])
 
     class Event:
         def __init__(self):
-            self.name, self.at = next(names), None
+            self.name, self.at = "side_done", None
 
         def record(self, stream) -> None:
             self.at = len([line for line in log if line.startswith("add")])  # adds logged so far
@@ -43,44 +42,44 @@ def _stand_ins(log: list[str]):
     return Event, on_stream
 
 
-def test_whichever_add_comes_second_waits_for_the_first():
+def test_the_step_waits_for_the_side_and_never_the_side_for_the_step():
     log: list[str] = []
     event, on_stream = _stand_ins(log)
     step, side = _Stream("step", log), _Stream("side", log)
     adds = SideAdds(step, side, event=event, on_stream=on_stream)
     a, b, c = (nn.Parameter(torch.zeros(1)) for _ in range(3))
-    # a: the side's add first, then the step's, which waits for it
-    with adds.side_add(a):
-        log.append("add a on side")
+    # a: the second's add issued first runs on the side stream; the first's waits for it
+    with adds.second_add(a):
+        log.append("add a (second)")
     adds.before_step_add(a)
-    log.append("add a on step")
-    # b: the step's add first, then the side's, which waits for an event recorded on the step's stream
+    log.append("add a (first)")
+    # b: the first's add issued first; the second's then runs on the step's stream, after it
     adds.before_step_add(b)
-    log.append("add b on step")
-    with adds.side_add(b):
-        log.append("add b on side")
-    # c: only the step's add, nothing to wait for; a reduction then waits for the side's adds once
-    adds.before_step_add(c)
-    log.append("add c on step")
+    log.append("add b (first)")
+    with adds.second_add(b):
+        log.append("add b (second)")
+    # c: only the first's add, nothing to wait for; a reduction then waits for the side's adds once
+    with adds.second_add(c):
+        log.append("add c (second)")
     adds.step_waits()
     adds.step_waits()
     assert log == [
-        "to side", "add a on side", "back from side", "side_done recorded on side",
-        "step waits for side_done@1", "add a on step",
-        "add b on step", "step_done recorded on step", "side waits for step_done@3",
-        "to side", "add b on side", "back from side", "side_done recorded on side",
-        "add c on step", "step waits for side_done@4"]
+        "to side", "add a (second)", "back from side", "side_done recorded on side",
+        "step waits for side_done@1", "add a (first)",
+        "add b (first)", "add b (second)",
+        "to side", "add c (second)", "back from side", "side_done recorded on side",
+        "step waits for side_done@5"]
+    assert not any(line.startswith("side waits") for line in log)
 
 
 def _routing_worker(rank: int, world: int) -> dict:
-    """Two backwards over one DataParallel (dp = ``world``), the second marked: its gradients go
-    through the side adds (the stand-in streams log them), the first's not; the main gradients,
-    and their reduction, are those of the run without side adds."""
+    """Two backwards over one DataParallel (dp = ``world``), the second marked, run in either
+    order: the main gradients, and their reduction, are those of the run without side adds."""
     from tessera.distributed.data_parallel import DataParallel
 
     topo = Topology.build()
     out = {}
-    for with_side in (False, True):
+    for mode in ("plain", "second first", "first first"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
         dp = DataParallel([model], topo, zero=1, bucket_size=10)
@@ -88,28 +87,28 @@ def _routing_worker(rank: int, world: int) -> dict:
         xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(rank * 10 + i)) for i in range(2)]
         log: list[str] = []
         first, second = (model(x).sum() for x in xs)
-        if with_side:
+        if mode != "plain":
             event, on_stream = _stand_ins(log)
             dp.side_adds = SideAdds(_Stream("step", log), _Stream("side", log), event=event, on_stream=on_stream)
             second = MarkStart.apply(second, dp.side_adds)
-        first.backward()
-        second.backward()
+        for loss in ((second, first) if mode == "second first" else (first, second)):
+            loss.backward()
         dp.finish_grad_sync()
         dp.side_adds = None
-        out[with_side] = ([rng.grad.clone() for rng in dp.ranges], log)
+        out[mode] = ([rng.grad.clone() for rng in dp.ranges], log)
     return out
 
 
 def test_the_second_backwards_gradients_are_added_on_the_side_and_reduced_after():
-    for plain, (grads, log) in ((o[False][0], o[True]) for o in run_ranks(_routing_worker, 2, timeout=120)):
-        for g, h in zip(grads, plain):
-            assert torch.equal(g, h)
-        assert log.count("to side") == 4  # the second's four gradients, each on the side stream
-        assert log.count("side_done recorded on side") == 4
-        # the first's adds came first: each side add waited for the step's stream
-        assert log.count("step_done recorded on step") == 4
-        # the reductions read the buffers after the side's adds: after the last side add the step's
-        # stream waited for it, and never twice for the same adds
-        events = [line for line in log if line.startswith(("step waits", "side_done recorded"))]
-        assert events[-1].startswith("step waits")
-        assert all(not (x.startswith("step waits") and y.startswith("step waits")) for x, y in zip(events, events[1:]))
+    for out in run_ranks(_routing_worker, 2, timeout=120):
+        plain = out["plain"][0]
+        for mode in ("second first", "first first"):
+            for g, h in zip(out[mode][0], plain):
+                torch.testing.assert_close(g, h, rtol=1e-6, atol=1e-7)  # (the two adds in either order)
+        # second first: its four gradients added on the side stream, the first's adds after
+        # them (the step's stream waited once: the latest record covers the four), and no
+        # reduction waits again; first first: the second's adds follow on the step's stream
+        log = out["second first"][1]
+        assert log.count("to side") == 4 and log.count("side_done recorded on side") == 4
+        assert [line for line in log if line.startswith("step waits")] == ["step waits for side_done@0"]
+        assert out["first first"][1] == []

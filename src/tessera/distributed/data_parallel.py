@@ -220,7 +220,7 @@ class DataParallel:
         if side is not None:  # a micro-batch pair's two backwards at once (distributed/side_adds.py)
             if side.is_side():
                 st = self._open(p)
-                with side.side_add(p):
+                with side.second_add(p):
                     self._add(p, grad, st)
                 self._arrived(p, st)
                 return

@@ -6,13 +6,19 @@ stream. Autograd runs every parameter's AccumulateGrad node, and so DataParallel
 step's stream, so by default both micro-batches' fp32 gradient adds run there: ~30 ms of a
 345 ms GPT-1.3B tp=2 step, which made the step's stream end each pair ~13 ms after the side
 stream (session 18's profile). With ``SideAdds`` the second backward's gradients are added on
-the side stream, where they were made. Two adds into one main gradient must not overlap, so
-whichever of a parameter's two adds in a pair comes second waits for the first: the side
-stream for an event recorded on the step's stream, or the step's stream for the event recorded
-after the side stream's latest add (the side stream runs in order, so the latest covers every
-earlier one). Every hook runs on autograd's one CUDA thread, so "second" is the order they are
-issued in, and each event is recorded before anything waits for it. A reduction reads the
-buffers on the step's stream, which first waits for the side stream's adds so far.
+the side stream, where they were made. Two adds into one main gradient must not overlap: where
+the second backward's add of a parameter is issued before the first's, it runs on the side
+stream and the first's waits for it (for the event recorded after the side stream's latest add:
+the side stream runs in order, so the latest covers every earlier one); where it is issued
+after, it runs on the step's stream, after the first's. The side stream never waits for the
+step's: each stream's collectives wait for the other rank, and waits in both directions, taken
+in a different order on each rank (the order hooks run in follows each host's timing), can
+close a cycle across the ranks. Only the step's stream waiting for the side stream is what
+autograd itself does, in the same direction on every rank. (The first version waited both
+ways; its GPU test, fp32 pairs against the plain run, ran out of its time twice, session 18.)
+Every hook runs on autograd's one CUDA thread, so "issued before" is the order they run in, and
+each event is recorded before anything waits for it. A reduction reads the buffers on the step's
+stream, which first waits for the side stream's adds so far.
 
 Which gradients are the second backward's: those whose hook runs inside its autograd graph task,
 whose id the task's first node reports (``started``, set by ``MarkStart`` at the root of the
@@ -34,7 +40,7 @@ class SideAdds:
         event = event or torch.cuda.Event
         self.step, self.side = step, side
         self.task: int | None = None  # the second backward's graph task, once it has started
-        self._side_done, self._step_done = event(), event()
+        self._side_done = event()
         self._on_stream = on_stream or torch.cuda.stream
         self._recorded = self._waited = 0  # side adds recorded; of those, how many the step waited for
         self._on_side: set[nn.Parameter] = set()
@@ -48,12 +54,13 @@ class SideAdds:
         return self.task is not None and torch._C._current_graph_task_id() == self.task
 
     @contextlib.contextmanager
-    def side_add(self, p: nn.Parameter):
-        """Around the second backward's add of ``p``, run on the side stream: after the first's
-        add of ``p`` where that was issued first; recorded after, for what comes later."""
+    def second_add(self, p: nn.Parameter):
+        """Around the second backward's add of ``p``: on the side stream, recorded after for
+        what comes later; or, where the first's add of ``p`` was issued before, on the step's
+        stream (the hook's), after it."""
         if p in self._on_step:
-            self._step_done.record(self.step)
-            self.side.wait_event(self._step_done)
+            yield
+            return
         with self._on_stream(self.side):
             yield
         self._side_done.record(self.side)

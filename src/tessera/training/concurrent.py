@@ -48,7 +48,11 @@ the other gained +3.3-5.7 % (session 17). What is left in the profile: the step'
 both micro-batches' fp32 gradient adds (~30 ms of a 345 ms step), so it ends each pair's backward
 ~13 ms after the side stream; and the two forwards, issued in step, run their collectives at the
 same moments (each layer's all-gathers side by side, then its GEMMs), so the forwards hide
-little. auto runs pairs around graphed layers wherever they can run (trainer.microbatch_pairs).
+little. The second backward's adds on the side stream (``side_adds``, distributed/side_adds.py)
+measured +2.3 % (339.2 against 347.2 ms a step, benchmarks/pairs_ab.py) but stay off until their
+GPU test passes; starting the side stream's forward 60-120 µs late (a spin kernel) to put the
+forwards' collectives apart changed nothing (341 ms) and was dropped. auto runs pairs around
+graphed layers wherever they can run (trainer.microbatch_pairs).
 
 What it needs (config.validate refuses the rest): pp=1, tp > 1, layers not compiled whole (the
 compiled collectives take the group by name), no fused weight gradients (two streams would add
@@ -130,12 +134,12 @@ class PairedExecutor:
         self.concurrent_backward = concurrent_backward and side is not None
         self.second = TPGroupSwap([model], first_group, second_group)
         self._worker: ThreadPoolExecutor | None = None
-        self.forward_lag_us = 0.0  # (benchmarks/pairs_ab.py's experiment; see _delay_side)
         # the DataParallel (zero 0/1) whose buffers the gradients go to (trainer.build_data_parallel
         # sets it): with ``side_adds``, the second backward adds its gradients on the side stream
+        # (distributed/side_adds.py; +2.3 % at GPT-1.3B tp=2 + SP, session 18, but off until its
+        # GPU test passes: the first version's ran out of its time, see side_adds.py)
         self.data_parallel = None
-        self.side_adds = True
-        self._cycles_per_us: float | None = None
+        self.side_adds = False
 
     def _steps(self, batch: dict[str, Tensor], global_tokens: Tensor):
         """One micro-batch's forward a piece per ``next`` (GPTModel's ``in_steps``): None after
@@ -190,8 +194,6 @@ class PairedExecutor:
         Returns the two losses."""
         if self.side is not None and not after_gathers:
             self.side.wait_stream(current)
-            if self.forward_lag_us:
-                self._delay_side(self.forward_lag_us)
         first = self._steps(pair[0], global_tokens)
         with self._on_side(), self.second:
             second = self._steps(pair[1], global_tokens)  # (its forward pre-hooks run here)
@@ -201,19 +203,6 @@ class PairedExecutor:
             with self._on_side(), self.second:
                 second_loss = next(second)
         return first_loss, second_loss
-
-    def _delay_side(self, microseconds: float) -> None:
-        """The side stream spins ``microseconds`` (one thread block; an experiment: does starting
-        the second forward part of a layer behind the first keep their collectives apart?)."""
-        if self._cycles_per_us is None:  # calibrated once: torch's spin kernel counts clock cycles
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(10_000_000)
-            end.record()
-            end.synchronize()
-            self._cycles_per_us = 10_000_000 / (start.elapsed_time(end) * 1e3)
-        with self._on_side():
-            torch.cuda._sleep(int(microseconds * self._cycles_per_us))
 
     def _backwards(self, first: Tensor, second: Tensor) -> None:
         """The first loss's backward, and the second's on the side stream (autograd runs each
