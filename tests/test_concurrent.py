@@ -338,9 +338,14 @@ def test_concurrent_backwards_run_with_torchs_stream_check_off_and_put_it_back(m
     def failing(out, grad):
         raise RuntimeError("backward failed")
     monkeypatch.setattr(concurrent, "run_backward", failing)
-    with pytest.raises(RuntimeError, match="backward failed"):
-        executor.run([{"i": 1}, {"i": 2}], torch.tensor(1.0))
-    assert state()
+    for before in (True, False):
+        switch(before)
+        try:
+            with pytest.raises(RuntimeError, match="backward failed"):
+                executor.run([{"i": 1}, {"i": 2}], torch.tensor(1.0))
+            assert state() == before
+        finally:
+            switch(True)
 
 
 def test_graph_pairs_capture_per_communicator_and_dispatch_by_the_group_held():
@@ -654,8 +659,8 @@ def test_the_second_backward_adds_on_the_side_while_the_two_run(monkeypatch):
     from tessera.training import concurrent
 
     class Adds:
-        def __init__(self, step, side):
-            self.step, self.side = step, side
+        def __init__(self, step, side, step_only):
+            self.step, self.side, self.step_only = step, side, step_only
 
     seen = []
 
@@ -676,6 +681,7 @@ def test_the_second_backward_adds_on_the_side_while_the_two_run(monkeypatch):
     assert data_parallel.side_adds is None
     (first, second) = sorted(seen, key=lambda s: s[0])
     assert first[2] is second[2] and isinstance(first[2], Adds) and first[2].side.name == "side"
+    assert first[2].step_only == set()  # (the stand-in losses use no parameter twice)
     assert second[1] == "MarkStartBackward" and first[1] != "MarkStartBackward"
     seen.clear()
     executor.side_adds = False

@@ -10,7 +10,7 @@ import contextlib
 import torch
 from torch import nn
 
-from tessera.distributed.side_adds import MarkStart, SideAdds
+from tessera.distributed.side_adds import MarkStart, SideAdds, used_more_than_once
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
@@ -112,3 +112,25 @@ def test_the_second_backwards_gradients_are_added_on_the_side_and_reduced_after(
         assert log.count("to side") == 4 and log.count("side_done recorded on side") == 4
         assert [line for line in log if line.startswith("step waits")] == ["step waits for side_done@0"]
         assert out["first first"][1] == []
+
+
+def test_parameters_used_twice_are_found_and_added_on_the_steps_stream():
+    """A tied weight (used by two ops of one micro-batch) gets its two gradients summed by
+    autograd on its node's stream, the step's: ``used_more_than_once`` finds it (and nothing
+    else), and the second backward's add of it stays on the step's stream."""
+    torch.manual_seed(0)
+    embed, inner = nn.Embedding(8, 4), nn.Linear(4, 4)
+    tokens = torch.tensor([[1, 2, 3]])
+    h = inner(embed(tokens))
+    loss = (h @ embed.weight.t()).sum()  # the output layer tied to the embedding
+    assert used_more_than_once(loss) == {embed.weight}
+    assert used_more_than_once(inner(embed(tokens)).sum()) == set()
+    log: list[str] = []
+    event, on_stream = _stand_ins(log)
+    adds = SideAdds(_Stream("step", log), _Stream("side", log), event=event, on_stream=on_stream,
+                    step_only=used_more_than_once(loss))
+    with adds.second_add(embed.weight):
+        log.append("add tied (second)")
+    with adds.second_add(inner.weight):
+        log.append("add inner (second)")
+    assert log == ["add tied (second)", "to side", "add inner (second)", "back from side", "side_done recorded on side"]

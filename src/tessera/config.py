@@ -164,7 +164,9 @@ class ParallelConfig:
     """tp > 1, pp=1: run the step's micro-batches two at a time, the second of each pair on a side
     CUDA stream with a TP communicator of its own, so one micro-batch's TP collectives run
     while the other's GEMMs do (training/concurrent.py; an odd last micro-batch runs alone; the
-    same sums as without, on a GPU a pair's two adds into a gradient in either order). auto: on around CUDA-graphed layers (the CUDA
+    same sums as without, but on a GPU a pair's two fp32 adds into a gradient come in either
+    order, which can change from run to run at rounding level, and with dropout the masks are
+    drawn in another order than without pairs). auto: on around CUDA-graphed layers (the CUDA
     default at tp > 1, pp=1) with two or more micro-batches per step wherever it can run
     (below): +13.7 % on GPT-1.3B (2x H200) and +8.3 % on Llama-1B (2x H100) at tp=2 + SP
     (session 18), the loss curves the same within bf16 rounding; off

@@ -10,15 +10,22 @@ the side stream, where they were made. Two adds into one main gradient must not 
 the second backward's add of a parameter is issued before the first's, it runs on the side
 stream and the first's waits for it (for the event recorded after the side stream's latest add:
 the side stream runs in order, so the latest covers every earlier one); where it is issued
-after, it runs on the step's stream, after the first's. The side stream never waits for the
-step's: each stream's collectives wait for the other rank, and waits in both directions, taken
-in a different order on each rank (the order hooks run in follows each host's timing), can
-close a cycle across the ranks. Only the step's stream waiting for the side stream is what
-autograd itself does, in the same direction on every rank. (The first version waited both
+after, it runs on the step's stream, after the first's. During the backwards the side stream
+never waits for the step's: each stream's collectives wait for the other rank, and waits in
+both directions, taken in a different order on each rank (the order hooks run in follows each
+host's timing), can close a cycle across the ranks. The step's stream waiting for the side
+stream is what autograd itself does, in the same direction on every rank. (The side stream
+waits for the step's only at a pair's start, and after each piece of the step's first forward
+where zero 1/2's gather waits there: in program order, the same on every rank.) (The first version waited both
 ways; its GPU test, fp32 pairs against the plain run, ran out of its time twice, session 18.)
 Every hook runs on autograd's one CUDA thread, so "issued before" is the order they run in, and
 each event is recorded before anything waits for it. A reduction reads the buffers on the step's
 stream, which first waits for the side stream's adds so far.
+
+A parameter the graph uses more than once (a tied embedding: the lookup and the output layer)
+gets its gradients summed by autograd on its AccumulateGrad node's stream, the step's, so its
+second add runs there too (``step_only``, found once by ``used_more_than_once``): on the side
+stream it would read the sum before the step's stream had made it.
 
 Which gradients are the second backward's: those whose hook runs inside its autograd graph task,
 whose id the task's first node reports (``started``, set by ``MarkStart`` at the root of the
@@ -36,9 +43,9 @@ class SideAdds:
     """One pair's ordering state. ``event`` and ``on_stream``: torch.cuda.Event and
     torch.cuda.stream (tests pass stand-ins)."""
 
-    def __init__(self, step, side, event=None, on_stream=None):
+    def __init__(self, step, side, event=None, on_stream=None, step_only: set[nn.Parameter] = frozenset()):
         event = event or torch.cuda.Event
-        self.step, self.side = step, side
+        self.step, self.side, self.step_only = step, side, step_only
         self.task: int | None = None  # the second backward's graph task, once it has started
         self._side_done = event()
         self._on_stream = on_stream or torch.cuda.stream
@@ -58,7 +65,7 @@ class SideAdds:
         """Around the second backward's add of ``p``: on the side stream, recorded after for
         what comes later; or, where the first's add of ``p`` was issued before, on the step's
         stream (the hook's), after it."""
-        if p in self._on_step:
+        if p in self._on_step or p in self.step_only:
             yield
             return
         with self._on_stream(self.side):
@@ -93,3 +100,25 @@ class MarkStart(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         ctx.adds.started(torch._C._current_graph_task_id())
         return grad, None
+
+
+def used_more_than_once(loss: Tensor) -> set[nn.Parameter]:
+    """The leaf tensors that ``loss``'s autograd graph reaches by more than one edge (autograd
+    sums their gradients before their AccumulateGrad node)."""
+    edges: dict[int, int] = {}
+    leaves: dict[int, Tensor] = {}
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if hasattr(child, "variable"):  # an AccumulateGrad node
+                edges[id(child)] = edges.get(id(child), 0) + 1
+                leaves[id(child)] = child.variable
+            else:
+                stack.append(child)
+    return {leaves[k] for k, n in edges.items() if n > 1}

@@ -71,7 +71,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 from torch import Tensor, nn
 
-from tessera.distributed.side_adds import MarkStart, SideAdds
+from tessera.distributed.side_adds import MarkStart, SideAdds, used_more_than_once
 from tessera.pipeline_parallel.executor import run_backward
 from tessera.tensor_parallel.mappings import Group
 from tessera.training.cuda_graphs import capturing_on, release_all
@@ -140,6 +140,7 @@ class PairedExecutor:
         # GPU test passes: the first version's ran out of its time, see side_adds.py)
         self.data_parallel = None
         self.side_adds = False
+        self._shared: set[nn.Parameter] | None = None  # parameters a micro-batch's graph uses twice or more
 
     def _steps(self, batch: dict[str, Tensor], global_tokens: Tensor):
         """One micro-batch's forward a piece per ``next`` (GPTModel's ``in_steps``): None after
@@ -196,7 +197,7 @@ class PairedExecutor:
             self.side.wait_stream(current)
         first = self._steps(pair[0], global_tokens)
         with self._on_side(), self.second:
-            second = self._steps(pair[1], global_tokens)  # (its forward pre-hooks run here)
+            second = self._steps(pair[1], global_tokens)  # (runs, pre-hooks too, at its first next())
         for first_loss in first:
             if self.side is not None and after_gathers:
                 self.side.wait_stream(current)
@@ -215,14 +216,18 @@ class PairedExecutor:
             run_backward(first, None)
             self._second_backward(second)
             return
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-second-backward")
+        if self._worker is None:  # (on the side stream's device: a thread starts on device 0, and
+            # leaving torch.cuda.stream there would make a CUDA context on GPU 0 for every rank)
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-second-backward",
+                                              initializer=self._worker_device)
         data_parallel = self.data_parallel if self.side_adds else None
-        if data_parallel is not None:  # the second's gradients added on the side stream (distributed/side_adds.py)
-            data_parallel.side_adds = SideAdds(self._current(), self.side)
-            with self._on_side():
-                second = MarkStart.apply(second, data_parallel.side_adds)
         try:
+            if data_parallel is not None:  # the second's gradients added on the side stream (distributed/side_adds.py)
+                if self._shared is None:  # (the graph's shape is the same every pair)
+                    self._shared = used_more_than_once(second)
+                data_parallel.side_adds = SideAdds(self._current(), self.side, step_only=self._shared)
+                with self._on_side():
+                    second = MarkStart.apply(second, data_parallel.side_adds)
             with _mismatch_warning_off():
                 pending = self._worker.submit(self._on_side_backward, second)
                 try:
@@ -234,6 +239,10 @@ class PairedExecutor:
         finally:
             if data_parallel is not None:
                 data_parallel.side_adds = None
+
+    def _worker_device(self) -> None:
+        if isinstance(self.side, torch.cuda.Stream):
+            torch.cuda.set_device(self.side.device)
 
     def _second_backward(self, second: Tensor) -> None:
         with _expected_stream_mismatch():

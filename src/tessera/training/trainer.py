@@ -183,7 +183,8 @@ def microbatch_pairs(cfg: Config, graphed: bool, fuse: bool, microbatches: int, 
     """parallel.tp_microbatch_pairs resolved (true was validated by config): auto runs pairs
     around CUDA-graphed layers (so on CUDA, pp=1, not compiled) at tp > 1 with two or more
     micro-batches a step, without fused weight gradients, zero < 3 and with plain TP
-    collectives: there they measured +3.3-5.7 % (GPT-1.3B and Llama-1B, tp=2 + SP, session 17).
+    collectives: there they measured +13.7 % (GPT-1.3B, 2x H200) and +8.3 % (Llama-1B, 2x H100)
+    at tp=2 + SP (session 18).
     Not around eager layers (dropout, packed sequences, train.cuda_graphs=false): never
     measured, and an eager tp > 1 step is bound by the host's launches, which pairs add to."""
     p = cfg.parallel
