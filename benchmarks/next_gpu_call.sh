@@ -15,6 +15,8 @@
 #   2. s19B -- with side adds on: the pairs GPU test (fp32 against the plain run), the 200-step
 #      curve test's graphed group, GPT-1.3B and Llama-1B tp=2 + SP and one GPU (~560 s)
 #   3. the issue-6 rows with both peers (s18B / s18C: compare.py, GPT then Llama)
+#   4. s18E again: gc_interval=5 now freezes the first steps' survivors at its first collection:
+#      do the later collections (gc_ms) fall from ~250 ms?
 # Session 18's calls (done; BENCHMARKS.md session 18): s18D (the tp=2 profile: pairs ran one
 # after the other), s18E (gc_interval: ~250 ms per collection), s18A (GPU tests), s18F (pairs
 # interleaved and concurrent: +13.7 %), s18G (curve test, Llama +8.3 %), s18H (pairs_ab: side

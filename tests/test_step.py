@@ -118,10 +118,19 @@ def test_garbage_collection_at_fixed_steps(monkeypatch):
     calls = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 0)
     assert gc.isenabled() and gc.get_freeze_count() == 0
+    made_in_training = []
     with GarbageCollection(3) as collector:
         assert not gc.isenabled()
-        assert gc.get_freeze_count() > 0  # what lived at the start is out of the collections' sight
-        timed = [collector.step(step) for step in range(7)]
+        at_start = gc.get_freeze_count()
+        assert at_start > 0  # what lived at the start is out of the collections' sight
+        timed = []
+        for step in range(7):
+            made_in_training.append([[step] for _ in range(100)])  # (tracked objects the steps make)
+            timed.append(collector.step(step))
+            if step == 2:  # the first periodic collection froze the first steps' survivors
+                assert gc.get_freeze_count() >= at_start + 300
+                after_first = gc.get_freeze_count()
+        assert gc.get_freeze_count() == after_first  # only once: later steps' objects stay in sight
     assert gc.isenabled() and gc.get_freeze_count() == 0
     assert calls == [2, 2, 2, 2]  # before; after steps 3 and 6; after
     assert [t is not None for t in timed] == [False, False, True, False, False, True, False]

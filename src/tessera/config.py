@@ -288,7 +288,8 @@ class TrainConfig:
     more than the automatic collector's rare slow steps (the slowest of 40: 348 ms); with the
     freeze, each collection still cost ~0.3 s of step time (GPT-1.3B dp=2, gc_interval=5, 2x
     H200, session 17), though a frozen collection takes ~0.1 ms on a CPU; the metrics log each
-    collection's host time as gc_ms."""
+    collection's host time as gc_ms, ~250 ms each on the GPU machine (session 18): the first
+    periodic collection now also freezes what the first steps made (not yet measured)."""
     timeout_s: float = 300.0
     """Collective timeout: a dead or stuck peer ends the job with an error after this long."""
     batch_rampup: str = ""
