@@ -79,8 +79,17 @@ def _train(tmp_path, name, nproc, extra, timeout=150):
             "train.micro_batch=2", "train.global_batch=8", "data.source=synthetic", f"train.out_dir={tmp_path / name}",
             *extra]
     command = [sys.executable, "-m", "tessera", "train", "--nproc-per-node", str(nproc)]
-    proc = subprocess.Popen(command + [a for s in sets for a in ("--set", s)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    returncode, out = _run(command + [a for s in sets for a in ("--set", s)], name, timeout)
+    assert returncode == 0, out[-3000:]
+    (tmp_path / name / "output.log").write_text(out)
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run(command: list[str], name: str, timeout: float) -> tuple[int, str]:
+    """(return code, output) of ``command``; on a timeout its whole process group is killed
+    and the failure carries the tail of what it printed."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -90,9 +99,7 @@ def _train(tmp_path, name, nproc, extra, timeout=150):
     finally:  # also when pytest's own timeout interrupts the wait: the GPUs are freed for the next test
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
-    (tmp_path / name / "output.log").write_text(out)
-    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return proc.returncode, out
 
 
 def _all_follow(tmp_path, one, runs: dict, timeout=150):
@@ -187,18 +194,8 @@ def test_pairs_second_backward_adds_on_the_side_stream_give_the_same_gradients(l
                os.path.join(os.path.dirname(__file__), "pairs_side_adds_check.py")]
     if layers == "eager":
         command.append("train.cuda_graphs=false")
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"no result in 150 s:\n{out[-3000:]}") from None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0 and out.count("SIDE ADDS OK") == 2, out[-3000:]
+    returncode, out = _run(command, f"side adds, {layers}", 150)
+    assert returncode == 0 and out.count("SIDE ADDS OK") == 2, out[-3000:]
 
 
 @pytest.mark.timeout(300)
