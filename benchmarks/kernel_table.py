@@ -83,6 +83,7 @@ for s in streams:
     print(f"STREAM rank {rank} stream {s}: {len(mine) // 2} kernels/step, NCCL {union_ms(own_nccl) / 2:.1f} ms/step, "
           f"compute {union_ms(own_compute) / 2:.1f} ms/step", flush=True)
 # every kernel (start and end in µs from the first, stream, name) for reading offline
+# (benchmarks/kernel_timeline.py)
 out = os.environ.get("OUT")
 if out:
     t0 = min(a for a, _ in spans)

@@ -103,3 +103,27 @@ def test_step_jitter_reports_every_step_and_rank_on_gloo():
             step, idle, fb, sync, tail, lead = map(float, rank_cells.split())
             assert step > 0 and step == pytest.approx(idle + fb + sync + tail, abs=0.5), line
     assert len(re.findall(r"SUMMARY rank [01]: step median", out.stdout)) == 2
+
+
+def test_kernel_timeline_splits_time_by_what_runs_beside_what(tmp_path):
+    """kernel_timeline.py: a timeline of two streams' kernels cut into idle, NCCL alone, compute
+    alone, NCCL beside compute and two compute kernels at once (µs in the file, ms out)."""
+    import gzip
+
+    import kernel_timeline
+
+    rows = ["0,1000,7,ncclDevKernel_AllGather", "500,2000,8,nvjet_gemm", "1500,2500,7,elementwise",
+            "3000,4000,7,ncclDevKernel_ReduceScatter"]
+    path = tmp_path / "kernels_x_rank0.csv.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(rows) + "\n")
+    loaded = kernel_timeline.load(str(path))
+    assert kernel_timeline.totals(loaded, steps=1) == pytest.approx(
+        {"nccl alone": 1.5, "nccl beside compute": 0.5, "compute alone": 1.0, "compute x2+": 0.5, "idle": 0.5})
+    first, second = kernel_timeline.binned(loaded, 2.0)
+    assert first == (0.0, pytest.approx({"nccl alone": 0.25, "nccl beside compute": 0.25, "compute alone": 0.25,
+                                         "compute x2+": 0.25}))
+    assert second == (2.0, pytest.approx({"compute alone": 0.25, "idle": 0.25, "nccl alone": 0.5}))
+    out = subprocess.run([sys.executable, "benchmarks/kernel_timeline.py", str(path), "--steps", "1"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert "nccl beside compute 0.5" in out
