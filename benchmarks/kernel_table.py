@@ -12,7 +12,7 @@ import time
 
 import torch
 from bench_setup import build
-from torch.autograd import DeviceType
+from kernel_timeline import summary
 from torch.profiler import ProfilerActivity, profile
 
 from tessera.training.step import train_step
@@ -44,21 +44,6 @@ if rank == 0:
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70))
 
 
-def union_ms(spans: list[tuple[float, float]]) -> float:
-    """Time covered by the (start, end) spans in µs, overlaps counted once, in ms."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total / 1e3
-
-
-def intersect_ms(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Time in ms during which some span of ``a`` and some span of ``b`` both run."""
-    return union_ms(a) + union_ms(b) - union_ms(a + b)
-
-
 # the kernels with their streams, from the profiler's own trace (FunctionEvent has no stream)
 trace = f"/tmp/kernel_table_trace_{rank}.json"
 prof.export_chrome_trace(trace)
@@ -66,27 +51,23 @@ with open(trace) as f:
     events = json.load(f)["traceEvents"]
 kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
 rows = [(e["ts"], e["ts"] + e["dur"], e["args"].get("stream", -1), e["name"]) for e in kernels]
-spans = [(a, b) for a, b, _, _ in rows]
-nccl = [(a, b) for a, b, _, n in rows if "nccl" in n.lower()]
-compute = [(a, b) for a, b, _, n in rows if "nccl" not in n.lower()]
 streams = sorted({s for _, _, s, _ in rows})
 # every rank: how much of the step its GPU computes, communicates, and idles (wall is unprofiled);
 # how much of its NCCL time runs beside compute (on another stream: overlapped communication)
+busy = summary(rows)
 print(f"SUMMARY rank {rank} {' '.join(sys.argv[1:])}: wall {plain * 1e3:.0f} ms/step ({wall * 1e3:.0f} profiled), "
-      f"GPU busy {union_ms(spans) / 2:.0f} ms/step (kernels on any stream), of which NCCL {union_ms(nccl) / 2:.0f} ms, "
-      f"compute (non-NCCL kernels) {union_ms(compute) / 2:.0f} ms, NCCL beside compute "
-      f"{intersect_ms(nccl, compute) / 2:.0f} ms, {len(rows) // 2} kernels/step", flush=True)
+      f"GPU busy {busy['busy']:.0f} ms/step (kernels on any stream), of which NCCL {busy['nccl']:.0f} ms, "
+      f"compute (non-NCCL kernels) {busy['compute']:.0f} ms, NCCL beside compute "
+      f"{busy['beside']:.0f} ms, {len(rows) // 2} kernels/step", flush=True)
 for s in streams:
-    mine = [(a, b, n) for a, b, t, n in rows if t == s]
-    own_nccl = [(a, b) for a, b, n in mine if "nccl" in n.lower()]
-    own_compute = [(a, b) for a, b, n in mine if "nccl" not in n.lower()]
-    print(f"STREAM rank {rank} stream {s}: {len(mine) // 2} kernels/step, NCCL {union_ms(own_nccl) / 2:.1f} ms/step, "
-          f"compute {union_ms(own_compute) / 2:.1f} ms/step", flush=True)
+    mine = summary([r for r in rows if r[2] == s])
+    print(f"STREAM rank {rank} stream {s}: {sum(r[2] == s for r in rows) // 2} kernels/step, "
+          f"NCCL {mine['nccl']:.1f} ms/step, compute {mine['compute']:.1f} ms/step", flush=True)
 # every kernel (start and end in µs from the first, stream, name) for reading offline
 # (benchmarks/kernel_timeline.py)
 out = os.environ.get("OUT")
 if out:
-    t0 = min(a for a, _ in spans)
+    t0 = min(r[0] for r in rows)
     with gzip.open(f"{out}/kernels_{os.environ.get('KT_TAG', 'run')}_rank{rank}.csv.gz", "wt") as f:
         csv.writer(f).writerows((f"{a - t0:.1f}", f"{b - t0:.1f}", s, n[:120]) for a, b, s, n in rows)
 for g in b.graphs:  # graphs holding NCCL work would hang the destroy

@@ -54,6 +54,16 @@ def totals(rows, steps: int = 2) -> dict[str, float]:
     return {k: v / 1e3 / steps for k, v in acc.items()}
 
 
+def summary(rows, steps: int = 2) -> dict[str, float]:
+    """ms per step: GPU busy (any kernel), NCCL, compute (non-NCCL kernels), NCCL beside compute."""
+    t = totals(rows, steps)
+    beside = t.get("nccl beside compute", 0.0)
+    return {"busy": sum(v for k, v in t.items() if k != "idle"),
+            "nccl": t.get("nccl alone", 0.0) + beside,
+            "compute": t.get("compute alone", 0.0) + t.get("compute x2+", 0.0) + beside,
+            "beside": beside}
+
+
 def binned(rows, width_ms: float) -> list[tuple[float, dict[str, float]]]:
     """(bin start in ms, each state's share of the bin)."""
     width = width_ms * 1e3

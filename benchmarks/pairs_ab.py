@@ -1,8 +1,7 @@
 """Micro-batch pairs' executor settings against each other in one process (one capture, the
 same GPUs, rounds interleaved so drift spreads evenly): the second backward's gradient adds on
 the side stream (``PairedExecutor.side_adds``, SETTINGS="0 1") or not. Prints each setting's
-median ms per step and tokens/s per GPU. Run like the
-trainer: `torchrun --nproc-per-node 2 benchmarks/pairs_ab.py [k=v ...]` (GPT-1.3B benchmark
+median ms per step and tokens/s per GPU. Run like the trainer: `torchrun --nproc-per-node 2 benchmarks/pairs_ab.py [k=v ...]` (GPT-1.3B benchmark
 model; pairs need tp > 1, e.g. parallel.tp=2 parallel.sequence_parallel=true)."""
 
 import os
@@ -23,8 +22,6 @@ if not isinstance(executor, PairedExecutor):
     raise SystemExit("pairs_ab.py: these settings do not run micro-batch pairs (parallel.tp_microbatch_pairs)")
 SETTINGS = [s == "1" for s in os.environ.get("SETTINGS", "0 1").split()]
 STEPS, ROUNDS = int(os.environ.get("STEPS", "6")), int(os.environ.get("ROUNDS", "3"))
-
-
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # (a CPU smoke run)
 TOKENS = b.cfg.train.global_batch * b.cfg.model.seq_len  # a step's, over every rank
 

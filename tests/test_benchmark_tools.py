@@ -120,6 +120,8 @@ def test_kernel_timeline_splits_time_by_what_runs_beside_what(tmp_path):
     loaded = kernel_timeline.load(str(path))
     assert kernel_timeline.totals(loaded, steps=1) == pytest.approx(
         {"nccl alone": 1.5, "nccl beside compute": 0.5, "compute alone": 1.0, "compute x2+": 0.5, "idle": 0.5})
+    assert kernel_timeline.summary(loaded, steps=1) == pytest.approx(
+        {"busy": 3.5, "nccl": 2.0, "compute": 2.0, "beside": 0.5})  # (what kernel_table.py prints)
     first, second = kernel_timeline.binned(loaded, 2.0)
     assert first == (0.0, pytest.approx({"nccl alone": 0.25, "nccl beside compute": 0.25, "compute alone": 0.25,
                                          "compute x2+": 0.25}))
