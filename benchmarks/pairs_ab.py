@@ -4,6 +4,7 @@ the side stream (``PairedExecutor.side_adds``, SETTINGS="0 1") or not. Prints ea
 median ms per step and tokens/s per GPU. Run like the trainer: `torchrun --nproc-per-node 2 benchmarks/pairs_ab.py [k=v ...]` (GPT-1.3B benchmark
 model; pairs need tp > 1, e.g. parallel.tp=2 parallel.sequence_parallel=true)."""
 
+import faulthandler
 import os
 import statistics
 import sys
@@ -15,6 +16,8 @@ from bench_setup import build
 from tessera.training.concurrent import PairedExecutor
 from tessera.training.step import train_step
 
+if os.environ.get("DUMP_AFTER"):  # every thread's stack to stderr after that many seconds (a hang's place)
+    faulthandler.dump_traceback_later(float(os.environ["DUMP_AFTER"]))
 b = build(sys.argv[1:])
 rank, topo, stage, dp, opt, data = b.rank, b.topo, b.stage, b.dp, b.opt, b.data
 executor = stage.executor(len(data.next()))
@@ -26,7 +29,13 @@ sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  
 TOKENS = b.cfg.train.global_batch * b.cfg.model.seq_len  # a step's, over every rank
 
 
+done = [0]
+
+
 def step():
+    if rank == 0 and os.environ.get("EACH_STEP"):  # where a hang comes
+        print(f"step {done[0]}", flush=True)
+    done[0] += 1
     train_step(opt, data.next(), topo, executor, dp, clip_grad=1.0, scaler=None)
 
 
@@ -43,6 +52,8 @@ for _ in range(ROUNDS):
             step()
             sync()
             times[s].append(time.perf_counter() - t0)
+        if rank == 0:
+            print(f"side_adds={s}: {len(times[s])} steps timed", flush=True)
 if rank == 0:
     for side, ts in times.items():
         ms = statistics.median(ts) * 1e3

@@ -134,3 +134,37 @@ def test_parameters_used_twice_are_found_and_added_on_the_steps_stream():
     with adds.second_add(inner.weight):
         log.append("add inner (second)")
     assert log == ["add tied (second)", "to side", "add inner (second)", "back from side", "side_done recorded on side"]
+
+
+def test_used_more_than_once_counts_leaves_not_node_objects():
+    """Autograd hands out a node's Python object anew where the last one died, so an object's
+    id can come back for another node during the walk (on the GPU, an id-keyed count reported
+    a dozen parameters of a 2-layer GPT as used twice, and missed the tied embedding in the
+    pairs, session 19): counted per leaf, with every visited node held, only the leaf that two
+    edges reach is found. Stand-in nodes make a fresh object per access, as autograd may."""
+
+    class Leaf:
+        pass
+
+    class Accumulate:  # a fresh object on each access, dropped once the walk moves on
+        def __init__(self, leaf):
+            self.variable = leaf
+
+    class Node:
+        def __init__(self, children):
+            self._children = children
+
+        @property
+        def next_functions(self):
+            return tuple((Accumulate(c) if isinstance(c, Leaf) else c, 0) for c in self._children)
+
+    leaves = [Leaf() for _ in range(40)]
+    tied = leaves[0]
+    chain = Node([tied, leaves[1]])
+    for leaf in leaves[2:]:
+        chain = Node([chain, leaf])
+    root = Node([chain, tied])
+
+    class Loss:
+        grad_fn = root
+    assert used_more_than_once(Loss()) == {tied}

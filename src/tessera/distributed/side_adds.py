@@ -104,21 +104,26 @@ class MarkStart(torch.autograd.Function):
 
 def used_more_than_once(loss: Tensor) -> set[nn.Parameter]:
     """The leaf tensors that ``loss``'s autograd graph reaches by more than one edge (autograd
-    sums their gradients before their AccumulateGrad node)."""
+    sums their gradients before their AccumulateGrad node). Counted per leaf, and every node
+    visited is held until the end: a node's Python object can die once the walk moves on, and a
+    new one could then take its id (an id-keyed count missed the tied embedding on the GPU,
+    session 19)."""
     edges: dict[int, int] = {}
     leaves: dict[int, Tensor] = {}
-    seen, stack = set(), [loss.grad_fn]
+    seen: dict[int, object] = {}  # id -> node, held
+    stack = [loss.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         for child, _ in node.next_functions:
             if child is None:
                 continue
             if hasattr(child, "variable"):  # an AccumulateGrad node
-                edges[id(child)] = edges.get(id(child), 0) + 1
-                leaves[id(child)] = child.variable
+                leaf = child.variable
+                edges[id(leaf)] = edges.get(id(leaf), 0) + 1
+                leaves[id(leaf)] = leaf
             else:
                 stack.append(child)
     return {leaves[k] for k, n in edges.items() if n > 1}
