@@ -6,17 +6,22 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 19's calls (30 device minutes; kind nvidia-h100-x2; send the next call at once):
-#   1. s19A -- the GPU test of the pairs' second backward adding on the side stream
-#      (PairedExecutor.side_adds, off by default: session 18's first version waited in both
-#      directions and the pairs GPU test ran out of its time twice; now the side stream never
-#      waits for the step's), graphed and eager; then pairs_ab.py (side adds off / on, +2.3 % in
-#      session 18) (~250 s). If both pass: side_adds on by default, then s19B.
-#   2. s19B -- with side adds on: the pairs GPU test (fp32 against the plain run), the 200-step
-#      curve test's graphed group, GPT-1.3B and Llama-1B tp=2 + SP and one GPU (~560 s)
-#   3. the issue-6 rows with both peers (s18B / s18C: compare.py, GPT then Llama)
-#   4. s18E again: gc_interval=5 now freezes the first steps' survivors at its first collection:
-#      do the later collections (gc_ms) fall from ~250 ms?
+# Session 20's calls (30 device minutes; kind nvidia-h100-x2; send the next call at once):
+#   1. s20A -- can micro-batch pairs be made safe? (off by default since session 19: 4 of 19
+#      pairs_ab runs hung in their first 10 steps, side adds off; NCCL says two communicators in
+#      flight at once may deadlock). pairs_ab runs (each step printed, stacks dumped on a hang)
+#      with CUDA_DEVICE_MAX_CONNECTIONS=1 (kernels start in issue order, the same on both GPUs),
+#      then the same count without it as the control; speed of both (~480 s). Only a clean run
+#      count far above 19 would justify turning pairs back on.
+#   2. the issue-6 rows with both peers and the default tp=2 (no pairs): s18B / s18C
+#      (compare.py, GPT then Llama, ~580 s each)
+#   3. what a gc_interval collection frees for ~270 ms (session 19: the refreeze did not help):
+#      gc.callbacks' collected counts and the objects' types, or py-spy-free timing of
+#      torch.cuda.synchronize() before the collection (is it the host waiting on the GPU?)
+# Session 19's calls (done; BENCHMARKS.md session 19): s19A (side-adds GPU test failed: the
+# tied embedding), a probe (used_more_than_once's id-keyed count), the fix's GPU test (passed),
+# pairs_ab runs (side adds +2.1-2.3 %; 4 of 19 runs hung with side adds off), s18E (gc_interval:
+# still ~270 ms per collection after the refreeze).
 # Session 18's calls (done; BENCHMARKS.md session 18): s18D (the tp=2 profile: pairs ran one
 # after the other), s18E (gc_interval: ~250 ms per collection), s18A (GPU tests), s18F (pairs
 # interleaved and concurrent: +13.7 %), s18G (curve test, Llama +8.3 %), s18H (pairs_ab: side
@@ -303,6 +308,15 @@ case "${1:-tests}" in
     for v in true false; do NPROC=2 timeout 100 python3 benchmarks/quick_train.py llama-1b $sp parallel.tp_microbatch_pairs=$v 2>&1 \
       | grep -E "LOSSES|RESULT|Error" | tail -2; reap; done
     NPROC=1 timeout 95 python3 benchmarks/quick_train.py llama-1b 2>&1 | grep -E "RESULT|Error" | tail -1 ;;
+  s20A)  # session 20, first call: see the plan at the top
+    smi_log s20A; date +"runs from %T"
+    for conn in 1 default; do for i in 1 2 3 4 5 6; do
+      log="${OUT:-/tmp}/pairs_ab_conn${conn}_$i.log"
+      ( [ "$conn" = 1 ] && export CUDA_DEVICE_MAX_CONNECTIONS=1
+        EACH_STEP=1 DUMP_AFTER=50 SETTINGS="0 1" STEPS=4 ROUNDS=1 timeout 70 torchrun --nproc-per-node 2 \
+          benchmarks/pairs_ab.py parallel.tp=2 parallel.sequence_parallel=true parallel.tp_microbatch_pairs=true > "$log" 2>&1
+        echo "conn=$conn run $i rc=$? last: $(grep -E '^step' "$log" | tail -1) $(grep -E 'PAIRS' "$log" | tr '\n' ' ')" ); reap
+    done; done ;;
   s19A)  # session 19, first call: see the plan at the top
     smi_log s19A; date +"runs from %T"
     BUDGET=200 bash "$0" tests "side_stream" | grep -E "rc=|SKIPPED"

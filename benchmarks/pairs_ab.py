@@ -2,7 +2,9 @@
 same GPUs, rounds interleaved so drift spreads evenly): the second backward's gradient adds on
 the side stream (``PairedExecutor.side_adds``, SETTINGS="0 1") or not. Prints each setting's
 median ms per step and tokens/s per GPU. Run like the trainer: `torchrun --nproc-per-node 2 benchmarks/pairs_ab.py [k=v ...]` (GPT-1.3B benchmark
-model; pairs need tp > 1, e.g. parallel.tp=2 parallel.sequence_parallel=true)."""
+model; pairs need tp > 1 and, since session 19, opting in: e.g. parallel.tp=2
+parallel.sequence_parallel=true parallel.tp_microbatch_pairs=true). EACH_STEP=1 prints each
+step as it starts and DUMP_AFTER=S dumps every thread's stack after S seconds (where a hang is)."""
 
 import faulthandler
 import os

@@ -443,37 +443,21 @@ def test_pairs_refused_where_they_cannot_run(sets, key):
     assert e.value.key == key
 
 
-@pytest.mark.parametrize("sets, device, microbatches, expected", [
-    (["parallel.tp=2"], "cuda", 4, True),
-    (["parallel.tp=2", "parallel.sequence_parallel=true"], "cuda", 2, True),
-    (["parallel.tp=2"], "cpu", 4, False),  # no streams
-    (["parallel.tp=2"], "cuda", 1, False),  # nothing to pair
-    (["parallel.tp=1"], "cuda", 4, False),
-    (["parallel.tp=2", "parallel.pp=2"], "cuda", 4, False),
-    (["parallel.tp=2", "parallel.zero=3"], "cuda", 4, False),
-    (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=p2p"], "cuda", 4, False),
-    (["parallel.tp=2", "parallel.tp_microbatch_pairs=false"], "cuda", 4, False),
-    (["parallel.tp=2", "parallel.tp_microbatch_pairs=true"], "cpu", 4, True),
+@pytest.mark.parametrize("sets, expected", [
+    (["parallel.tp=2"], False),  # auto: off (an experimental path that may hang, trainer.microbatch_pairs)
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], False),
+    (["parallel.tp=2", "parallel.tp_microbatch_pairs=false"], False),
+    (["parallel.tp=2", "parallel.tp_microbatch_pairs=true"], True),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_microbatch_pairs=true"], True),
 ])
-def test_auto_runs_pairs_where_they_can_run_and_pay(sets, device, microbatches, expected):
-    """parallel.tp_microbatch_pairs=auto: pairs around graphed layers on CUDA at tp > 1, pp=1 with
-    two or more micro-batches, not with zero=3 or tp_async; true and false as set."""
+def test_only_true_runs_pairs(sets, expected):
+    """parallel.tp_microbatch_pairs: auto and false run no pairs (4 of 19 GPT-1.3B tp=2 + SP
+    runs with them hung, session 19); true does."""
     from tessera.training.trainer import microbatch_pairs
 
     cfg = load_config(None, sets)
     validate(cfg, cfg.parallel.tp * cfg.parallel.pp)
-    assert microbatch_pairs(cfg, True, False, microbatches, torch.device(device)) is expected
-
-
-def test_auto_runs_pairs_only_around_graphed_layers_without_fused_weight_gradients():
-    from tessera.training.trainer import microbatch_pairs
-
-    cfg = load_config(None, ["parallel.tp=2"])
-    validate(cfg, 2)
-    cuda = torch.device("cuda")
-    assert microbatch_pairs(cfg, True, False, 8, cuda)
-    assert not microbatch_pairs(cfg, False, False, 8, cuda)  # eager (or compiled) layers: not measured
-    assert not microbatch_pairs(cfg, True, True, 8, cuda)
+    assert microbatch_pairs(cfg) is expected
 
 
 def test_gradient_adds_run_on_the_steps_stream(monkeypatch):
@@ -675,7 +659,7 @@ def test_the_second_backward_adds_on_the_side_while_the_two_run(monkeypatch):
     executor = _logged_executor([])
     data_parallel = SimpleNamespace(side_adds=None)
     executor.data_parallel = data_parallel
-    assert not executor.side_adds  # (off by default until its GPU test passes)
+    assert not executor.side_adds  # (off by default while the pairs may hang)
     executor.side_adds = True
     executor.run([{"i": 0}, {"i": 1}], torch.tensor(1.0))
     assert data_parallel.side_adds is None

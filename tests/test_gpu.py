@@ -160,7 +160,7 @@ def test_cuda_graphed_layers_follow_eager_layers(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_microbatch_pairs_on_two_streams_follow_the_plain_run(tmp_path):
-    """parallel.tp_microbatch_pairs at tp=2 + SP (training/concurrent.py; auto there): the second micro-batch
+    """parallel.tp_microbatch_pairs at tp=2 + SP (training/concurrent.py; opt-in): the second micro-batch
     of each pair on a side stream with its own NCCL communicator, graphed layers captured once per
     communicator on their own capture stream, every gradient added into the buffers on the step's
     stream. The same sums in the same order as without pairs, so fp32 curves follow the plain
@@ -168,7 +168,7 @@ def test_microbatch_pairs_on_two_streams_follow_the_plain_run(tmp_path):
     sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
     plain = _train(tmp_path, "tp2-plain", 2, sp + ["parallel.tp_microbatch_pairs=false"], timeout=110)
     assert "in pairs" not in (tmp_path / "tp2-plain" / "output.log").read_text()
-    runs = {"pairs-graphed": sp,  # (auto)
+    runs = {"pairs-graphed": sp + ["parallel.tp_microbatch_pairs=true"],
             "pairs-eager": sp + ["parallel.tp_microbatch_pairs=true", "train.cuda_graphs=false"]}
     failed = []
     for name, sets in runs.items():
@@ -186,7 +186,7 @@ def test_microbatch_pairs_on_two_streams_follow_the_plain_run(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("layers", ["graphed", "eager"])
 def test_pairs_second_backward_adds_on_the_side_stream_give_the_same_gradients(layers):
-    """PairedExecutor.side_adds (off by default until this passes): the second backward's
+    """PairedExecutor.side_adds (off by default, as the pairs it needs): the second backward's
     gradient adds on the side stream, ordered against the first's by events, give the gradients
     of the adds on the step's stream (fp32; tests/pairs_side_adds_check.py), without a hang (the
     first version waited in both directions and its pairs GPU test ran out of its time)."""

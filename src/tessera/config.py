@@ -166,14 +166,14 @@ class ParallelConfig:
     while the other's GEMMs do (training/concurrent.py; an odd last micro-batch runs alone; the
     same sums as without, but on a GPU a pair's two fp32 adds into a gradient come in either
     order, which can change from run to run at rounding level, and with dropout the masks are
-    drawn in another order than without pairs). auto: on around CUDA-graphed layers (the CUDA
-    default at tp > 1, pp=1) with two or more micro-batches per step wherever it can run
-    (below): +13.7 % on GPT-1.3B (2x H200) and +8.3 % on Llama-1B (2x H100) at tp=2 + SP
-    (session 18), the loss curves the same within bf16 rounding; off
-    around eager layers (not measured). Costs a second micro-batch's activations (+2.2 GiB on
-    GPT-1.3B), a second set of graphs and a second TP communicator: set false where memory is
-    short. Not with compiled layers, fused weight gradients, zero=3 or parallel.tp_async (true
-    is refused there, auto stays off)."""
+    drawn in another order than without pairs). +13.7 % on GPT-1.3B (2x H200) and +8.3 % on
+    Llama-1B (2x H100) at tp=2 + SP with graphed layers (session 18), BUT experimental: the two
+    communicators' collectives are in flight at once, which NCCL documents may deadlock, and
+    4 of 19 GPT-1.3B tp=2 + SP runs of benchmarks/pairs_ab.py hung within their first 10 steps
+    (session 19; both ranks' hosts blocked in a layer's graph replay). So auto is OFF until that
+    is fixed; true opts in. Costs a second micro-batch's activations (+2.2 GiB on GPT-1.3B), a
+    second set of graphs and a second TP communicator. Not with compiled layers, fused weight
+    gradients, zero=3 or parallel.tp_async (true is refused there)."""
     tp_async: Literal["false", "true", "p2p"] = "false"
     """tp > 1 with sequence parallelism: each column layer's all-gather and row layer's
     reduce-scatter run fused with the GEMM, chunked and overlapped, both directions
@@ -612,7 +612,7 @@ def validate(cfg: Config, world_size: int) -> Config:
 def _check_microbatch_pairs(cfg: Config) -> None:
     """What parallel.tp_microbatch_pairs cannot run with (training/concurrent.py says why)."""
     p, t = cfg.parallel, cfg.train
-    key, off = "parallel.tp_microbatch_pairs", "or set parallel.tp_microbatch_pairs=auto (off where it cannot run)"
+    key, off = "parallel.tp_microbatch_pairs", "or leave parallel.tp_microbatch_pairs at auto (off)"
     _check(p.tp > 1, key, f"pairs hide TP collectives, and tp={p.tp} has none", f"use parallel.tp > 1 {off}")
     _check(p.pp == 1, key, f"pairs run pp=1 steps; pp={p.pp} runs a pipeline schedule", f"use parallel.pp=1 {off}")
     _check(t.compile != "true", key, "compiled layers call the TP collectives by the group's name, fixed when "

@@ -17,7 +17,8 @@ host's timing), can close a cycle across the ranks. The step's stream waiting fo
 stream is what autograd itself does, in the same direction on every rank. (The side stream
 waits for the step's only at a pair's start, and after each piece of the step's first forward
 where zero 1/2's gather waits there: in program order, the same on every rank.) (The first version waited both
-ways; its GPU test, fp32 pairs against the plain run, ran out of its time twice, session 18.)
+ways; its GPU test, fp32 pairs against the plain run, ran out of its time twice, session 18;
+session 19 found the pairs hang now and then without side adds too: training/concurrent.py.)
 Every hook runs on autograd's one CUDA thread, so "issued before" is the order they run in, and
 each event is recorded before anything waits for it. A reduction reads the buffers on the step's
 stream, which first waits for the side stream's adds so far.

@@ -49,10 +49,22 @@ both micro-batches' fp32 gradient adds (~30 ms of a 345 ms step), so it ends eac
 ~13 ms after the side stream; and the two forwards, issued in step, run their collectives at the
 same moments (each layer's all-gathers side by side, then its GEMMs), so the forwards hide
 little. The second backward's adds on the side stream (``side_adds``, distributed/side_adds.py)
-measured +2.3 % (339.2 against 347.2 ms a step, benchmarks/pairs_ab.py) but stay off until their
-GPU test passes; starting the side stream's forward 60-120 µs late (a spin kernel) to put the
-forwards' collectives apart changed nothing (341 ms) and was dropped. auto runs pairs around
-graphed layers wherever they can run (trainer.microbatch_pairs).
+measured +2.3 % (353-355 against 361-363 ms a step in five A/Bs, benchmarks/pairs_ab.py, 2x
+H100, session 19) and pass their GPU test, but stay off while the pairs may hang (below);
+starting the side stream's forward 60-120 µs late (a spin kernel) to put the forwards'
+collectives apart changed nothing (341 ms) and was dropped.
+
+Experimental, opt-in (parallel.tp_microbatch_pairs=true; auto runs none, trainer.microbatch_pairs):
+in session 19, 4 of 19 GPT-1.3B tp=2 + SP runs of benchmarks/pairs_ab.py hung within their
+first 10 steps, side adds off, both ranks' hosts blocked in a graph replay of a layer of a
+pair's first forward (DUMP_AFTER's stack dumps): the GPUs had stopped. The pairs keep two NCCL
+communicators' collectives in flight at once, which NCCL's documentation says may deadlock
+(an NCCL kernel spinning for its peer can keep the other communicator's kernel from starting,
+in a different order on each GPU). Waiting for the GPU after each piece of the first step's
+pairs (so that the communicators' first uses ran alone) did not help: 2 of 9 runs hung, at
+steps 2 and 5. What might: an order the GPUs cannot disagree on (CUDA_DEVICE_MAX_CONNECTIONS=1,
+Megatron's way of keeping its overlapped collectives in issue order), or collectives that need
+no spinning kernel (copy-engine transfers over symmetric memory); neither measured yet.
 
 What it needs (config.validate refuses the rest): pp=1, tp > 1, layers not compiled whole (the
 compiled collectives take the group by name), no fused weight gradients (two streams would add
@@ -136,8 +148,8 @@ class PairedExecutor:
         self._worker: ThreadPoolExecutor | None = None
         # the DataParallel (zero 0/1) whose buffers the gradients go to (trainer.build_data_parallel
         # sets it): with ``side_adds``, the second backward adds its gradients on the side stream
-        # (distributed/side_adds.py; +2.3 % at GPT-1.3B tp=2 + SP, session 18, but off until its
-        # GPU test passes: the first version's ran out of its time, see side_adds.py)
+        # (distributed/side_adds.py; +2.3 % at GPT-1.3B tp=2 + SP; its GPU test passes since
+        # session 19, but it stays off while the pairs themselves may hang: see above)
         self.data_parallel = None
         self.side_adds = False
         self._shared: set[nn.Parameter] | None = None  # parameters a micro-batch's graph uses twice or more

@@ -179,19 +179,13 @@ def tp_comm_overlap(cfg: Config, graphed: bool) -> bool:
     return {"true": True, "false": False}.get(p.tp_comm_overlap, graphed and p.tp > 1)
 
 
-def microbatch_pairs(cfg: Config, graphed: bool, fuse: bool, microbatches: int, device: torch.device) -> bool:
-    """parallel.tp_microbatch_pairs resolved (true was validated by config): auto runs pairs
-    around CUDA-graphed layers (so on CUDA, pp=1, not compiled) at tp > 1 with two or more
-    micro-batches a step, without fused weight gradients, zero < 3 and with plain TP
-    collectives: there they measured +13.7 % (GPT-1.3B, 2x H200) and +8.3 % (Llama-1B, 2x H100)
-    at tp=2 + SP (session 18).
-    Not around eager layers (dropout, packed sequences, train.cuda_graphs=false): never
-    measured, and an eager tp > 1 step is bound by the host's launches, which pairs add to."""
-    p = cfg.parallel
-    if p.tp_microbatch_pairs != "auto":
-        return p.tp_microbatch_pairs == "true"
-    return (device.type == "cuda" and graphed and p.tp > 1 and p.pp == 1 and microbatches >= 2 and not fuse
-            and p.zero < 3 and p.tp_async == "false")
+def microbatch_pairs(cfg: Config) -> bool:
+    """parallel.tp_microbatch_pairs resolved (true was validated by config): only true runs
+    pairs. auto ran them around CUDA-graphed layers at tp > 1 (+13.7 % on GPT-1.3B, +8.3 % on
+    Llama-1B at tp=2 + SP, session 18) until session 19 saw 4 of 19 GPT-1.3B tp=2 + SP runs hang
+    (benchmarks/pairs_ab.py; the two communicators' collectives in flight at once, which NCCL
+    documents may deadlock): a step that may hang is no default (training/concurrent.py)."""
+    return cfg.parallel.tp_microbatch_pairs == "true"
 
 
 class Stage:
@@ -226,8 +220,7 @@ class Stage:
         self.p2p = P2P(topo, keep_shapes=True) if p.pp > 1 else None
         # micro-batch pairs (training/concurrent.py): the second of each on a side stream with a TP
         # communicator of its own (made on every rank alike: the config is the same everywhere)
-        self.pairs = microbatch_pairs(cfg, self.graphed, self.fuse_wgrad,
-                                      self.microbatches(cfg.train.global_batch, topo.dp), topo.device)
+        self.pairs = microbatch_pairs(cfg)
         self.first_tp = topo.group("tp")
         self.second_tp = topo.new_groups(topo.all_ranks_along("tp")) if self.pairs else None
         self._paired = None
