@@ -305,7 +305,7 @@ def train(cfg: Config) -> list[dict]:
                  f"weight gradients {'fused into main_grad' if stage.fuse_wgrad else 'via autograd'}"
                  f"{f' (deferred, {stage.schedule})' if stage.schedule in SPLIT_BACKWARD else ''}"
                  f"{', TP backward comm overlapped' if stage.comm_overlap and p.tp > 1 else ''}"
-                 f"{', micro-batches in pairs on two streams' if stage.pairs else ''}"
+                 f"{', micro-batches in pairs on two streams (experimental: may hang, training/concurrent.py)' if stage.pairs else ''}"
                  f"{', RMSNorm / RoPE / SwiGLU compiled' if stage.elementwise_compiled else ''}")
     logger.print(str(memory_report(data_parallel, optimizer)))
 
