@@ -15,9 +15,9 @@
 #      count far above 19 would justify turning pairs back on.
 #   2. the issue-6 rows with both peers and the default tp=2 (no pairs): s18B / s18C
 #      (compare.py, GPT then Llama, ~580 s each)
-#   3. what a gc_interval collection frees for ~270 ms (session 19: the refreeze did not help):
-#      gc.callbacks' collected counts and the objects' types, or py-spy-free timing of
-#      torch.cuda.synchronize() before the collection (is it the host waiting on the GPU?)
+#   3. s20C -- where a gc_interval collection's ~270 ms goes (session 19: the refreeze did not
+#      help; on a CPU training makes no garbage cycles at all): benchmarks/gc_probe.py times a
+#      collection with the host ahead of the GPU and one after a sync (~70 s)
 # Session 19's calls (done; BENCHMARKS.md session 19): s19A (side-adds GPU test failed: the
 # tied embedding), a probe (used_more_than_once's id-keyed count), the fix's GPU test (passed),
 # pairs_ab runs (side adds +2.1-2.3 %; 4 of 19 runs hung with side adds off), s18E (gc_interval:
@@ -317,6 +317,9 @@ case "${1:-tests}" in
           benchmarks/pairs_ab.py parallel.tp=2 parallel.sequence_parallel=true parallel.tp_microbatch_pairs=true > "$log" 2>&1
         echo "conn=$conn run $i rc=$? last: $(grep -E '^step' "$log" | tail -1) $(grep -E 'PAIRS' "$log" | tr '\n' ' ')" ); reap
     done; done ;;
+  s20C)  # session 20: see the plan at the top
+    timeout 150 torchrun --nproc-per-node 2 benchmarks/gc_probe.py parallel.zero=1 > "${OUT:-/tmp}/gc_probe.log" 2>&1
+    grep -E "^GC rank 0|Error" "${OUT:-/tmp}/gc_probe.log" | tail -8 ;;
   s19A)  # session 19, first call: see the plan at the top
     smi_log s19A; date +"runs from %T"
     BUDGET=200 bash "$0" tests "side_stream" | grep -E "rc=|SKIPPED"

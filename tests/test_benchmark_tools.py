@@ -105,6 +105,25 @@ def test_step_jitter_reports_every_step_and_rank_on_gloo():
     assert len(re.findall(r"SUMMARY rank [01]: step median", out.stdout)) == 2
 
 
+def test_gc_probe_times_both_kinds_of_collection_on_every_rank():
+    """benchmarks/gc_probe.py on 2 CPU processes (dp=2, zero=1, a tiny model): per round and rank
+    a collection with the host ahead and one after a sync, each with what it found (nothing
+    here: training makes no garbage cycles on a CPU) and the heap frozen."""
+    import os
+    import re
+    tiny = ["parallel.zero=1", "model.hidden=64", "model.heads=4", "model.layers=2", "model.seq_len=32",
+            "model.vocab_size=256", "train.dtype=fp32", "train.global_batch=8"]
+    env = {**os.environ, "WARM": "2", "STEPS": "1", "ROUNDS": "2", "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "gc_probe.py", *tiny],
+                         cwd=ROOT / "benchmarks", capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = re.findall(r"GC rank ([01]) round ([01]) (host ahead |after a sync): collect [0-9.]+ ms.*found (\d+), "
+                       r"tracked after \d+ \(frozen (\d+)\)", out.stdout)
+    assert sorted((rank, rnd, kind.strip()) for rank, rnd, kind, _, _ in lines) == sorted(
+        (rank, rnd, kind) for rank in "01" for rnd in "01" for kind in ("host ahead", "after a sync")), out.stdout
+    assert all(found == "0" and int(frozen) > 0 for *_, found, frozen in lines), out.stdout
+
+
 def test_kernel_timeline_splits_time_by_what_runs_beside_what(tmp_path):
     """kernel_timeline.py: a timeline of two streams' kernels cut into idle, NCCL alone, compute
     alone, NCCL beside compute and two compute kernels at once (µs in the file, ms out)."""
