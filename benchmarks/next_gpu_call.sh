@@ -9,10 +9,12 @@
 # Session 20's calls (30 device minutes; kind nvidia-h100-x2; send the next call at once):
 #   1. s20A -- can micro-batch pairs be made safe? (off by default since session 19: 4 of 19
 #      pairs_ab runs hung in their first 10 steps, side adds off; NCCL says two communicators in
-#      flight at once may deadlock). pairs_ab runs (each step printed, stacks dumped on a hang)
-#      with CUDA_DEVICE_MAX_CONNECTIONS=1 (kernels start in issue order, the same on both GPUs),
-#      then the same count without it as the control; speed of both (~480 s). Only a clean run
-#      count far above 19 would justify turning pairs back on.
+#      flight at once may deadlock). pairs_ab runs (each step printed, stacks dumped where a step
+#      runs 25 s) with CUDA_DEVICE_MAX_CONNECTIONS=1 (kernels start in the order they were issued;
+#      the forwards are issued by one thread in the same order on both ranks, the two backwards
+#      from two threads, so a clean result speaks for the forwards first), alternating with the
+#      control (default connections); speed of both (~540 s). Only a clean run count far above
+#      19 would justify turning pairs back on.
 #   2. the issue-6 rows with both peers and the default tp=2 (no pairs): s18B / s18C
 #      (compare.py, GPT then Llama, ~580 s each)
 #   3. s20C -- where a gc_interval collection's ~270 ms goes (session 19: the refreeze did not
@@ -20,7 +22,7 @@
 #      collection with the host ahead of the GPU and one after a sync (~70 s)
 # Session 19's calls (done; BENCHMARKS.md session 19): s19A (side-adds GPU test failed: the
 # tied embedding), a probe (used_more_than_once's id-keyed count), the fix's GPU test (passed),
-# pairs_ab runs (side adds +2.1-2.3 %; 4 of 19 runs hung with side adds off), s18E (gc_interval:
+# pairs_ab runs (side adds +2.0-2.5 %; 4 of 19 runs hung), s18E (gc_interval:
 # still ~270 ms per collection after the refreeze).
 # Session 18's calls (done; BENCHMARKS.md session 18): s18D (the tp=2 profile: pairs ran one
 # after the other), s18E (gc_interval: ~250 ms per collection), s18A (GPU tests), s18F (pairs
@@ -309,13 +311,16 @@ case "${1:-tests}" in
       | grep -E "LOSSES|RESULT|Error" | tail -2; reap; done
     NPROC=1 timeout 95 python3 benchmarks/quick_train.py llama-1b 2>&1 | grep -E "RESULT|Error" | tail -1 ;;
   s20A)  # session 20, first call: see the plan at the top
-    smi_log s20A; date +"runs from %T"
-    for conn in 1 default; do for i in 1 2 3 4 5 6; do
+    # the two settings alternate run by run, until BUDGET seconds are used (a hang costs its run's 75 s)
+    smi_log s20A; date +"runs from %T"; deadline=$((SECONDS + ${BUDGET:-540}))
+    for i in 1 2 3 4 5 6 7 8; do for conn in 1 default; do
+      [ $((deadline - SECONDS)) -lt 80 ] && { echo "no time left for run $i conn=$conn"; continue; }
       log="${OUT:-/tmp}/pairs_ab_conn${conn}_$i.log"
       ( [ "$conn" = 1 ] && export CUDA_DEVICE_MAX_CONNECTIONS=1
-        EACH_STEP=1 DUMP_AFTER=50 SETTINGS="0 1" STEPS=4 ROUNDS=1 timeout 70 torchrun --nproc-per-node 2 \
+        EACH_STEP=1 DUMP_AFTER=25 SETTINGS="0 1" STEPS=4 ROUNDS=1 timeout -k 5 75 torchrun --nproc-per-node 2 \
           benchmarks/pairs_ab.py parallel.tp=2 parallel.sequence_parallel=true parallel.tp_microbatch_pairs=true > "$log" 2>&1
-        echo "conn=$conn run $i rc=$? last: $(grep -E '^step' "$log" | tail -1) $(grep -E 'PAIRS' "$log" | tr '\n' ' ')" ); reap
+        echo "conn=$conn run $i rc=$? last: $(grep -E '^step' "$log" | tail -1) $(grep -E 'PAIRS' "$log" | tr '\n' ' ')" )
+      pkill -9 -f "benchmarks/pairs_ab[.]py"; sleep 1  # (a killed torchrun's workers)
     done; done ;;
   s20C)  # session 20: see the plan at the top
     timeout 150 torchrun --nproc-per-node 2 benchmarks/gc_probe.py parallel.zero=1 > "${OUT:-/tmp}/gc_probe.log" 2>&1
@@ -324,12 +329,13 @@ case "${1:-tests}" in
     smi_log s19A; date +"runs from %T"
     BUDGET=200 bash "$0" tests "side_stream" | grep -E "rc=|SKIPPED"
     SETTINGS="0 1" STEPS=6 ROUNDS=3 timeout 130 torchrun --nproc-per-node 2 benchmarks/pairs_ab.py parallel.tp=2 \
-      parallel.sequence_parallel=true > "${OUT:-/tmp}/pairs_ab.log" 2>&1; grep -h -E "PAIRS|Error" "${OUT:-/tmp}/pairs_ab.log" | tail -3 ;;
+      parallel.sequence_parallel=true parallel.tp_microbatch_pairs=true > "${OUT:-/tmp}/pairs_ab.log" 2>&1
+    grep -h -E "PAIRS|Error" "${OUT:-/tmp}/pairs_ab.log" | tail -3 ;;
   s18H)  # session 18, fifth call: the pairs' settings A/B'd in one process (side-stream forward lag,
     # the second backward's adds on the side stream), the pairs GPU test (side adds on), GPT-1.3B
-    # tp=2 + SP pairs and one GPU (~420 s)
+    # tp=2 + SP pairs and one GPU (~420 s; pairs were auto then, opted in now)
     smi_log s18H; date +"runs from %T"
-    sp="parallel.tp=2 parallel.sequence_parallel=true"
+    sp="parallel.tp=2 parallel.sequence_parallel=true parallel.tp_microbatch_pairs=true"
     SETTINGS="0:0 0:1 60:1 120:1 60:0" STEPS=6 ROUNDS=3 timeout 130 torchrun --nproc-per-node 2 benchmarks/pairs_ab.py $sp \
       > "${OUT:-/tmp}/pairs_ab.log" 2>&1; grep -h -E "PAIRS|Error" "${OUT:-/tmp}/pairs_ab.log" | tail -7; reap
     BUDGET=135 bash "$0" tests "microbatch_pairs" | grep -E "rc=|SKIPPED"

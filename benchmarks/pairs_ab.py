@@ -4,7 +4,8 @@ the side stream (``PairedExecutor.side_adds``, SETTINGS="0 1") or not. Prints ea
 median ms per step and tokens/s per GPU. Run like the trainer: `torchrun --nproc-per-node 2 benchmarks/pairs_ab.py [k=v ...]` (GPT-1.3B benchmark
 model; pairs need tp > 1 and, since session 19, opting in: e.g. parallel.tp=2
 parallel.sequence_parallel=true parallel.tp_microbatch_pairs=true). EACH_STEP=1 prints each
-step as it starts and DUMP_AFTER=S dumps every thread's stack after S seconds (where a hang is)."""
+step as it starts and DUMP_AFTER=S dumps every thread's stack where a step runs S seconds (a
+hang's place)."""
 
 import faulthandler
 import os
@@ -18,8 +19,7 @@ from bench_setup import build
 from tessera.training.concurrent import PairedExecutor
 from tessera.training.step import train_step
 
-if os.environ.get("DUMP_AFTER"):  # every thread's stack to stderr after that many seconds (a hang's place)
-    faulthandler.dump_traceback_later(float(os.environ["DUMP_AFTER"]))
+DUMP_AFTER = float(os.environ.get("DUMP_AFTER", "0"))  # (set again at each step: seconds without progress)
 b = build(sys.argv[1:])
 rank, topo, stage, dp, opt, data = b.rank, b.topo, b.stage, b.dp, b.opt, b.data
 executor = stage.executor(len(data.next()))
@@ -35,6 +35,8 @@ done = [0]
 
 
 def step():
+    if DUMP_AFTER:  # every thread's stack to stderr where a step takes longer (a hang's place)
+        faulthandler.dump_traceback_later(DUMP_AFTER)
     if rank == 0 and os.environ.get("EACH_STEP"):  # where a hang comes
         print(f"step {done[0]}", flush=True)
     done[0] += 1
@@ -62,6 +64,7 @@ if rank == 0:
         print(f"PAIRS side_adds={side}: {ms:.1f} ms/step median "
               f"({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}), {TOKENS / (ms / 1e3) / b.world:,.0f} tokens/s per GPU",
               flush=True)
+faulthandler.cancel_dump_traceback_later()
 for g in b.graphs:  # graphs holding NCCL work would hang the destroy
     g.release()
 torch.distributed.destroy_process_group()

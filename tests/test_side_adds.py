@@ -168,3 +168,46 @@ def test_used_more_than_once_counts_leaves_not_node_objects():
     class Loss:
         grad_fn = root
     assert used_more_than_once(Loss()) == {tied}
+
+
+def test_used_more_than_once_holds_the_nodes_it_visited():
+    """A node two paths reach (a diamond) whose Python object lives only while referenced, as
+    autograd's does: not held, it is made anew on the second path with another id, walked
+    again, and its leaf counted twice. Held, it is seen once: only the tied leaf is found."""
+    import weakref
+
+    class Leaf:
+        pass
+
+    class Accumulate:
+        def __init__(self, leaf):
+            self.variable = leaf
+
+    class Core:  # the C++ node; its Python object made on access, kept only while referenced
+        def __init__(self, children):
+            self.children, self._object = children, None
+
+        def object(self):
+            node = self._object() if self._object is not None else None
+            if node is None:
+                node = Node(self)
+                self._object = weakref.ref(node)
+            return node
+
+    class Node:
+        def __init__(self, core):
+            self.core = core
+
+        @property
+        def next_functions(self):
+            return tuple((Accumulate(c) if isinstance(c, Leaf) else c.object(), 0) for c in self.core.children)
+
+    leaves = [Leaf() for _ in range(60)]
+    tied, shared = leaves[0], Core([leaves[1]])  # shared: reached twice, its leaf used once
+    chain = Core([tied, shared])
+    for leaf in leaves[2:]:
+        chain = Core([chain, leaf, shared] if leaf is leaves[30] else [chain, leaf])
+
+    class Loss:
+        grad_fn = Core([chain, tied]).object()
+    assert used_more_than_once(Loss()) == {tied}

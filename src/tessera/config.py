@@ -291,7 +291,11 @@ class TrainConfig:
     collection's host time as gc_ms, ~250 ms each on the GPU machine (session 18): the first
     periodic collection now also freezes what the first steps made (not yet measured)."""
     timeout_s: float = 300.0
-    """Collective timeout: a dead or stuck peer ends the job with an error after this long."""
+    """Collective timeout: a dead or stuck peer ends the job with an error after this long. Also
+    the step watchdog's (training/watchdog.py): a training step after the first that takes
+    longer than this and five times the slowest step before it dumps every thread's stack to
+    stderr and ends the job (a hang NCCL's watchdog does not see: collectives captured in CUDA
+    graphs, a host blocked in a graph replay)."""
     batch_rampup: str = ""
     """Global-batch ramp-up as "start,increment,ramp_samples": begin at start samples per step and
     add increment, in equal slices of ramp_samples consumed samples, until global_batch. Empty:

@@ -62,9 +62,11 @@ communicators' collectives in flight at once, which NCCL's documentation says ma
 (an NCCL kernel spinning for its peer can keep the other communicator's kernel from starting,
 in a different order on each GPU). Waiting for the GPU after each piece of the first step's
 pairs (so that the communicators' first uses ran alone) did not help: 2 of 9 runs hung, at
-steps 2 and 5. What might: an order the GPUs cannot disagree on (CUDA_DEVICE_MAX_CONNECTIONS=1,
-Megatron's way of keeping its overlapped collectives in issue order), or collectives that need
-no spinning kernel (copy-engine transfers over symmetric memory); neither measured yet.
+steps 2 and 5. What might: kernels started in the order they were issued
+(CUDA_DEVICE_MAX_CONNECTIONS=1, Megatron's way of keeping its overlapped collectives in issue
+order; the forwards are issued by one thread in the same order on every rank, the backwards by
+two threads), or collectives that need no spinning kernel (copy-engine transfers over symmetric
+memory); neither measured yet.
 
 What it needs (config.validate refuses the rest): pp=1, tp > 1, layers not compiled whole (the
 compiled collectives take the group by name), no fused weight gradients (two streams would add

@@ -41,6 +41,7 @@ from tessera.training.cuda_graphs import graph_stage, release_all, step_stream
 from tessera.training.launch import init_distributed, pick_device, world_from_env
 from tessera.training.metrics import JsonlLogger, NullLogger
 from tessera.training.step import DTYPES, StepClock, train_step
+from tessera.training.watchdog import StepWatchdog
 
 
 def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int = 0) -> str:
@@ -357,8 +358,9 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
     # Step k's figures are read after step k+1 is launched (training/step.py), so the host never
     # leaves the GPU idle between steps; a step's time is where its work ran (StepClock).
     pending, clock, collected = None, StepClock(device), {}
-    with GarbageCollection(t.gc_interval) as collector:
+    with GarbageCollection(t.gc_interval) as collector, StepWatchdog(t.timeout_s) as watchdog:
         for step in range(t.steps):
+            watchdog.tick()  # a step that hangs ends the job with every thread's stack (training/watchdog.py)
             try:
                 lr, scale = scheduler.apply(optimizer, step), scaler.scale if scaler is not None else None
                 micro_batches = data.next()
@@ -375,8 +377,9 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             ms = collector.step(step)
             if ms is not None:
                 collected[step] = ms
-    if pending is not None:
-        log(*pending)
+        watchdog.tick()
+        if pending is not None:
+            log(*pending)
 
     data_parallel.wait_param_gather()
     if device.type == "cuda" and world > 1:

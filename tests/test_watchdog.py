@@ -1,0 +1,99 @@
+"""The step watchdog (training/watchdog.py): a hung training step ends the job with every
+thread's stack, a slow but steady run does not."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tessera.training.watchdog import StepWatchdog
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _watchdog(timeout_s: float):
+    log, now = [], [0.0]
+    dog = StepWatchdog(timeout_s, arm=lambda s: log.append(("arm", s)), disarm=lambda: log.append("disarm"),
+                       clock=lambda: now[0])
+    return dog, log, now
+
+
+def test_the_first_step_is_not_timed_and_the_limit_follows_the_slowest_step():
+    dog, log, now = _watchdog(10.0)
+    with dog:
+        dog.tick()  # step 0: compiles, warms up; not timed
+        assert log == []
+        now[0] = 600.0  # step 0 took 600 s: not counted
+        dog.tick()
+        assert log == [("arm", 10.0)] and dog.slowest == 0.0
+        now[0] = 601.0  # step 1: 1 s
+        dog.tick()
+        assert log[-1] == ("arm", 10.0) and dog.slowest == 1.0
+        now[0] = 604.0  # step 2: 3 s -> limit 5 x 3 s
+        dog.tick()
+        assert log[-1] == ("arm", 15.0) and dog.slowest == 3.0
+        now[0] = 605.0  # a faster step keeps the slowest
+        dog.tick()
+        assert log[-1] == ("arm", 15.0)
+    assert log[-1] == "disarm"
+
+
+def test_a_one_step_run_times_only_its_tail_and_a_bad_timeout_is_refused():
+    dog, log, _ = _watchdog(7.0)
+    with dog:
+        dog.tick()
+        dog.tick()  # the tail
+    assert log == [("arm", 7.0), "disarm"]
+    dog, log, _ = _watchdog(7.0)
+    with dog:
+        dog.tick()
+    assert log == []  # never armed, nothing to cancel
+    with pytest.raises(ValueError, match="seconds > 0"):
+        StepWatchdog(0)
+
+
+_HANG = textwrap.dedent("""
+    import sys, time
+    from tessera.config import load_config
+    from tessera.training import trainer
+    real, calls = trainer.train_step, [0]
+    def step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == int(sys.argv[1]):
+            print("hanging now", flush=True)
+            time.sleep(float(sys.argv[2]))
+        return real(*args, **kwargs)
+    trainer.train_step = step
+    sets = ["model.hidden=32", "model.heads=2", "model.layers=1", "model.seq_len=16", "model.vocab_size=256",
+            "train.dtype=fp32", "train.micro_batch=2", "train.global_batch=2", "train.steps=6",
+            "train.sample_tokens=0", "train.log_every=1", "train.timeout_s=2", "train.out_dir=" + sys.argv[3]]
+    trainer.train(load_config(None, sets))
+    print("finished", flush=True)
+""")
+
+
+def _run(tmp_path, hang_at: int, seconds: float):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _HANG, str(hang_at), str(seconds), str(tmp_path / "run")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    return out, time.monotonic() - start
+
+
+def test_a_hung_step_ends_the_run_with_every_threads_stack(tmp_path):
+    """The fourth step sleeps 100 s (a hang): the run ends with exit code 1 about timeout_s (2 s)
+    into that step, the stack dumped names where the main thread stood."""
+    out, took = _run(tmp_path, 4, 100)
+    assert "hanging now" in out.stdout and "finished" not in out.stdout
+    assert out.returncode != 0 and took < 60, (out.returncode, took)
+    assert "Timeout" in out.stderr and "in step" in out.stderr and "_run" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_slow_step_within_its_limit_does_not_end_the_run(tmp_path):
+    """A step 1 s slower than the others, under the 2 s limit: the run finishes."""
+    out, _ = _run(tmp_path, 4, 1.0)
+    assert out.returncode == 0 and "finished" in out.stdout, out.stderr[-2000:]
