@@ -13,7 +13,9 @@ healthy run whose steps are long is not cut short); the first step, which compil
 warms up, is not timed, nor is anything after the loop. The timer is the standard library's
 ``faulthandler.dump_traceback_later``: a C thread that needs neither the GIL nor a responsive
 main thread, but one per process, so training owns it while the loop runs (a timer set before is
-replaced) and cancels it after.
+replaced) and cancels it after. Work added to the loop that may rightly take long (a
+checkpoint's save, an evaluation) counts into the step it runs in and must fit its limit, or
+have the timer paused around it.
 """
 
 from __future__ import annotations
