@@ -654,3 +654,36 @@ def test_bf16_on_the_wire_rounds_but_replicas_agree():
     for name in ("zero0-bf16-wire", "zero1-bf16-wire", "zero2-bf16-wire"):
         for p in out[0][name]["params"]:
             assert torch.equal(out[0][name]["params"][p], out[1][name]["params"][p]), (name, p)
+
+
+def _aborted_step_worker(rank: int, world: int) -> dict:
+    """Per zero: the gradients of a clean one-micro-batch step, and of the same step after a step
+    that ended with an exception after its first of two micro-batches (every rank alike)."""
+    from torch import nn
+
+    from tessera.distributed.data_parallel import DataParallel
+    out = {}
+    for zero in (0, 1, 2):
+        grads = []
+        for abort_first in (False, True):
+            torch.manual_seed(0)
+            model = nn.ModuleDict({"a": nn.Linear(8, 8, bias=False), "b": nn.Linear(8, 8, bias=False)})
+            dp = DataParallel([model], Topology.build(), zero=zero, bucket_size=1)
+            x = torch.full((2, 8), float(rank + 1))
+            if abort_first:
+                dp.start_step(2)
+                (model["b"](model["a"](x)).sum() * 7).backward()  # then the step is given up
+            dp.start_step(1)
+            model["b"](model["a"](x)).sum().backward()
+            dp.finish_grad_sync()
+            grads.append([r.grad.clone() for r in dp.ranges])
+        out[zero] = max((c - a).abs().max().item() for c, a in zip(*grads))
+    return out
+
+
+def test_a_step_given_up_midway_leaves_nothing_in_the_next():
+    """A step abandoned after some micro-batches (a caught OOM, a bad batch) leaves reductions in
+    flight: the next step waits for them first, so its gradients are exactly a clean step's
+    (zero=2 added the abandoned step's shard into the next one's)."""
+    for out in run_ranks(_aborted_step_worker, 2, timeout=120):
+        assert out == {0: 0.0, 1: 0.0, 2: 0.0}, out

@@ -188,6 +188,11 @@ class DataParallel:
         copied into the buffer, so nothing is zeroed here but zero=2's accumulating shards and
         the buffers of weights whose fused gradient GEMM a CUDA graph replays)."""
         self._expected = num_microbatches
+        # a step that ended early (an exception between micro-batches) may have left reductions
+        # in flight: wait for them now, so that none writes into this step's buffers or, under
+        # zero=2, adds its shard on top of this step's when waited later
+        while self._in_flight:
+            self._in_flight.popleft().wait()
         # the stream the step's gradient work runs on (see _on_grad)
         if self.device.type == "cuda":
             self._stream, self._stream_id = torch.cuda.current_stream(self.device), current_stream_id(self.device)
