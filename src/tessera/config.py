@@ -289,7 +289,8 @@ class TrainConfig:
     freeze, each collection still cost ~0.3 s of step time (GPT-1.3B dp=2, gc_interval=5, 2x
     H200, session 17), though a frozen collection takes ~0.1 ms on a CPU; the metrics log each
     collection's host time as gc_ms, ~250 ms each on the GPU machine (session 18): the first
-    periodic collection now also freezes what the first steps made (not yet measured)."""
+    periodic collection now also freezes what the first steps made, which did not help (~270 ms
+    still, session 19)."""
     timeout_s: float = 300.0
     """Collective timeout: a dead or stuck peer ends the job with an error after this long. Also
     the step watchdog's (training/watchdog.py): a training step after the first that takes

@@ -49,15 +49,16 @@ both micro-batches' fp32 gradient adds (~30 ms of a 345 ms step), so it ends eac
 ~13 ms after the side stream; and the two forwards, issued in step, run their collectives at the
 same moments (each layer's all-gathers side by side, then its GEMMs), so the forwards hide
 little. The second backward's adds on the side stream (``side_adds``, distributed/side_adds.py)
-measured +2.3 % (353-355 against 361-363 ms a step in five A/Bs, benchmarks/pairs_ab.py, 2x
-H100, session 19) and pass their GPU test, but stay off while the pairs may hang (below);
+measured +2.0-2.5 % (353-355 against 361-363 ms a step in five A/Bs, benchmarks/pairs_ab.py,
+2x H100, session 19) and pass their GPU test, but stay off while the pairs may hang (below);
 starting the side stream's forward 60-120 µs late (a spin kernel) to put the forwards'
 collectives apart changed nothing (341 ms) and was dropped.
 
 Experimental, opt-in (parallel.tp_microbatch_pairs=true; auto runs none, trainer.microbatch_pairs):
 in session 19, 4 of 19 GPT-1.3B tp=2 + SP runs of benchmarks/pairs_ab.py hung within their
-first 10 steps, side adds off, both ranks' hosts blocked in a graph replay of a layer of a
-pair's first forward (DUMP_AFTER's stack dumps): the GPUs had stopped. The pairs keep two NCCL
+first 10 steps (at least one with side adds off; two with the serial first step below), both
+ranks' hosts blocked in a graph replay of a layer of a pair's first forward where a stack dump
+was taken: the GPUs had stopped. The pairs keep two NCCL
 communicators' collectives in flight at once, which NCCL's documentation says may deadlock
 (an NCCL kernel spinning for its peer can keep the other communicator's kernel from starting,
 in a different order on each GPU). Waiting for the GPU after each piece of the first step's
@@ -150,7 +151,7 @@ class PairedExecutor:
         self._worker: ThreadPoolExecutor | None = None
         # the DataParallel (zero 0/1) whose buffers the gradients go to (trainer.build_data_parallel
         # sets it): with ``side_adds``, the second backward adds its gradients on the side stream
-        # (distributed/side_adds.py; +2.3 % at GPT-1.3B tp=2 + SP; its GPU test passes since
+        # (distributed/side_adds.py; +2.0-2.5 % at GPT-1.3B tp=2 + SP; its GPU test passes since
         # session 19, but it stays off while the pairs themselves may hang: see above)
         self.data_parallel = None
         self.side_adds = False

@@ -20,8 +20,10 @@ not the collector's scan. Each collection's host time is logged (``gc_ms``, on t
 which it ran) to tell: on the GPU machine each held the host ~250 ms (269 and 245 ms, GPT-1.3B
 dp=2, session 18), so what the first steps make after the start's freeze (compiled code, CUDA
 graph state, caches) is the heap those collections scan. So the first periodic collection also
-freezes what survives it, and the later ones scan only what training made since (not yet
-measured on a GPU). The interval stays opt-in.
+freezes what survives it, and the later ones scan only what training made since; measured
+on the GPU machine it did not help (271.5 and 281.9 ms, session 19), so the cost is not the
+scan (benchmarks/gc_probe.py tells a collection waiting for the GPU from the host's own work).
+The interval stays opt-in.
 """
 
 from __future__ import annotations
