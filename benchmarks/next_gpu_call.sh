@@ -322,6 +322,13 @@ case "${1:-tests}" in
         echo "conn=$conn run $i rc=$? last: $(grep -E '^step' "$log" | tail -1) $(grep -E 'PAIRS' "$log" | tr '\n' ' ')" )
       pkill -9 -f "benchmarks/pairs_ab[.]py"; sleep 1  # (a killed torchrun's workers)
     done; done ;;
+  s20D)  # session 20: what a gc_interval collection inside the trainer finds, and whether it waits for the GPU
+    sets="model.family=gpt2 model.layers=24 model.hidden=2048 model.heads=16 model.seq_len=2048 model.vocab_size=50304
+          model.tie_embeddings=true train.micro_batch=2 train.global_batch=16 train.steps=17 train.dtype=bf16
+          data.source=synthetic train.log_every=4 train.out_dir=/tmp/gcp parallel.zero=1 train.gc_interval=4"
+    timeout 150 torchrun --nproc-per-node 2 benchmarks/gc_trainer_probe.py $(for s in $sets; do echo --set $s; done) \
+      > "${OUT:-/tmp}/gc_trainer_probe.log" 2>&1
+    grep -E "^GCPROBE|Error" "${OUT:-/tmp}/gc_trainer_probe.log" | cut -c1-700 | tail -10 ;;
   s20C)  # session 20: see the plan at the top
     timeout 150 torchrun --nproc-per-node 2 benchmarks/gc_probe.py parallel.zero=1 > "${OUT:-/tmp}/gc_probe.log" 2>&1
     grep -E "^GC rank 0|Error" "${OUT:-/tmp}/gc_probe.log" | tail -8 ;;

@@ -623,6 +623,44 @@ def test_reductions_pair_up_when_a_bucket_completes_at_different_times():
             torch.testing.assert_close(r[name], torch.full((8, 8), per_rank), msg=name)
 
 
+def _uneven_chunks_worker(rank: int, world: int, zero: int) -> dict:
+    """Two model chunks (as a virtual pipeline holds), one bucket per weight, all of one size:
+    rank 0 uses every weight, rank 1 not chunk 1's ``b``, whose bucket (its chunk's first in
+    backward order) then completes during backward on rank 0 only. Ordered per chunk, rank 1
+    would reduce chunk 0's bucket first while rank 0 reduces chunk 1's: the sums would pair
+    different weights. Each rank returns each weight's reduced gradient (its shard's part at zero=1)."""
+    from torch import nn
+
+    from tessera.distributed.data_parallel import DataParallel
+
+    chunks = [nn.ModuleDict({k: nn.Linear(16, 16, bias=False) for k in "ab"}) for _ in range(2)]
+    dp = DataParallel(chunks, Topology.build(), zero=zero, bucket_size=1)
+    x = torch.full((2, 16), float(rank + 1))
+    dp.start_step(1)
+    loss = chunks[0]["a"](x).sum() + chunks[0]["b"](x).sum() + chunks[1]["a"](x).sum()
+    if rank == 0:
+        loss = loss + chunks[1]["b"](x).sum()
+    loss.backward()  # (chunk 1's gradients first: autograd runs the later-made nodes first)
+    dp.finish_grad_sync()
+    names = {m.weight: f"{c}{k}" for c, chunk in enumerate(chunks) for k, m in chunk.items()}
+    return {names[param]: rng.grad[a:b].clone() for rng in dp.ranges for param, a, b in rng.fragments}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero", [0, 1])
+def test_reductions_pair_up_across_model_chunks(zero):
+    """dp=2 with two model chunks per rank and a weight without a gradient on one rank: the
+    buckets are reduced in one order over all chunks, the same on every rank, so each weight's
+    gradient is the sum of its own (d/dW of sum(W x) = the batch's sum of x: 2 on rank 0, 4 on
+    rank 1; chunk 1's b only on rank 0)."""
+    out = run_ranks(_uneven_chunks_worker, 2, zero, timeout=60)
+    for r in out:
+        assert sorted(r) == ["0a", "0b", "1a", "1b"]
+        for name, grad in r.items():
+            want = 2.0 if name == "1b" else 6.0
+            torch.testing.assert_close(grad, torch.full_like(grad, want), msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.timeout(120)
 def test_zero2_refuses_parameters_without_gradients():
     out = run_ranks(_uneven_worker, 2, 2, timeout=60)
@@ -654,6 +692,45 @@ def test_bf16_on_the_wire_rounds_but_replicas_agree():
     for name in ("zero0-bf16-wire", "zero1-bf16-wire", "zero2-bf16-wire"):
         for p in out[0][name]["params"]:
             assert torch.equal(out[0][name]["params"][p], out[1][name]["params"][p]), (name, p)
+
+
+def _wire_bytes_worker(rank: int, world: int) -> dict:
+    """Per (zero, reduce dtype): the bytes this rank handed to the collectives in a step of a
+    bf16-gradient model, and the reduced gradients."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from tessera.distributed.data_parallel import DataParallel
+    sent = []
+    for name in ("all_reduce", "reduce_scatter_tensor", "all_to_all_single", "all_gather_into_tensor"):
+        fn, sends = getattr(dist, name), 0 if name == "all_reduce" else 1  # the argument sent: all_reduce's only one, else the input
+        setattr(dist, name, lambda *a, fn=fn, i=sends, **k: (sent.append(a[i].numel() * a[i].element_size()), fn(*a, **k))[1])
+    out = {}
+    for zero in (0, 1, 2):
+        for wire in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            model = nn.ModuleDict({k: nn.Linear(16, 16, bias=False) for k in "ab"})
+            dp = DataParallel([model], Topology.build(), zero=zero, grad_dtype=torch.bfloat16, reduce_dtype=wire,
+                              bucket_size=1)
+            x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
+            sent.clear()
+            dp.start_step(1)
+            model["b"](model["a"](x)).sum().backward()
+            dp.finish_grad_sync()
+            out[zero, str(wire)] = (sum(sent), [r.fp32_grad().clone() for r in dp.ranges])
+    return out
+
+
+def test_bf16_gradients_travel_as_bf16():
+    """bf16 gradient buffers with the default parallel.grad_reduce_dtype=fp32 are sent as they are
+    (the collectives sum them in fp32), not widened to fp32 on the wire: the same bytes and the
+    same sums as with grad_reduce_dtype=bf16."""
+    for out in run_ranks(_wire_bytes_worker, 2, timeout=120):
+        for zero in (0, 1, 2):
+            (fp32_bytes, fp32_grads), (bf16_bytes, bf16_grads) = out[zero, "torch.float32"], out[zero, "torch.bfloat16"]
+            assert fp32_bytes == bf16_bytes > 0, (zero, fp32_bytes, bf16_bytes)
+            for a, b in zip(fp32_grads, bf16_grads):
+                assert torch.equal(a, b), zero
 
 
 def _aborted_step_worker(rank: int, world: int) -> dict:

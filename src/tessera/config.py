@@ -151,7 +151,8 @@ class ParallelConfig:
     with the rest of it (zero 0-2). Off: reduce everything after backward."""
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """zero 0-2: the dtype gradients travel in over dp. bf16 halves the traffic of fp32 gradient
-    buffers (each rank's accumulated gradient rounded once); the sums are still done in fp32."""
+    buffers (each rank's accumulated gradient rounded once); the sums are still done in fp32.
+    Never wider than the buffers: bf16 ones (train.grad_dtype=bf16) travel as bf16 either way."""
     tp_comm_overlap: Literal["auto", "true", "false"] = "auto"
     """tp > 1: a column-parallel layer's backward starts its input gradient's all-reduce (or, with
     sequence parallelism, reduce-scatter) as soon as that gradient is computed and runs the

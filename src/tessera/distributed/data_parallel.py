@@ -130,6 +130,14 @@ class DataParallel:
                 for p in bucket.params:
                     self._state[p] = st
                     p.register_post_accumulate_grad_hook(self._on_grad)
+        # Every bucket in the one order its reduction starts in when dp > 1: the chunks last to
+        # first (the order their final backwards run in under the interleaved schedules, so
+        # nothing waits that would not), each chunk's buckets in backward order. One order over
+        # all chunks, not one per chunk: a parameter without a gradient on one dp rank holds its
+        # bucket back on that rank only, and per-chunk orders would then pair different buckets
+        # across the ranks (see _launch_ready).
+        self._launch_order = [st for buffer in reversed(self.buffers) for st in self._states_of[buffer]]
+        self._next_launch = 0  # this step: launch_order[:_next_launch] are launched
         self._count: dict[nn.Parameter, int] = dict.fromkeys(self._state, 0)
         self._expected = 0
         self._in_flight: collections.deque[Pending] = collections.deque()
@@ -213,6 +221,7 @@ class DataParallel:
         for st in self._states:
             st.arrivals.clear()
             st.rounds_reduced, st.ready, st.launched = 0, False, False
+        self._next_launch = 0
         self._tied_waiting.clear()
         self.tied_reduced.clear()
         self._comm_done = False
@@ -326,18 +335,22 @@ class DataParallel:
             self._launch_ready(st.buffer)
 
     def _launch_ready(self, buffer: ParamAndGradBuffer) -> None:
-        """Start the ready buckets of ``buffer`` in index order, never one before an earlier one:
-        every dp rank then issues the same collectives in the same order even where a bucket
-        completes at different times on different ranks (torch DDP's rule). Without dp there is
-        no order to keep: each ready bucket starts (a tied embedding's sum over the embedding
-        group, the first stage's last bucket, need not wait for the weight gradients after it)."""
-        for st in self._states_of[buffer]:
-            if not st.launched:
-                if not st.ready:
-                    if self.group is not None:
-                        return
-                    continue
-                self._launch(st)
+        """Start the ready buckets. With dp, strictly in :attr:`_launch_order`, never one before an
+        earlier one: every dp rank then issues the same collectives in the same order even where
+        a bucket completes at different times on different ranks (a parameter without a
+        gradient on one rank: its bucket starts only in :meth:`finish_grad_sync` there), torch
+        DDP's rule, kept across model chunks. Without dp there is no order to keep: each ready
+        bucket of ``buffer`` starts (a tied embedding's sum over the embedding group, the first
+        stage's last bucket, need not wait for the weight gradients after it)."""
+        if self.group is None:
+            for st in self._states_of[buffer]:
+                if st.ready and not st.launched:
+                    self._launch(st)
+            return
+        order = self._launch_order
+        while self._next_launch < len(order) and order[self._next_launch].ready:
+            self._launch(order[self._next_launch])
+            self._next_launch += 1
 
     def _launch(self, st: _BucketState) -> None:
         st.launched = True
@@ -381,9 +394,11 @@ class DataParallel:
             self.tied_reduced.update(st.bucket.params)
 
     def _on_the_wire(self, flat: Tensor) -> Tensor:
-        """The gradients as sent: ``reduce_dtype`` (bf16 halves the traffic; the sums are still
-        done in fp32 by the receiver), or the buffer itself."""
-        if self.reduce_dtype is None or self.reduce_dtype == flat.dtype:
+        """The gradients as sent: rounded to ``reduce_dtype`` where it is narrower than the buffer
+        (bf16 halves fp32 buffers' traffic), else the buffer itself: never widened, since the
+        collectives sum bf16 in fp32 anyway (distributed/collectives.py), so bf16 buffers sent
+        as fp32 would double the traffic for the same sums."""
+        if self.reduce_dtype is None or torch.finfo(self.reduce_dtype).bits >= torch.finfo(flat.dtype).bits:
             return flat
         return flat.to(self.reduce_dtype)
 
@@ -405,9 +420,16 @@ class DataParallel:
             self._in_flight.popleft().wait()
 
     def finish_grad_sync(self) -> None:
-        """Start what backward did not, then wait for every reduction of this step."""
-        for st in self._states:
-            if self.zero == 2:
+        """Start what backward did not (in the launch order), then wait for every reduction of
+        this step."""
+        for st in self._launch_order:
+            if self.zero < 2:
+                if not st.launched:
+                    for p in st.bucket.params:
+                        if self._count[p] == 0:  # no gradient this step: clear last step's
+                            p.main_grad.zero_()
+                    self._launch(st)
+            else:
                 if st.rounds_reduced < self._expected and self.group is not None:
                     # Another rank may have completed that round: the reduce-scatters would pair up
                     # differently across ranks. Refuse rather than risk summing the wrong buckets.
@@ -418,11 +440,6 @@ class DataParallel:
                 if st.bucket.grad is not None:  # gradients not yet reduced (a round never completed)
                     self._reduce_round(st)
                 st.launched = True
-            elif not st.launched:
-                for p in st.bucket.params:
-                    if self._count[p] == 0:  # no gradient this step: clear last step's
-                        p.main_grad.zero_()
-                self._launch(st)
         self.pipeline_comm_done()
         while self._in_flight:
             self._in_flight.popleft().wait()
