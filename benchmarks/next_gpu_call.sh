@@ -328,7 +328,7 @@ case "${1:-tests}" in
           data.source=synthetic train.log_every=4 train.out_dir=/tmp/gcp parallel.zero=1 train.gc_interval=4"
     timeout 150 torchrun --nproc-per-node 2 benchmarks/gc_trainer_probe.py $(for s in $sets; do echo --set $s; done) \
       > "${OUT:-/tmp}/gc_trainer_probe.log" 2>&1
-    grep -E "^GCPROBE|Error" "${OUT:-/tmp}/gc_trainer_probe.log" | cut -c1-700 | tail -10 ;;
+    grep -E "^GCPROBE|Error" "${OUT:-/tmp}/gc_trainer_probe.log" | cut -c1-500 | tail -12 ;;
   s20C)  # session 20: see the plan at the top
     timeout 150 torchrun --nproc-per-node 2 benchmarks/gc_probe.py parallel.zero=1 > "${OUT:-/tmp}/gc_probe.log" 2>&1
     grep -E "^GC rank 0|Error" "${OUT:-/tmp}/gc_probe.log" | tail -8 ;;
