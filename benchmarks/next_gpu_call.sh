@@ -6,6 +6,25 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
+# Session 21's calls (30 device minutes; kind nvidia-h100-x2; send the next call at once: the
+# machine is given back 30 s after a call ends):
+#   1. s21A -- why micro-batch pairs hang (5 of 25 runs in sessions 19-20; with one hardware
+#      queue, CUDA_DEVICE_MAX_CONNECTIONS=1, 0 of 6 but no gain left): pairs_ab runs with
+#      ORDER_LOG=1, each pair's backward graph replays per rank. The two backwards are started
+#      by two host threads and issued by autograd's one device thread in an order that depends
+#      on when the second starts: if the orders differ between ranks (and most in the runs that
+#      hang), the cure is one thread issuing both backwards in a fixed order (e.g. layer by
+#      layer, the two micro-batches in turn), which keeps each micro-batch's fp32 adds. Then the
+#      same with EXTRA_ENV="NCCL_LAUNCH_ORDER_IMPLICIT=1" (~540 s each)
+#   2. s20D -- gc_trainer_probe with the refreeze: the tracked objects per collection and a scan
+#      alone (session 19: 281.9 ms for the collection after the refreeze) (~150 s)
+#   3. the issue-6 rows were measured in session 20 (s18B/s18C); repeat only after a change
+#      that can move them
+# Session 20's calls (done; BENCHMARKS.md session 20): s20A (pairs with one hardware queue: 0
+# of 6 hung, no gain; default 1 of 6 hung), s18B / s18C (the issue-6 rows with both peers),
+# s20C (gc_probe: 0.2 ms per collection between bare steps), s20D (the trainer's collections:
+# ~250 ms of the collector's own scan, not the GPU), the GPU test of bf16 at dp=2 (passed).
+# Its plan, as written before the calls:
 # Session 20's calls (30 device minutes; kind nvidia-h100-x2; send the next call at once):
 #   1. s20A -- can micro-batch pairs be made safe? (off by default since session 19: 4 of 19
 #      pairs_ab runs hung in their first 10 steps, side adds off; NCCL says two communicators in
@@ -322,6 +341,35 @@ case "${1:-tests}" in
         echo "conn=$conn run $i rc=$? last: $(grep -E '^step' "$log" | tail -1) $(grep -E 'PAIRS' "$log" | tr '\n' ' ')" )
       pkill -9 -f "benchmarks/pairs_ab[.]py"; sleep 1  # (a killed torchrun's workers)
     done; done ;;
+  s21A)  # session 21: do the two backwards of a pair issue their graphs in a different order on each rank?
+    # pairs_ab runs with ORDER_LOG=1 (each pair's backward replays, by capture index, per rank),
+    # until BUDGET seconds are used; per run: hung or not, and how many pair backwards differ.
+    # EXTRA_ENV="NCCL_LAUNCH_ORDER_IMPLICIT=1" (say) is set for the runs
+    smi_log s21A; date +"runs from %T"; deadline=$((SECONDS + ${BUDGET:-540}))
+    for i in $(seq 1 12); do
+      [ $((deadline - SECONDS)) -lt 80 ] && { echo "no time left for run $i"; continue; }
+      dir="${OUT:-/tmp}/order_$i"; mkdir -p "$dir"
+      OUT="$dir" ORDER_LOG=1 EACH_STEP=1 DUMP_AFTER=25 SETTINGS="0" STEPS=6 ROUNDS=1 env $EXTRA_ENV timeout -k 5 75 torchrun \
+        --nproc-per-node 2 benchmarks/pairs_ab.py parallel.tp=2 parallel.sequence_parallel=true \
+        parallel.tp_microbatch_pairs=true > "$dir/log" 2>&1
+      rc=$?; pkill -9 -f "benchmarks/pairs_ab[.]py"; sleep 1
+      python3 - "$dir" "$rc" <<'PY'
+import sys
+d, rc = sys.argv[1], sys.argv[2]
+a, b = (open(f"{d}/replays_rank{r}.txt").read().splitlines() for r in (0, 1))
+pairs = [(x, y) for x, y in zip(a, b) if not x.startswith("step")]
+differ = [k for k, (x, y) in enumerate(pairs) if x != y]
+steps = sum(x.startswith("step") for x in a)
+first = differ[0] if differ else None
+where = ""
+if first is not None:
+    x, y = pairs[first][0].split(), pairs[first][1].split()
+    at = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+    where = f"; first at pair backward {first}, replay {at} of {len(x)}: rank0 {x[max(0, at - 2):at + 4]} rank1 {y[max(0, at - 2):at + 4]}"
+print(f"{d.rsplit('/', 1)[-1]}: rc={rc}, steps begun {steps}, pair backwards {len(pairs)} (rank1 {len(b) - steps}), "
+      f"orders differ in {len(differ)}{where}")
+PY
+    done ;;
   s20D)  # session 20: what a gc_interval collection inside the trainer finds, and whether it waits for the GPU
     sets="model.family=gpt2 model.layers=24 model.hidden=2048 model.heads=16 model.seq_len=2048 model.vocab_size=50304
           model.tie_embeddings=true train.micro_batch=2 train.global_batch=16 train.steps=17 train.dtype=bf16

@@ -5,7 +5,11 @@ median ms per step and tokens/s per GPU. Run like the trainer: `torchrun --nproc
 model; pairs need tp > 1 and, since session 19, opting in: e.g. parallel.tp=2
 parallel.sequence_parallel=true parallel.tp_microbatch_pairs=true). EACH_STEP=1 prints each
 step as it starts and DUMP_AFTER=S dumps every thread's stack where a step runs S seconds (a
-hang's place)."""
+hang's place). ORDER_LOG=1 writes, per rank, the order the step's backward replayed the CUDA graphs
+in (each graph named by its capture order, the same on every rank) to $OUT/replays_rank<r>.txt, a
+line per step written as the backward's issue ends: the two backwards are issued by autograd's one
+device thread, taking nodes of two graph tasks that two host threads start, so their order may
+differ between the ranks, and with it the order of the two communicators' collectives."""
 
 import faulthandler
 import os
@@ -20,11 +24,36 @@ from tessera.training.concurrent import PairedExecutor
 from tessera.training.step import train_step
 
 DUMP_AFTER = float(os.environ.get("DUMP_AFTER", "0"))  # (set again at each step: seconds without progress)
+ORDER_LOG = bool(os.environ.get("ORDER_LOG"))
+names, replays = {}, []  # ORDER_LOG: a graph's capture index by id; this step's replays
+if ORDER_LOG:  # (before the capture: graphs are named as they are first captured)
+    from torch.cuda.graphs import CUDAGraph
+    capture_begin, replay = CUDAGraph.capture_begin, CUDAGraph.replay
+
+    def named_capture_begin(self, *args, **kwargs):
+        names.setdefault(id(self), len(names))
+        return capture_begin(self, *args, **kwargs)
+
+    def logged_replay(self):
+        replays.append(names.get(id(self), -1))
+        return replay(self)
+    CUDAGraph.capture_begin, CUDAGraph.replay = named_capture_begin, logged_replay
 b = build(sys.argv[1:])
 rank, topo, stage, dp, opt, data = b.rank, b.topo, b.stage, b.dp, b.opt, b.data
 executor = stage.executor(len(data.next()))
 if not isinstance(executor, PairedExecutor):
     raise SystemExit("pairs_ab.py: these settings do not run micro-batch pairs (parallel.tp_microbatch_pairs)")
+if ORDER_LOG:  # the backward's replays, a line per step, written as its issue ends (also in a hang)
+    order_file = open(os.path.join(os.environ.get("OUT", "/tmp"), f"replays_rank{rank}.txt"), "w")
+    backwards = executor._backwards
+
+    def logged_backwards(*args):
+        start = len(replays)
+        out = backwards(*args)
+        order_file.write(" ".join(map(str, replays[start:])) + "\n")
+        order_file.flush()
+        return out
+    executor._backwards = logged_backwards
 SETTINGS = [s == "1" for s in os.environ.get("SETTINGS", "0 1").split()]
 STEPS, ROUNDS = int(os.environ.get("STEPS", "6")), int(os.environ.get("ROUNDS", "3"))
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # (a CPU smoke run)
@@ -40,6 +69,9 @@ def step():
     if rank == 0 and os.environ.get("EACH_STEP"):  # where a hang comes
         print(f"step {done[0]}", flush=True)
     done[0] += 1
+    if ORDER_LOG:
+        order_file.write(f"step {done[0] - 1}\n")
+        replays.clear()
     train_step(opt, data.next(), topo, executor, dp, clip_grad=1.0, scaler=None)
 
 
