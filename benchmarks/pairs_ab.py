@@ -1,6 +1,7 @@
 """Micro-batch pairs' executor settings against each other in one process (one capture, the
 same GPUs, rounds interleaved so drift spreads evenly): the second backward's gradient adds on
-the side stream (``PairedExecutor.side_adds``, SETTINGS="0 1") or not. Prints each setting's
+the side stream (``PairedExecutor.side_adds``, SETTINGS="0 1") or not, and the two backwards
+issued by one thread piece by piece in turn (``PairedExecutor.backward_in_turn``, setting "turn"). Prints each setting's
 median ms per step and tokens/s per GPU. Run like the trainer: `torchrun --nproc-per-node 2 benchmarks/pairs_ab.py [k=v ...]` (GPT-1.3B benchmark
 model; pairs need tp > 1 and, since session 19, opting in: e.g. parallel.tp=2
 parallel.sequence_parallel=true parallel.tp_microbatch_pairs=true). EACH_STEP=1 prints each
@@ -45,16 +46,24 @@ if not isinstance(executor, PairedExecutor):
     raise SystemExit("pairs_ab.py: these settings do not run micro-batch pairs (parallel.tp_microbatch_pairs)")
 if ORDER_LOG:  # the backward's replays, a line per step, written as its issue ends (also in a hang)
     order_file = open(os.path.join(os.environ.get("OUT", "/tmp"), f"replays_rank{rank}.txt"), "w")
-    backwards = executor._backwards
+    def logged(backwards):
+        def run(*args):
+            start = len(replays)
+            out = backwards(*args)
+            order_file.write(" ".join(map(str, replays[start:])) + "\n")
+            order_file.flush()
+            return out
+        return run
+    executor._backwards = logged(executor._backwards)
+    executor._backwards_in_turn = logged(executor._backwards_in_turn)
+# 0: the backwards from two threads; 1: the same with side adds; turn: one thread, in turn
+SETTINGS = os.environ.get("SETTINGS", "0 1").split()
+if not SETTINGS or set(SETTINGS) - {"0", "1", "turn"}:
+    raise SystemExit(f"pairs_ab.py: SETTINGS takes 0, 1 and turn, not {SETTINGS}")
 
-    def logged_backwards(*args):
-        start = len(replays)
-        out = backwards(*args)
-        order_file.write(" ".join(map(str, replays[start:])) + "\n")
-        order_file.flush()
-        return out
-    executor._backwards = logged_backwards
-SETTINGS = [s == "1" for s in os.environ.get("SETTINGS", "0 1").split()]
+
+def use(setting: str) -> None:
+    executor.side_adds, executor.backward_in_turn = setting == "1", setting == "turn"
 STEPS, ROUNDS = int(os.environ.get("STEPS", "6")), int(os.environ.get("ROUNDS", "3"))
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # (a CPU smoke run)
 TOKENS = b.cfg.train.global_batch * b.cfg.model.seq_len  # a step's, over every rank
@@ -75,12 +84,13 @@ def step():
     train_step(opt, data.next(), topo, executor, dp, clip_grad=1.0, scaler=None)
 
 
+use(SETTINGS[0])  # (the warm-up steps too: a hang count of one setting runs only it)
 for _ in range(3):
     step()
 times = {s: [] for s in SETTINGS}
 for _ in range(ROUNDS):
     for s in SETTINGS:
-        executor.side_adds = s
+        use(s)
         step()
         sync()
         for _ in range(STEPS):
@@ -89,11 +99,11 @@ for _ in range(ROUNDS):
             sync()
             times[s].append(time.perf_counter() - t0)
         if rank == 0:
-            print(f"side_adds={s}: {len(times[s])} steps timed", flush=True)
+            print(f"setting {s}: {len(times[s])} steps timed", flush=True)
 if rank == 0:
     for side, ts in times.items():
         ms = statistics.median(ts) * 1e3
-        print(f"PAIRS side_adds={side}: {ms:.1f} ms/step median "
+        print(f"PAIRS setting {side}: {ms:.1f} ms/step median "
               f"({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}), {TOKENS / (ms / 1e3) / b.world:,.0f} tokens/s per GPU",
               flush=True)
 faulthandler.cancel_dump_traceback_later()

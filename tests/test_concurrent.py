@@ -42,11 +42,14 @@ def _counting(calls: dict[str, int], groups: dict[int, str], inside: list[bool])
                                 (mappings, "reduce_scatter_single"))]
 
 
-def _train(topo: Topology, overrides: list[str], count: int) -> dict:
+def _train(topo: Topology, overrides: list[str], count: int, in_turn: bool = False) -> dict:
     """STEPS steps on the first ``count`` micro-batches of each dp rank's share; the TP
-    collectives of the executor's runs counted per communicator."""
+    collectives of the executor's runs counted per communicator. ``in_turn``: the pairs'
+    backwards issued piece by piece in turn (PairedExecutor.backward_in_turn)."""
     cfg = validate(load_config(None, BASE + overrides), topo.world_size)
     stage = Stage(cfg, topo, RNGTracker.for_rank(cfg.train.seed, topo.tp_rank, topo.pp_rank))
+    if in_turn:
+        stage.executor(count).backward_in_turn = True
     data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
     calls: dict[str, int] = {}
     inside = [False]
@@ -84,11 +87,14 @@ def _train(topo: Topology, overrides: list[str], count: int) -> dict:
     return dict(losses=losses, norms=norms, params=params, calls=calls, paired=isinstance(executor, PairedExecutor))
 
 
-def _worker(rank: int, world: int, tp: int, overrides: list[str], count: int) -> dict:
+def _worker(rank: int, world: int, tp: int, overrides: list[str], count: int, in_turn: bool = False) -> dict:
     topo = Topology.build(tp=tp)
     layout = [f"parallel.tp={tp}", *overrides]
-    return {pairs: _train(topo, layout + [f"parallel.tp_microbatch_pairs={pairs}"], count)
-            for pairs in ("false", "true")}
+    out = {pairs: _train(topo, layout + [f"parallel.tp_microbatch_pairs={pairs}"], count)
+           for pairs in ("false", "true")}
+    if in_turn:
+        out["in_turn"] = _train(topo, layout + ["parallel.tp_microbatch_pairs=true"], count, in_turn=True)
+    return out
 
 
 def _assert_same(paired: dict, plain: dict, what: str) -> None:
@@ -99,18 +105,24 @@ def _assert_same(paired: dict, plain: dict, what: str) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tp,dp,extra,count", [
-    (2, 1, [], 8),  # four pairs
-    (2, 1, [], 5),  # two pairs and an odd last micro-batch alone
-    (2, 2, ["parallel.zero=1"], 4),  # zero 1's overlapped reduce-scatter, and gather (the first pair waits for it)
-    (2, 2, ["parallel.zero=2"], 3),  # zero 2 reduces every micro-batch's gradients
+@pytest.mark.parametrize("tp,dp,extra,count,in_turn", [
+    (2, 1, [], 8, False),  # four pairs
+    (2, 1, [], 5, True),  # two pairs and an odd last micro-batch alone; tied embeddings
+    (2, 1, ["model.tie_embeddings=false"], 4, True),  # an output layer of its own
+    (2, 2, ["parallel.zero=1"], 4, True),  # zero 1's overlapped reduce-scatter, and gather (the first pair waits for it)
+    (2, 2, ["parallel.zero=2"], 3, False),  # zero 2 reduces every micro-batch's gradients
 ])
-def test_pairs_train_as_the_micro_batches_one_by_one(tp, dp, extra, count):
-    for rank, out in enumerate(run_ranks(_worker, tp * dp, tp, extra, count, timeout=240)):
+def test_pairs_train_as_the_micro_batches_one_by_one(tp, dp, extra, count, in_turn):
+    """Also with the backwards issued piece by piece in turn (``in_turn``), which cuts each
+    forward into pieces: the same sums in the same order, to the bit."""
+    for rank, out in enumerate(run_ranks(_worker, tp * dp, tp, extra, count, in_turn, timeout=240)):
         plain, paired = out["false"], out["true"]
         assert paired["paired"] and not plain["paired"]
         _assert_same(paired, plain, f"tp={tp} dp={dp} {extra} {count} micro-batches, rank {rank}")
         _assert_second_communicator(paired, plain, count, STEPS)
+        if in_turn:
+            _assert_same(out["in_turn"], plain, f"in turn: tp={tp} dp={dp} {extra} {count} micro-batches, rank {rank}")
+            _assert_second_communicator(out["in_turn"], plain, count, STEPS)
 
 
 def _assert_second_communicator(paired: dict, plain: dict, count: int, steps: int) -> None:
@@ -124,15 +136,16 @@ def _assert_second_communicator(paired: dict, plain: dict, count: int, steps: in
 
 
 def _sequence_parallel_worker(rank: int, world: int) -> dict:
-    return _worker(rank, world, 2, ["parallel.sequence_parallel=true"], 6)
+    return _worker(rank, world, 2, ["parallel.sequence_parallel=true"], 6, True)
 
 
 @pytest.mark.timeout(300)
 def test_pairs_under_sequence_parallelism():
     for rank, out in enumerate(run_ranks(_sequence_parallel_worker, 2, timeout=240)):
         assert out["true"]["paired"]
-        _assert_same(out["true"], out["false"], f"tp=2 + SP, rank {rank}")
-        _assert_second_communicator(out["true"], out["false"], 6, STEPS)
+        for name in ("true", "in_turn"):
+            _assert_same(out[name], out["false"], f"tp=2 + SP ({name}), rank {rank}")
+            _assert_second_communicator(out[name], out["false"], 6, STEPS)
 
 
 class _Stream:
@@ -166,7 +179,7 @@ def _logged_executor(log: list[str], **kwargs) -> PairedExecutor:
     where = ["current"]
 
     class Logged(PairedExecutor):
-        def _steps(self, batch, global_tokens):
+        def _steps(self, batch, global_tokens, cut=None):
             for piece in range(3):
                 log.append(f"F{batch['i']}.{piece} on {where[0]}")
                 yield None if piece < 2 else torch.ones((), requires_grad=True) * batch["i"]
@@ -218,6 +231,67 @@ def test_pairs_issue_the_forwards_piece_by_piece_in_turn_then_two_backwards(monk
     assert log == [*forwards(0, 1, gathers), "B0 on current", "B1 on side", "current waits for side",
                    *forwards(2, 3, False), "B2 on current", "B3 on side", "current waits for side",
                    "F4.0 on current", "F4.1 on current", "F4.2 on current", "B4 on current"]
+
+
+def test_backward_in_turn_issues_both_micro_batches_piece_by_piece(monkeypatch):
+    """backward_in_turn: this thread issues both backwards, the losses first, then each piece
+    from the last, the two micro-batches in turn, the second's on the side stream; a tied weight
+    joins the first piece's backward (its two gradients summed before its accumulate hook: one
+    hook call per micro-batch); the gradients are those of one backward per micro-batch."""
+    from tessera.training import concurrent
+
+    log: list[str] = []
+    where = ["current"]
+    weight = nn.Parameter(torch.tensor(2.0))
+    names: dict[int, str] = {id(weight): "W"}
+
+    class Pieces(PairedExecutor):
+        def _steps(self, batch, global_tokens, cut=None):
+            i = batch["i"]
+            x = weight * i  # the "embedding", reading the tied weight
+            names[id(x)] = f"{i}.0"
+            yield None
+            x = cut(x) * 3  # a "layer"
+            names[id(x)] = f"{i}.1"
+            yield None
+            yield cut(x) * cut(weight)  # the "output layer" and loss, reading the tied weight again
+
+        @contextlib.contextmanager
+        def _on_side(self):
+            before, where[0] = where[0], "side"
+            try:
+                yield
+            finally:
+                where[0] = before
+
+        @staticmethod
+        def _current():
+            return current
+
+    run_backward, run_roots = concurrent.run_backward, concurrent.run_backward_roots
+
+    def logged_backward(out, grad):
+        log.append(f"loss on {where[0]}")
+        run_backward(out, grad)
+
+    def logged_roots(roots):
+        log.append(f"{'+'.join(names[id(t)] for t, _ in roots)} on {where[0]}")
+        run_roots(roots)
+    monkeypatch.setattr(concurrent, "run_backward", logged_backward)
+    monkeypatch.setattr(concurrent, "run_backward_roots", logged_roots)
+    hooks = []
+    weight.register_post_accumulate_grad_hook(lambda p: hooks.append(p.grad.item()))
+    current = _Stream("current", log)
+    model = nn.Linear(1, 1)
+    model.tp_group = object()
+    executor = Pieces(model, model.tp_group, object(), _Stream("side", log))
+    executor.backward_in_turn = True
+    executor.run([{"i": 1}, {"i": 2}], torch.tensor(1.0))
+    assert log == ["side waits for current", "loss on current", "loss on side", "1.1 on current", "2.1 on side",
+                   "1.0+W on current", "2.0+W on side", "current waits for side"], log
+    # loss_i = 3 i w * w: d/dw = 6 i w; one hook call per micro-batch, with both terms
+    assert hooks == [6 * 1 * 2.0, 6 * 1 * 2.0 + 6 * 2 * 2.0]
+    assert weight.grad.item() == 6 * (1 + 2) * 2.0
 
 
 def test_the_two_backwards_run_at_once_and_their_errors_surface(monkeypatch):

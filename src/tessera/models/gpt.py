@@ -106,8 +106,9 @@ class GPTModel(nn.Module):
                 x = F.dropout(x, self.cfg.dropout, training=True)
         return x
 
-    def logits(self, x: Tensor) -> Tensor:
-        """Residual stream -> this rank's logit slice [s, b, padded_vocab / tp].
+    def logits(self, x: Tensor, cut=None) -> Tensor:
+        """Residual stream -> this rank's logit slice [s, b, padded_vocab / tp]. ``cut``: a tied
+        output layer reads the embedding through it (see forward).
 
         A tied output layer's weight is the embedding, whose gradient has a second term from the
         lookup: not fused into main_grad (autograd sums the two before the gradient hook). A
@@ -116,13 +117,14 @@ class GPTModel(nn.Module):
         x = self.final_norm(x)
         if self.output is not None:
             return self.output(x)
-        return column_parallel_linear(x, self.embedding.weight, None, self.tp.group, self.tp.sequence_parallel,
+        weight = cut(self.embedding.weight) if cut is not None else self.embedding.weight
+        return column_parallel_linear(x, weight, None, self.tp.group, self.tp.sequence_parallel,
                                       wgrad_store=self.tp.wgrad_store, fuse_wgrad=False,  # see below
                                       comm_overlap=self.tp.comm_overlap, async_tp=self.tp.async_tp)
 
     def forward(self, tokens: Tensor | None = None, labels: Tensor | None = None,
                 hidden: Tensor | None = None, position_ids: Tensor | None = None,
-                document_ids: Tensor | None = None, *, in_steps: bool = False):
+                document_ids: Tensor | None = None, *, in_steps: bool = False, cut=None):
         """First stage: ``tokens`` [b, s]; later stages: ``hidden`` from the previous stage.
         Packed sequences (every stage): ``position_ids`` and ``document_ids`` [b, s] (models/packed.py).
 
@@ -132,25 +134,31 @@ class GPTModel(nn.Module):
         ``in_steps=True``: the same forward as a generator, a piece per ``next`` (the embedding,
         each layer, the output layer and loss), yielding None after each piece but the last and
         then the result; for issuing two micro-batches' forwards layer by layer in turn
-        (training/concurrent.py). Forward pre-hooks run at the call, as for any forward.
+        (training/concurrent.py). Forward pre-hooks run at the call, as for any forward. With
+        ``cut`` (a function of a tensor, returning the tensor the rest of the forward reads), the
+        residual stream between pieces and a tied output layer's weight go through ``cut``: the
+        pieces' backwards can then run one at a time (training/concurrent.py's backward in turn).
         """
-        steps = self._forward_steps(tokens, labels, hidden, position_ids, document_ids)
+        if cut is not None and not in_steps:
+            raise ValueError("cut cuts the forward into its pieces: it needs in_steps=True")
+        steps = self._forward_steps(tokens, labels, hidden, position_ids, document_ids, cut)
         if in_steps:
             return steps
         *_, out = steps
         return out
 
-    def _forward_steps(self, tokens, labels, hidden, position_ids, document_ids):
+    def _forward_steps(self, tokens, labels, hidden, position_ids, document_ids, cut=None):
+        piece = cut or (lambda t: t)  # (the residual stream as the next piece reads it)
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         seq = PackedSequence(position_ids, document_ids)
         for layer in self.layers.values():
             yield None
-            x = layer(x, seq)
+            x = layer(piece(x), seq)
         if not self.post_process:
             yield x
             return
         yield None
-        logits = self.logits(x)
+        logits = self.logits(piece(x), cut)
         if labels is None:
             yield logits
             return

@@ -69,6 +69,19 @@ order; the forwards are issued by one thread in the same order on every rank, th
 two threads), or collectives that need no spinning kernel (copy-engine transfers over symmetric
 memory); neither measured yet.
 
+In session 20 one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) stopped the hang (0 of 6
+runs) but also the gain (+3 % over no pairs, against +13 %). A suspect: the order the two
+backwards issue their graphs in. Autograd's device thread takes the nodes of both graph tasks
+from one queue, but the second task starts when its host thread gets there, so how far the
+first has gone by then, and with it the order of the two communicators' collectives, may differ
+from rank to rank. ``backward_in_turn`` (experimental, off; benchmarks/pairs_ab.py's setting
+"turn") takes the threads out: each forward is cut into its pieces (GPTModel's ``cut``: the
+residual stream between pieces, and a tied output layer's weight, read through leaves of their
+own), and this thread issues the backwards a piece at a time, the losses' first, then each
+layer's from the last, the two micro-batches in turn: the same order on every rank, and still
+each micro-batch's own gradients in data parallelism, in the same order as one micro-batch after
+the other (the tests compare it to the bit). Measured on the GPU: not yet.
+
 What it needs (config.validate refuses the rest): pp=1, tp > 1, layers not compiled whole (the
 compiled collectives take the group by name), no fused weight gradients (two streams would add
 into one main gradient at once) and not FSDP (zero=3's hooks gather and free per forward).
@@ -147,6 +160,7 @@ class PairedExecutor:
                  concurrent_backward: bool = True):
         self.model, self.side, self.gathers_in_forward = model, side, gathers_in_forward
         self.concurrent_backward = concurrent_backward and side is not None
+        self._overlap_backwards = concurrent_backward  # (not under zero=2; on a CPU too, for the in-turn order)
         self.second = TPGroupSwap([model], first_group, second_group)
         self._worker: ThreadPoolExecutor | None = None
         # the DataParallel (zero 0/1) whose buffers the gradients go to (trainer.build_data_parallel
@@ -156,12 +170,16 @@ class PairedExecutor:
         self.data_parallel = None
         self.side_adds = False
         self._shared: set[nn.Parameter] | None = None  # parameters a micro-batch's graph uses twice or more
+        # the two backwards issued by this thread, piece by piece in turn (_backwards_in_turn),
+        # instead of from two threads: experimental (see the module's docstring)
+        self.backward_in_turn = False
 
-    def _steps(self, batch: dict[str, Tensor], global_tokens: Tensor):
-        """One micro-batch's forward a piece per ``next`` (GPTModel's ``in_steps``): None after
-        each piece but the last, then its loss (summed over the batch's tokens / global_tokens)."""
+    def _steps(self, batch: dict[str, Tensor], global_tokens: Tensor, cut=None):
+        """One micro-batch's forward a piece per ``next`` (GPTModel's ``in_steps``, cut where
+        ``cut`` is given): None after each piece but the last, then its loss (summed over the
+        batch's tokens / global_tokens)."""
         steps = self.model(tokens=batch["tokens"], labels=batch["labels"], position_ids=batch.get("position_ids"),
-                           document_ids=batch.get("document_ids"), in_steps=True)
+                           document_ids=batch.get("document_ids"), in_steps=True, cut=cut)
         for out in steps:
             yield None if out is None else (out * batch["loss_mask"]).sum() / global_tokens
 
@@ -187,13 +205,19 @@ class PairedExecutor:
                 losses.append(loss.detach())
                 run_backward(loss * loss_scale if loss_scale != 1.0 else loss, None)
                 continue
-            first, second = self._forwards(pair, global_tokens, current, after_gathers=i == 0 and self.gathers_in_forward)
+            in_turn = self.backward_in_turn and self._overlap_backwards
+            cuts = (_Cuts(), _Cuts()) if in_turn else (None, None)
+            first, second = self._forwards(pair, global_tokens, current, after_gathers=i == 0 and self.gathers_in_forward,
+                                           cuts=cuts)
             losses += [first.detach(), second.detach()]
             if loss_scale != 1.0:
                 first = first * loss_scale
                 with self._on_side():
                     second = second * loss_scale
-            self._backwards(first, second)
+            if in_turn:
+                self._backwards_in_turn(first, second, *cuts)
+            else:
+                self._backwards(first, second)
             if self.side is not None:
                 current.wait_stream(self.side)  # the pair's side work done before what follows
         loss_sum = torch.zeros((), device=global_tokens.device)
@@ -201,7 +225,8 @@ class PairedExecutor:
             loss_sum += loss
         return loss_sum
 
-    def _forwards(self, pair: list[dict[str, Tensor]], global_tokens: Tensor, current, after_gathers: bool):
+    def _forwards(self, pair: list[dict[str, Tensor]], global_tokens: Tensor, current, after_gathers: bool,
+                  cuts=(None, None)):
         """The pair's forwards, issued a piece each in turn (embedding, each layer, output), the
         second's on the side stream over the second communicator, so that the GPU has both at
         once (issued one whole forward after the other, the second started only as the first
@@ -210,9 +235,9 @@ class PairedExecutor:
         Returns the two losses."""
         if self.side is not None and not after_gathers:
             self.side.wait_stream(current)
-        first = self._steps(pair[0], global_tokens)
+        first = self._steps(pair[0], global_tokens, cuts[0])
         with self._on_side(), self.second:
-            second = self._steps(pair[1], global_tokens)  # (runs, pre-hooks too, at its first next())
+            second = self._steps(pair[1], global_tokens, cuts[1])  # (runs, pre-hooks too, at its first next())
         for first_loss in first:
             if self.side is not None and after_gathers:
                 self.side.wait_stream(current)
@@ -254,6 +279,31 @@ class PairedExecutor:
         finally:
             if data_parallel is not None:
                 data_parallel.side_adds = None
+
+    def _backwards_in_turn(self, first: Tensor, second: Tensor, first_cuts: "_Cuts", second_cuts: "_Cuts") -> None:
+        """The two backwards issued by this thread alone, a piece at a time, the two micro-batches
+        in turn: the losses' pieces (output layer and loss), then each layer's from the last, the
+        first micro-batch's on the current stream, the second's on the side stream. Every rank
+        then issues the two communicators' collectives in one fixed order (from two threads, the
+        order depends on when the second thread starts). Each piece's backward is seeded with the
+        gradient the later piece left on the leaf it read (``_Cuts``); a tied output layer's
+        weight gradient joins the embedding piece's backward, so that autograd sums the two
+        before the accumulate hook, as in one backward. Every gradient still arrives on its own in
+        data parallelism, in the same order as one micro-batch after the other."""
+        with _expected_stream_mismatch():
+            run_backward(first, None)
+            with self._on_side():
+                run_backward(second, None)
+            for k in reversed(range(len(first_cuts.hidden))):
+                for cuts, on_side in ((first_cuts, False), (second_cuts, True)):
+                    roots = [cuts.root(k)]
+                    if k == 0 and cuts.tied is not None:
+                        roots.append(cuts.tied_root())
+                    roots = [r for r in roots if r[1] is not None]
+                    with self._on_side() if on_side else contextlib.nullcontext():
+                        if roots:
+                            run_backward_roots(roots)
+                    cuts.hidden[k] = None  # (its activations' graph freed)
 
     def _worker_device(self) -> None:
         if isinstance(self.side, torch.cuda.Stream):
@@ -337,3 +387,39 @@ def _by_group(tp, second_group: Group, replay_first, replay_second):
     def forward(x: Tensor, seq=None) -> Tensor:
         return (replay_second if tp.group is second_group else replay_first)(x, seq)
     return forward
+
+
+class _Cuts:
+    """A micro-batch forward's cuts (GPTModel ``forward(..., cut=...)``): each piece's output as
+    made, and the leaf (the same values, a graph of its own) the next piece read; a tied output
+    layer's weight likewise (the parameter, and the leaf the output layer read)."""
+
+    def __init__(self) -> None:
+        self.hidden: list[tuple[Tensor, Tensor] | None] = []
+        self.tied: tuple[Tensor, Tensor] | None = None
+
+    def __call__(self, t: Tensor) -> Tensor:
+        leaf = t.detach().requires_grad_(t.requires_grad)
+        if isinstance(t, nn.Parameter):
+            if self.tied is not None:
+                raise RuntimeError("one tied weight is cut per forward")
+            self.tied = (t, leaf)
+        else:
+            self.hidden.append((t, leaf))
+        return leaf
+
+    def root(self, k: int) -> tuple[Tensor, Tensor | None]:
+        """Piece k's output and the gradient the next piece left on its leaf."""
+        made, leaf = self.hidden[k]
+        return made, leaf.grad
+
+    def tied_root(self) -> tuple[Tensor, Tensor | None]:
+        weight, leaf = self.tied
+        return weight, leaf.grad
+
+
+def run_backward_roots(roots: list[tuple[Tensor, Tensor]]) -> None:
+    """One backward from several (tensor, gradient) roots: autograd sums what reaches a node from
+    more than one of them before running it."""
+    tensors, grads = zip(*roots)
+    torch.autograd.backward(tensors, grads)
