@@ -14,8 +14,11 @@
 #      by two host threads and issued by autograd's one device thread in an order that depends
 #      on when the second starts: if the orders differ between ranks (and most in the runs that
 #      hang), the cure is one thread issuing both backwards in a fixed order (e.g. layer by
-#      layer, the two micro-batches in turn), which keeps each micro-batch's fp32 adds. Then the
-#      same with EXTRA_ENV="NCCL_LAUNCH_ORDER_IMPLICIT=1" (~540 s each)
+#      layer, the two micro-batches in turn), which keeps each micro-batch's fp32 adds: built in
+#      session 20 as PairedExecutor.backward_in_turn (CPU-tested to the bit). So then
+#      PAIRS_SETTINGS=turn (its runs' orders must agree; count hangs; ms/step) and one A/B
+#      PAIRS_SETTINGS="turn 0" (~540 s each); only many clean runs would justify turning pairs on
+#      again (and measuring the issue-6 tp=2 rows with them)
 #   2. s20D -- gc_trainer_probe with the refreeze: the tracked objects per collection and a scan
 #      alone (session 19: 281.9 ms for the collection after the refreeze) (~150 s)
 #   3. the issue-6 rows were measured in session 20 (s18B/s18C); repeat only after a change
@@ -344,12 +347,13 @@ case "${1:-tests}" in
   s21A)  # session 21: do the two backwards of a pair issue their graphs in a different order on each rank?
     # pairs_ab runs with ORDER_LOG=1 (each pair's backward replays, by capture index, per rank),
     # until BUDGET seconds are used; per run: hung or not, and how many pair backwards differ.
-    # EXTRA_ENV="NCCL_LAUNCH_ORDER_IMPLICIT=1" (say) is set for the runs
+    # EXTRA_ENV="NCCL_LAUNCH_ORDER_IMPLICIT=1" (say) is set for the runs; PAIRS_SETTINGS (pairs_ab's
+    # SETTINGS, default 0: the two-thread backwards; "turn": backward_in_turn; "turn 0": an A/B)
     smi_log s21A; date +"runs from %T"; deadline=$((SECONDS + ${BUDGET:-540}))
     for i in $(seq 1 12); do
       [ $((deadline - SECONDS)) -lt 80 ] && { echo "no time left for run $i"; continue; }
       dir="${OUT:-/tmp}/order_$i"; mkdir -p "$dir"
-      OUT="$dir" ORDER_LOG=1 EACH_STEP=1 DUMP_AFTER=25 SETTINGS="0" STEPS=6 ROUNDS=1 env $EXTRA_ENV timeout -k 5 75 torchrun \
+      OUT="$dir" ORDER_LOG=1 EACH_STEP=1 DUMP_AFTER=25 SETTINGS="${PAIRS_SETTINGS:-0}" STEPS=6 ROUNDS=1 env $EXTRA_ENV timeout -k 5 75 torchrun \
         --nproc-per-node 2 benchmarks/pairs_ab.py parallel.tp=2 parallel.sequence_parallel=true \
         parallel.tp_microbatch_pairs=true > "$dir/log" 2>&1
       rc=$?; pkill -9 -f "benchmarks/pairs_ab[.]py"; sleep 1
@@ -366,8 +370,9 @@ if first is not None:
     x, y = pairs[first][0].split(), pairs[first][1].split()
     at = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
     where = f"; first at pair backward {first}, replay {at} of {len(x)}: rank0 {x[max(0, at - 2):at + 4]} rank1 {y[max(0, at - 2):at + 4]}"
+speed = " ".join(line.split(":", 1)[1].split(",")[0].strip() for line in open(f"{d}/log") if line.startswith("PAIRS"))
 print(f"{d.rsplit('/', 1)[-1]}: rc={rc}, steps begun {steps}, pair backwards {len(pairs)} (rank1 {len(b) - steps}), "
-      f"orders differ in {len(differ)}{where}")
+      f"orders differ in {len(differ)}{where}; {speed}")
 PY
     done ;;
   s20D)  # session 20: what a gc_interval collection inside the trainer finds, and whether it waits for the GPU
