@@ -87,6 +87,23 @@ def test_apply_sets_lr_everywhere_and_weight_decay_on_the_decay_group():
     assert opt.param_groups[0]["lr"] == pytest.approx(s.lr(10))
 
 
+def test_a_weight_decay_schedule_applies_where_optim_weight_decay_is_0():
+    """The linear and cosine styles ignore optim.weight_decay (the constant style's value): at 0,
+    the matrices' group still follows the schedule, the vectors' group never decays."""
+    from torch import nn
+
+    from tessera.optim.optimizers import _decay_groups
+
+    w, b = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))
+    cfg = OptimConfig(weight_decay=0.0, weight_decay_incr_style="linear", start_weight_decay=0.0,
+                      end_weight_decay=0.1)
+    opt = torch.optim.AdamW(_decay_groups([(w, w), (b, b)], cfg))
+    s = LRScheduler(cfg, 10)
+    for step, want in ((0, 0.0), (5, 0.05), (10, 0.1)):
+        s.apply(opt, step)
+        assert [g["weight_decay"] for g in opt.param_groups] == pytest.approx([want, 0.0]), step
+
+
 def test_scheduler_state_round_trip_and_refusal():
     s = sched("wsd", wsd_decay_steps=8)
     sched("wsd", wsd_decay_steps=8).load_state_dict(s.state_dict())
@@ -118,6 +135,7 @@ def test_rampup_values():
     ((2, 2, 300), "start 2 is not divisible by micro_batch*dp = 2*2"),
     ((4, 6, 300), "increment 6 is not divisible"),
     ((20, 4, 300), "start <= global_batch"),
+    ((4, 4, 0), "over 0 samples"),
 ])
 def test_rampup_validation(rampup, words):
     with pytest.raises(ConfigError) as info:
@@ -147,6 +165,8 @@ def test_micro_batch_state_round_trip_and_refusal():
     (["train.batch_rampup=0,4,100"], 1, "train.batch_rampup", "start >= 1"),
     (["train.batch_rampup=4,5,100"], 1, "train.batch_rampup", "does not divide"),
     (["train.batch_rampup=32,4,100"], 1, "train.batch_rampup", "exceeds train.global_batch"),
+    (["train.batch_rampup=4,4,0"], 1, "train.batch_rampup", "over 0 samples"),
+    (["train.seed=-1"], 1, "train.seed", "outside [0, 2**62)"),
     (["train.batch_rampup=4,4,100", "train.micro_batch=2"], 4, "train.batch_rampup", "micro_batch*dp = 2*4"),
 ])
 def test_bad_schedule_config_is_refused(overrides, world, key, words):

@@ -308,14 +308,19 @@ class TrainConfig:
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1", "give a value >= 1")
         _check(self.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", "use 0 for no sample")
         _check(self.timeout_s > 0, "train.timeout_s", "must be positive", "give seconds, e.g. 300")
+        _check(0 <= self.seed < 2**62, "train.seed", f"{self.seed} is outside [0, 2**62)",
+               "give a non-negative seed (numpy's data order takes no negative one; torch's, none of 2**64 or more)")
         _check(self.gc_interval >= 0, "train.gc_interval", f"{self.gc_interval} is below 0",
                "give steps between collections, e.g. 50, or 0 for Python's automatic collection")
         rampup = self.rampup
         if rampup is not None:
-            start, increment, _ = rampup
+            start, increment, ramp_samples = rampup
             _check(start <= self.global_batch, "train.batch_rampup",
                    f"start {start} exceeds train.global_batch={self.global_batch}",
                    "choose a start batch <= global_batch")
+            _check(ramp_samples >= 1 or start == self.global_batch, "train.batch_rampup",
+                   f"a ramp from {start} to global_batch={self.global_batch} over 0 samples",
+                   "give the samples the ramp lasts (>= 1), or leave train.batch_rampup empty for a constant batch")
             _check((self.global_batch - start) % increment == 0, "train.batch_rampup",
                    f"increment {increment} does not divide global_batch - start = {self.global_batch - start}",
                    "choose an increment that divides the difference")

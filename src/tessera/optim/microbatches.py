@@ -35,6 +35,9 @@ class MicroBatchCalculator:
         if not (1 <= self.start <= self.target and self.increment >= 1 and self.ramp_samples >= 0):
             raise ConfigError(key, f"{rampup} needs 1 <= start <= global_batch={self.target}, "
                               "increment >= 1 and ramp_samples >= 0", f"give {fix}")
+        if self.ramp_samples == 0 and self.start < self.target:
+            raise ConfigError(key, f"{rampup} ramps from {self.start} to global_batch={self.target} over 0 samples",
+                              "give the samples the ramp lasts (>= 1)")
         if (self.target - self.start) % self.increment:
             raise ConfigError(key, f"increment {self.increment} does not divide global_batch - start "
                               f"= {self.target - self.start}", "choose an increment that divides the difference")

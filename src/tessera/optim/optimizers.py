@@ -35,7 +35,10 @@ def _adamw(groups: list[dict], cfg: OptimConfig, on_cuda: bool) -> torch.optim.A
 def _decay_groups(pieces: list[tuple[Tensor, nn.Parameter]], cfg: OptimConfig) -> list[dict]:
     decay = [t for t, p in pieces if p.ndim >= 2]
     no_decay = [t for t, p in pieces if p.ndim < 2]
-    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # "decays": the group the weight-decay schedule sets (optim/scheduler.py), also where the
+    # schedule starts at 0 or optim.weight_decay (the constant style's value) is 0
+    return [{"params": decay, "weight_decay": cfg.weight_decay, "decays": True},
+            {"params": no_decay, "weight_decay": 0.0, "decays": False}]
 
 
 def _local(t: Tensor) -> Tensor:

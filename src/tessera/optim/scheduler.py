@@ -74,8 +74,10 @@ class LRScheduler:
 
     def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
         """Set every group's lr, and the weight decay of the decaying groups; returns the lr.
-        A group decays if its weight_decay is non-zero the first time it is seen here (the
-        tag is kept in the group, so a schedule that passes through 0 does not lose it)."""
+        A group decays where it says so (``"decays"``, set where the groups are made:
+        optim/optimizers.py); a group without the tag decays if its weight_decay is non-zero the
+        first time it is seen here (the tag is then kept in the group, so a schedule that passes
+        through 0 does not lose it)."""
         lr, wd = self.lr(step), self.weight_decay(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
