@@ -115,8 +115,9 @@ def test_garbage_collection_at_fixed_steps(monkeypatch):
 
     from tessera.training.gc_control import GarbageCollection
 
-    calls = []
+    calls, freezes, real_freeze = [], [], gc.freeze
     monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 0)
+    monkeypatch.setattr(gc, "freeze", lambda: freezes.append(1) or real_freeze())
     assert gc.isenabled() and gc.get_freeze_count() == 0
     made_in_training = []
     with GarbageCollection(3) as collector:
@@ -130,7 +131,9 @@ def test_garbage_collection_at_fixed_steps(monkeypatch):
             if step == 2:  # the first periodic collection froze the first steps' survivors
                 assert gc.get_freeze_count() >= at_start + 300
                 after_first = gc.get_freeze_count()
-        assert gc.get_freeze_count() == after_first  # only once: later steps' objects stay in sight
+        # only once: later steps' objects stay in sight (the count itself may fall, as frozen
+        # objects are freed by reference counting)
+        assert len(freezes) == 2 and gc.get_freeze_count() <= after_first
     assert gc.isenabled() and gc.get_freeze_count() == 0
     assert calls == [2, 2, 2, 2]  # before; after steps 3 and 6; after
     assert [t is not None for t in timed] == [False, False, True, False, False, True, False]
