@@ -70,6 +70,7 @@ BAD = [
     (["train.cuda_graphs=true", "train.grad_accum_fusion=true", "parallel.zero=2"], 1, "train.cuda_graphs",
      "zero=2 keeps each bucket's buffer"),
     (["train.cuda_graphs=true", "parallel.zero=3"], 2, "train.cuda_graphs", "zero=3 (FSDP)"),
+    (["data.eod_id=256", "model.vocab_size=256"], 1, "data.eod_id", "outside model.vocab_size=256"),
 ]
 
 

@@ -191,6 +191,36 @@ def test_corrupt_document_index(tmp_path):
         IndexedDataset(tmp_path / "d")
 
 
+HEADER = 34  # magic 9, version 8, dtype 1, two counts 8 + 8
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 22])
+def test_a_sequence_pointer_off_its_place_is_refused(tmp_path, monkeypatch, chunk):
+    """Sequence 2 should start at byte 8 (3 + 1 tokens of 2 bytes before it): read at 10, it
+    would return its own tail and the next sequence's head, silently."""
+    import tessera.data.indexed as indexed
+
+    monkeypatch.setattr(indexed, "_CHECK_CHUNK", chunk)  # the check in chunks, boundaries included
+    megatron_pair(tmp_path / "d", DOCS)
+    assert IndexedDataset(tmp_path / "d").get(2).tolist() == DOCS[2]
+    _patch(tmp_path / "d.idx", HEADER + 4 * len(DOCS) + 8 * 2, struct.pack("<q", 10))
+    with pytest.raises(IndexedDatasetError, match=r"d\.idx: corrupt: sequence 2 starts at byte 10, but the "
+                                                  r"lengths before it end at byte 8"):
+        IndexedDataset(tmp_path / "d")
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 1 << 22])
+def test_a_document_index_going_back_is_refused(tmp_path, monkeypatch, chunk):
+    import tessera.data.indexed as indexed
+
+    monkeypatch.setattr(indexed, "_CHECK_CHUNK", chunk)
+    megatron_pair(tmp_path / "d", DOCS)
+    _patch(tmp_path / "d.idx", HEADER + 12 * len(DOCS) + 8 * 2, struct.pack("<q", 0))  # [0, 1, 0, 3, 4]
+    with pytest.raises(IndexedDatasetError, match=r"d\.idx: corrupt document index: document 1 ends at sequence 0, "
+                                                  r"before it starts \(1\)"):
+        IndexedDataset(tmp_path / "d")
+
+
 def test_writer_refuses_empty_document_by_number(tmp_path):
     with (pytest.raises(IndexedDatasetError, match=r"d\.bin.*document 2 \(0-based\) is empty"),
           IndexedDatasetWriter(tmp_path / "d", np.uint16) as w):

@@ -50,6 +50,18 @@ def test_bad_data_paths_are_refused_up_front(tmp_path, paths, problem):
     assert "data.paths" in proc.stderr and problem in proc.stderr.lower(), proc.stderr
 
 
+def test_token_ids_past_the_model_vocabulary_stop_the_run(tmp_path):
+    """The corpus holds ids up to 63; a 32-id model would otherwise train on zero embeddings
+    under a vocab-parallel layout (no rank owns the id) or fail on one device."""
+    write_corpus(tmp_path / "a", 1)
+    proc = subprocess.run([sys.executable, "-m", "tessera", "train", *[a for s in (
+        "data.source=indexed", f"data.paths={tmp_path / 'a'}", "data.split=1,0,0", "model.vocab_size=32",
+        "model.layers=1", "train.steps=2", f"train.out_dir={tmp_path}/run") for a in ("--set", s)]],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "model.vocab_size: sample" in proc.stderr and "outside the model's vocabulary [0, 32)" in proc.stderr
+
+
 @pytest.mark.timeout(300)
 def test_jsonl_to_training(tmp_path):
     """The whole pipeline: text -> `tessera preprocess` (a BPE trained on it) -> `tessera train`."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -464,3 +465,15 @@ def test_executor_trace_records_every_compute_action_once(monkeypatch):
     assert launches == sorted(launches)
     order = [e.at for *_, start, end in executor.trace for e in (start, end)]
     assert order == list(range(2 * len(compute))), "each action's start and end, once, in order"
+
+
+def test_executor_refuses_a_micro_batch_count_its_schedule_was_not_built_for():
+    case = Case("none", 1, 1, 3, True, "gpt2", seed=7)
+    model = GPTModel(make_cfg(case))
+    model.init_weights(SEED)
+    executor = PipelineExecutor([model], build_schedule("none", 1, 1, 3, 0), None, 1, 0)
+    for m in (2, 4):
+        micro_batches = make_micro_batches(m, case.seed)
+        with pytest.raises(ValueError, match=f"this rank's schedule runs 3 micro-batches, got {m}"):
+            executor.run(micro_batches, global_tokens(micro_batches))
+    assert all(p.grad is None for p in model.parameters()), "nothing ran"

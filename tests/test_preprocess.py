@@ -168,10 +168,54 @@ def test_failure_midway_leaves_no_pair(tmp_path, monkeypatch):
     with pytest.raises(PreprocessError, match=r"in\.jsonl:4"):
         preprocess(path, tmp_path / "new", tok, progress=False)
     with pytest.raises(PreprocessError, match=r"in\.jsonl:4"):
-        preprocess(path, tmp_path / "old", tok, progress=False)  # over an existing pair
+        preprocess(path, tmp_path / "old", tok, progress=False, overwrite=True)  # over an existing pair
     assert not os.path.exists(tmp_path / "new.bin") and not os.path.exists(tmp_path / "new.idx")
     assert (tmp_path / "old.bin").read_bytes() == old
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+def test_existing_outputs_are_kept_unless_overwrite(tmp_path):
+    src = jsonl(tmp_path / "in.jsonl", TEXTS)
+    r = preprocess(src, tmp_path / "ds", "bpe:300", progress=False)
+    saved = {p: (tmp_path / p).read_bytes() for p in ("ds.bin", "ds.idx", "ds.tokenizer.json")}
+    with pytest.raises(PreprocessError, match=r"ds\.bin, .*ds\.idx, .*ds\.tokenizer\.json already exist; .*--overwrite"):
+        preprocess(jsonl(tmp_path / "other.jsonl", ["something else"]), tmp_path / "ds", "bpe:300", progress=False)
+    with pytest.raises(PreprocessError, match=r"ds\.bin, .*ds\.idx already exist"):  # a given tokenizer
+        preprocess(src, tmp_path / "ds", r.tokenizer_path, progress=False)
+    (tmp_path / "lone.tokenizer.json").write_text("precious")
+    with pytest.raises(PreprocessError, match=r"lone\.tokenizer\.json already exists"):
+        preprocess(src, tmp_path / "lone", "bpe:300", progress=False)
+    assert {p: (tmp_path / p).read_bytes() for p in saved} == saved
+    assert (tmp_path / "lone.tokenizer.json").read_text() == "precious"
+    r2 = preprocess(jsonl(tmp_path / "two.jsonl", TEXTS[:2]), tmp_path / "ds", "bpe:300", progress=False,
+                    overwrite=True)
+    assert r2.documents == 2 and len(IndexedDataset(tmp_path / "ds")) == 2
+
+
+def test_a_failed_run_leaves_no_trained_tokenizer(tmp_path):
+    """The BPE trains on the input before a bad line is met while encoding (an EOD name the
+    tokenizer lacks here): neither the pair nor PREFIX.tokenizer.json is left behind."""
+    src = jsonl(tmp_path / "in.jsonl", TEXTS)
+    with pytest.raises(PreprocessError, match="no end-of-document token"):
+        preprocess(src, tmp_path / "ds", "bpe:300", eod_token="<nope>", progress=False)
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n')
+    with pytest.raises(PreprocessError, match=r"bad\.jsonl:2"):
+        preprocess(tmp_path / "bad.jsonl", tmp_path / "ds", "bpe:300", progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "in.jsonl"]
+
+
+def test_an_unpaired_surrogate_names_file_and_line(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "fine \\u00e9 \\ud83d\\ude00"}\n{"text": "half \\ud83d here"}\n')
+    for tokenizer in ("bpe:300", str(tmp_path / "tok")):
+        if tokenizer != "bpe:300":
+            shutil.copy(preprocess(jsonl(tmp_path / "good.jsonl", TEXTS), tmp_path / "good", "bpe:300",
+                                   progress=False).tokenizer_path, tokenizer)
+        with pytest.raises(PreprocessError, match=r"in\.jsonl:2: 'text' holds an unpaired surrogate"):
+            preprocess(path, tmp_path / "out", tokenizer, progress=False)
+    path.write_text('{"text": "fine \\u00e9 \\ud83d\\ude00"}\n')  # a pair is one character
+    r = preprocess(path, tmp_path / "out", "bpe:300", progress=False)
+    assert r.documents == 1
 
 
 def test_cli_preprocess_and_inspect(tmp_path, capsys):

@@ -115,3 +115,21 @@ def test_microbatch_counts():
     # agrees with what a loader yields
     loader = MicroBatches(Rows(), batches=ramp(2), dp_rank=0)
     assert sorted({len(next(loader)) for _ in range(6)}) == microbatch_counts(ramp(2), 6)
+
+
+@pytest.mark.parametrize("bad", [64, 1000, -1])
+def test_token_ids_outside_the_vocabulary_are_refused(bad):
+    """Sample 5's last id is bad: the error names the sample, the id and model.vocab_size."""
+    from tessera.config import ConfigError
+
+    class Ids:
+        def __getitem__(self, index):
+            return np.array([1, 2, 63, bad if index == 5 else 0], dtype=np.int32)
+
+    loader = MicroBatches(Ids(), global_batch=4, micro_batch=2, dp=1, dp_rank=0, vocab_size=64)
+    assert len(next(loader)) == 2  # samples 0-3 hold ids up to 63
+    with pytest.raises(ConfigError, match=rf"model.vocab_size: sample 5 holds token id {bad}, outside .*\[0, 64\)"):
+        next(loader)
+    ok = MicroBatches(Ids(), global_batch=4, micro_batch=2, dp=1, dp_rank=0, start_step=1, vocab_size=1001)
+    if bad >= 0:
+        assert next(ok)[0]["labels"][1, -1] == bad

@@ -155,6 +155,13 @@ def test_check_kind_refuses(args, message):
         build_schedule(*args, rank=0)
 
 
+@pytest.mark.parametrize("kind,vpp", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("gpipe", 1)])
+@pytest.mark.parametrize("rank", [-1, 4])
+def test_a_rank_outside_the_pipeline_is_refused(kind, vpp, rank):
+    with pytest.raises(ScheduleError, match=re.escape(f"pipeline rank {rank} is outside [0, pp=4)")):
+        build_schedule(kind, 4, vpp, 8, rank)
+
+
 def test_crossed_orders_hang():
     f, b = (lambda mb: Action(Op.F, mb)), (lambda mb: Action(Op.B, mb))
     # Rank 0 waits for rank 1's B0 before its F1; rank 1 waits for that F1 before its B0.

@@ -612,6 +612,9 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(t.fused_elementwise != "true" or cfg.model.family == "llama", "train.fused_elementwise",
            "compiles the llama family's RMSNorm, RoPE and SwiGLU; gpt2's LayerNorm and GELU are one "
            "kernel each already", "set train.fused_elementwise=false for model.family=gpt2")
+    _check(cfg.data.eod_id < m.vocab_size, "data.eod_id",
+           f"{cfg.data.eod_id} is outside model.vocab_size={m.vocab_size}",
+           "give the end-of-document id your preprocessing appended (`tessera preprocess` prints it)")
     if p.tp_microbatch_pairs == "true":
         _check_microbatch_pairs(cfg)
     if t.cuda_graphs == "true":

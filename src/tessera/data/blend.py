@@ -3,7 +3,9 @@
 Sample ``t`` of the blend comes from the dataset whose count so far lags furthest behind its
 target ``weight * t`` (Megatron's ``helpers.cpp::build_blending_indices``). Unlike sampling a
 dataset at random, this keeps every prefix of the blend in proportion: after ``t`` samples each
-dataset's count is within one of ``weight * t``, so a short run sees the mix it asked for.
+dataset's count is within one of ``weight * t`` for two datasets, and within a small constant
+for more (at most 1.35 over 200 random weightings each of 3, 4, 8 and 16 datasets, 2,000
+samples; measured, not a proven bound), so a short run sees the mix it asked for.
 
 :func:`parse_blend` reads Megatron's ``["0.7", "prefixA", "0.3", "prefixB"]`` lists.
 """

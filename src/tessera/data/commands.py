@@ -1,7 +1,7 @@
 """The data subcommands of the ``tessera`` command line.
 
 ``tessera preprocess --input FILE.jsonl[.gz]|DIR --key text --tokenizer SPEC --output-prefix P
-[--workers N] [--vocab-size V] [--eod-token TOKEN]`` writes ``P.bin`` and ``P.idx``
+[--workers N] [--vocab-size V] [--eod-token TOKEN] [--overwrite]`` writes ``P.bin`` and ``P.idx``
 (SPEC: a tokenizer.json, a folder holding one, or ``bpe:V`` to train a byte-level BPE on the input
 and save it as ``P.tokenizer.json``).
 
@@ -33,6 +33,7 @@ def add_data_commands(sub) -> None:
                           "the size to train")
     pre.add_argument("--eod-token", metavar="TOKEN",
                      help="the end-of-document token (default: <|endoftext|>, </s>, ... whichever exists)")
+    pre.add_argument("--overwrite", action="store_true", help="replace P.bin, P.idx (and P.tokenizer.json) if they exist")
     pre.add_argument("--no-progress", action="store_true", help="no progress bar")
     data = sub.add_parser("data", help="look into indexed datasets")
     data_sub = data.add_subparsers(dest="data_command", required=True)
@@ -59,7 +60,8 @@ def _preprocess(args: argparse.Namespace) -> int:
     from tessera.data.preprocess import preprocess
 
     r = preprocess(args.input, args.output_prefix, args.tokenizer, key=args.key, workers=args.workers,
-                   vocab_size=args.vocab_size, eod_token=args.eod_token, progress=not args.no_progress)
+                   vocab_size=args.vocab_size, eod_token=args.eod_token, progress=not args.no_progress,
+                   overwrite=args.overwrite)
     rate = r.input_bytes / 1e6 / max(r.seconds, 1e-9)
     print(f"{r.documents} documents, {r.tokens} tokens ({r.dtype}, vocab {r.vocab_size}, eod {r.eod_id}) "
           f"in {r.seconds:.1f}s ({r.documents / max(r.seconds, 1e-9):,.0f} docs/s, {rate:.1f} MB/s): "

@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from tessera.config import ConfigError
 from tessera.optim.microbatches import MicroBatchCalculator
 
 
@@ -37,11 +38,17 @@ class MicroBatches:
     Give either ``global_batch`` (constant; ``start_step`` skips that many steps) or ``batches``
     (a calculator; the position is its ``consumed_samples``, so ``start_step`` must stay 0).
     ``micro_batch`` and ``dp`` default to the calculator's and must match it when given.
+
+    ``vocab_size``: every sample's ids are checked to lie in ``[0, vocab_size)``. An id past the
+    model's vocabulary (data tokenized with a larger tokenizer) would otherwise fail only on one
+    device as an index error, or, with a vocab-parallel embedding and cross entropy, not at all:
+    no rank owns the id, its embedding is zero and its target logit is taken as 0.
     """
 
     def __init__(self, source: SampleSource, *, global_batch: int | None = None,
                  micro_batch: int | None = None, dp: int | None = None, dp_rank: int,
-                 start_step: int = 0, batches: MicroBatchCalculator | None = None):
+                 start_step: int = 0, batches: MicroBatchCalculator | None = None,
+                 vocab_size: int | None = None):
         if batches is None:
             if global_batch is None or micro_batch is None or dp is None:
                 raise ValueError("give global_batch, micro_batch and dp, or a batches= calculator")
@@ -59,7 +66,7 @@ class MicroBatches:
                     raise ValueError(f"{name}={given} but the calculator was built with {name}={mine}")
         if not 0 <= dp_rank < batches.dp:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {batches.dp})")
-        self.source, self.batches, self.dp_rank = source, batches, dp_rank
+        self.source, self.batches, self.dp_rank, self.vocab_size = source, batches, dp_rank, vocab_size
         self.micro_batch, self.dp = batches.micro_batch, batches.dp
         self.step = start_step  # steps taken (counted from start_step); the position is consumed_samples
 
@@ -88,11 +95,25 @@ class MicroBatches:
         self.step += 1
         out = []
         for m in range(share // self.micro_batch):
-            rows = np.stack([self.source[first + m * self.micro_batch + j] for j in range(self.micro_batch)])
+            start = first + m * self.micro_batch
+            rows = np.stack([self.source[start + j] for j in range(self.micro_batch)])
+            if self.vocab_size is not None:
+                self._check_ids(rows, start)
             rows = torch.from_numpy(rows.astype(np.int64))
             out.append({"tokens": rows[:, :-1], "labels": rows[:, 1:],
                         "loss_mask": torch.ones(rows.shape[0], rows.shape[1] - 1)})
         return out
+
+    def _check_ids(self, rows: np.ndarray, start: int) -> None:
+        low, high = int(rows.min()), int(rows.max())
+        if low >= 0 and high < self.vocab_size:
+            return
+        bad = high if high >= self.vocab_size else low
+        row = int(np.argwhere(rows == bad)[0][0])
+        raise ConfigError("model.vocab_size", f"sample {start + row} holds token id {bad}, outside the model's "
+                          f"vocabulary [0, {self.vocab_size}): the data was tokenized with another tokenizer",
+                          "set model.vocab_size to the tokenizer's size (`tessera data inspect PREFIX --show N` "
+                          "prints a document's ids), or preprocess the data with the model's tokenizer")
 
 
 def microbatch_counts(calculator: MicroBatchCalculator, steps: int,

@@ -20,7 +20,9 @@ number ahead and written in input order, so memory stays flat and the output is 
 any N.
 
 Megatron names its outputs ``{prefix}_{key}_document.bin``; here the prefix is the name itself:
-``PREFIX.bin`` and ``PREFIX.idx``.
+``PREFIX.bin`` and ``PREFIX.idx``. Existing outputs are never replaced unless asked
+(``overwrite``), and nothing is written until the whole input has encoded: the pair (and a trained
+tokenizer) appear together at the end, or not at all.
 """
 
 from __future__ import annotations
@@ -109,6 +111,12 @@ def parse_text(line: bytes, key: str, path: str, lineno: int) -> str | None:
     text = record[key]
     if not isinstance(text, str):
         raise PreprocessError(f"{path}:{lineno}: {key!r} is a {type(text).__name__}, expected a string")
+    if b"\\u" in line:  # only an escape can make a lone surrogate, which no tokenizer encodes
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PreprocessError(f"{path}:{lineno}: {key!r} holds an unpaired surrogate escape "
+                                  f"({text[e.start]!r} at character {e.start}): not text in any encoding") from None
     return text
 
 
@@ -229,12 +237,13 @@ def _chunks(files: list[Path]) -> Iterator[tuple[str, int, list[bytes], int]]:
 
 def preprocess(input: str | os.PathLike, output_prefix: str | os.PathLike, tokenizer: str, key: str = "text",
                workers: int = 1, vocab_size: int | None = None, eod_token: str | None = None,
-               progress: bool = True) -> PreprocessResult:
+               progress: bool = True, overwrite: bool = False) -> PreprocessResult:
     """Tokenize ``input`` into ``output_prefix.bin/.idx``; see the module docstring.
 
     ``vocab_size`` picks the token dtype (default: the tokenizer's size); give the model's padded
     vocabulary to match a Megatron run that used one. For ``tokenizer="bpe"`` it is also the size
-    to train. The output pair appears only once complete (:class:`IndexedDatasetWriter`).
+    to train. The output pair appears only once complete (:class:`IndexedDatasetWriter`), and a
+    trained tokenizer with it; existing outputs are an error unless ``overwrite``.
     """
     from tqdm import tqdm
 
@@ -242,15 +251,18 @@ def preprocess(input: str | os.PathLike, output_prefix: str | os.PathLike, token
         raise PreprocessError(f"--workers must be >= 1, got {workers}")
     files = input_files(input)
     output_prefix = os.fspath(output_prefix)
-    tokenizer_path = None
-    if tokenizer == "bpe" or tokenizer.startswith("bpe:"):
+    train = tokenizer == "bpe" or tokenizer.startswith("bpe:")
+    tokenizer_path = output_prefix + ".tokenizer.json" if train else None
+    outputs = [bin_path(output_prefix), idx_path(output_prefix)] + [tokenizer_path] * train
+    existing = [p for p in outputs if os.path.exists(p)]
+    if existing and not overwrite:
+        raise PreprocessError(f"{', '.join(existing)} already exist{'s' * (len(existing) == 1)}; "
+                              "choose another --output-prefix, or pass --overwrite to replace")
+    if train:
         size_text = tokenizer[4:] or (str(vocab_size) if vocab_size else "")
         if not size_text.isdigit():
             raise PreprocessError(f"--tokenizer {tokenizer}: expected bpe:V with V the vocabulary size, e.g. bpe:32000")
         tok = train_bpe(files, key, int(size_text))
-        tokenizer_path = output_prefix + ".tokenizer.json"
-        Path(tokenizer_path).parent.mkdir(parents=True, exist_ok=True)
-        tok.save(tokenizer_path)
     else:
         tok = load_tokenizer(tokenizer)
     eod_id = find_eod(tok, eod_token)
@@ -296,6 +308,10 @@ def preprocess(input: str | os.PathLike, output_prefix: str | os.PathLike, token
                         future, n = pending.popleft()
                         consume(future.result(), n)
             bar.update(disk_bytes - bar.n)  # gzip may stop short of the file's last bytes
+        if tokenizer_path:  # saved once the pair is published: a failed run leaves neither
+            scratch = f"{tokenizer_path}.tmp-{os.getpid()}"
+            tok.save(scratch)
+            os.replace(scratch, tokenizer_path)
     finally:
         bar.close()
     return PreprocessResult(documents=documents, tokens=tokens, input_bytes=disk_bytes,

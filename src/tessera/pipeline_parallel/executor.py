@@ -68,6 +68,10 @@ class PipelineExecutor:
         ``after_comm``: called once this rank has issued its step's last send or receive (at once
         without any), so that collectives on other groups can start without ever being issued
         before a pipeline message on one rank and after it on another (which can deadlock NCCL)."""
+        expected = 1 + max((a.microbatch for a in self.actions if a.op in COMPUTE), default=-1)
+        if len(micro_batches) != expected:
+            raise ValueError(f"this rank's schedule runs {expected} micro-batches, got {len(micro_batches)}: "
+                             "build the schedule for the step's micro-batch count")
         device = global_tokens.device
         last = self.pp * self.vpp - 1
         loss_sum = torch.zeros((), device=device)

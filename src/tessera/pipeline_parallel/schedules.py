@@ -195,6 +195,8 @@ def _list_schedule(pp: int, vpp: int, forwards: list[tuple[int, int]], backwards
 def compute_order(kind: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[Action]:
     """The compute actions (F, B, I, W) of ``rank`` in the order it runs them."""
     check_kind(kind, pp, vpp, microbatches)
+    if not 0 <= rank < pp:
+        raise ScheduleError(f"pipeline rank {rank} is outside [0, pp={pp})")
     m = microbatches
     if kind == "none":
         return [Action(op, mb) for mb in range(m) for op in (Op.F, Op.B)]

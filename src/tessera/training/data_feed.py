@@ -57,7 +57,8 @@ class DataFeed:
         self.header = None  # each field's key, per-micro-batch shape and dtype, after the first step
         source = build_source(cfg)  # on every rank: index building waits for rank 0
         if self.reads and topo.tp_rank == 0:
-            self.loader = MicroBatches(source, batches=self.batches, dp_rank=topo.dp_rank)
+            self.loader = MicroBatches(source, batches=self.batches, dp_rank=topo.dp_rank,
+                                       vocab_size=cfg.model.vocab_size)
 
     def next(self) -> list[dict]:
         """This rank's micro-batches of the next step (empty dicts on pipeline middle stages)."""
