@@ -6,8 +6,9 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 21's calls (30 device minutes; kind nvidia-h100-x2; send the next call at once: the
-# machine is given back 30 s after a call ends):
+# Session 22's calls (session 21 had no device time left; its plan stands unchanged: 30 device
+# minutes; kind nvidia-h100-x2; send the next call at once: the machine is given back 30 s after
+# a call ends):
 #   1. s21A -- why micro-batch pairs hang (5 of 25 runs in sessions 19-20; with one hardware
 #      queue, CUDA_DEVICE_MAX_CONNECTIONS=1, 0 of 6 but no gain left): pairs_ab runs with
 #      ORDER_LOG=1, each pair's backward graph replays per rank. The two backwards are started
