@@ -162,3 +162,31 @@ def test_compiled_kernels_equal_eager_and_survive_many_shapes():
     grad_loss = torch.rand(5, 2, generator=g)
     assert_close(compiled.logits_grad(logits, row_max, stats[0], target, outside, grad_loss, 20),
                  eager.logits_grad(logits, row_max, stats[0], target, outside, grad_loss, 20))
+
+
+def _outside_ids_rank(rank: int, tp: int) -> list:
+    group = dist.group.WORLD
+    vocab, padded = 50, padded_vocab_size(50, tp, 8)
+    full = torch.randn(4, padded, generator=torch.Generator().manual_seed(3)) * 3.0
+    target = torch.tensor([vocab, padded - 1, padded + 7, -100])  # padding, padding, past it, negative
+    out = []
+    for fused in (False, True):
+        local = full.chunk(tp, dim=-1)[rank].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, target, group, vocab, fused=fused)
+        loss.sum().backward()
+        out.append((loss.detach(), local.grad))
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ids_outside_the_vocabulary_are_owned_by_no_rank_on_both_paths(tp):
+    """Padding ids behave as ids past the padded vocabulary: finite, the same on both paths, no
+    gradient reaching a padding column (before, the reference gave inf and the fused path
+    trained the padding row of the output weight)."""
+    for rank, ((ref_loss, ref_grad), (fused_loss, fused_grad)) in enumerate(run_ranks(_outside_ids_rank, tp,
+                                                                                      timeout=TIMEOUT)):
+        assert torch.isfinite(ref_loss).all(), ref_loss
+        assert_close(fused_loss, ref_loss, **TOL)
+        assert_close(fused_grad, ref_grad, **TOL)
+        pad_from = min(max(50 - rank * ref_grad.shape[-1], 0), ref_grad.shape[-1])
+        assert (ref_grad[..., pad_from:] == 0).all() and (fused_grad[..., pad_from:] == 0).all()

@@ -309,6 +309,12 @@ def _tp2_worker(rank: int, world_size: int, tokens, labels) -> dict:
             plain = GPTModel(make_cfg(family, False, 8, world_size), TPContext(group=group, sequence_parallel=sp))
             plain.init_weights(SEED)
 
+            model.train()
+            try:  # no tracker at tp=2: refused, not the same mask on every TP rank
+                model(tokens, labels=labels)
+                raise AssertionError(f"{key}: dropout at tp=2 ran without an RNG tracker")
+            except ValueError as e:
+                assert "needs TPContext.rng" in str(e), e
             # train mode: runs, gives finite loss and gradients for every parameter
             ctx.rng = RNGTracker.for_rank(SEED, topo.tp_rank)
             tp_state = ctx.rng.states["tp"].clone()

@@ -83,6 +83,9 @@ class ModelConfig:
                "choose kv_heads dividing heads")
         _check(0.0 <= self.dropout < 1.0, "model.dropout", f"{self.dropout} is not in [0, 1)",
                "give a probability such as 0.1 (0 disables dropout)")
+        _check(self.family != "llama" or self.head_dim % 2 == 0, "model.hidden",
+               f"hidden/heads = {self.hidden}/{self.heads} = {self.head_dim} is odd; RoPE rotates pairs of channels",
+               "choose hidden and heads whose quotient (the head dimension) is even")
         _check(self.family == "llama" or self.num_kv_heads == self.heads, "model.kv_heads",
                "grouped-query attention is a llama feature", "set model.family='llama' or kv_heads=0")
 

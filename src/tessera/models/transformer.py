@@ -46,9 +46,14 @@ class TPContext:
         return group_size(self.group)
 
     def split_region(self):
-        """RNG context for randomness on TP-split activations (a per-TP-rank stream)."""
-        if self.rng is None or self.size == 1:
+        """RNG context for randomness on TP-split activations (a per-TP-rank stream). Entered
+        only where dropout draws; at tp > 1 it needs the tracker, or every TP rank would draw
+        the same mask for different activations."""
+        if self.size == 1:
             return contextlib.nullcontext()
+        if self.rng is None:
+            raise ValueError(f"dropout at tp={self.size} needs TPContext.rng (an RNGTracker, e.g. "
+                             "RNGTracker.for_rank): without one every TP rank would draw the same mask")
         return self.rng.fork("tp")
 
     def residual_region(self):
@@ -84,6 +89,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_seq: int, theta: float, device=None, fused: bool = False):
         super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RoPE rotates pairs of channels: head_dim {head_dim} is odd")
         self.fused = fused
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
         angles = torch.outer(torch.arange(max_seq, dtype=torch.float32, device=device), inv_freq)

@@ -53,7 +53,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits_max = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
         logits.sub_(logits_max.unsqueeze(-1))
 
-        outside = (target < start) | (target >= start + rows)
+        outside = (target < start) | (target >= start + min(max(valid, 0), rows))
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = _all_reduce(target_logit.masked_fill(outside, 0.0), group)
@@ -130,7 +130,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         valid = min(max(vocab_size - start, 0), rows)
         kernels = _kernels(logits.is_cuda)
         row_max = _all_reduce(kernels.row_max(logits, valid), group, dist.ReduceOp.MAX)
-        outside = (target < start) | (target >= start + rows)
+        outside = (target < start) | (target >= start + valid)
         local_target = (target - start).masked_fill(outside, 0)
         sum_exp, target_logit = _all_reduce(kernels.row_stats(logits, row_max, local_target, outside, valid),
                                             group)
@@ -150,7 +150,11 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, group: Group, v
                                  fused: bool | None = None) -> Tensor:
     """Per-token loss (fp32) from this rank's logit slice.
 
-    logits: [..., padded_vocab / tp], target: [...] global token ids < vocab_size.
+    logits: [..., padded_vocab / tp], target: [...] global token ids in ``[0, vocab_size)``. An id
+    outside that range (padding included) is owned by no rank: both paths then return
+    ``log(sum_exp)``, the loss with the target's logit taken as 0, and raise nothing (a check here
+    would make the host wait for the GPU); the trainer checks its data's ids
+    (``data/loader.py``), direct callers must.
     ``fused``: the compiled kernels (default on CUDA) or the reference ops (default elsewhere);
     ``fused=True`` on a CPU runs the fused formulation eagerly. The reference path's gradient
     w.r.t. ``logits`` is fp32 and cast back by autograd; the fused path's is in the logits' dtype.

@@ -212,7 +212,9 @@ class VocabParallelEmbedding(nn.Module):
         init_vocab_rows(self.weight, self.vocab_size, self.init_std, self.tp_group, generator)
 
     def forward(self, ids: Tensor) -> Tensor:
-        """ids: any shape of token ids -> [*ids.shape, hidden], complete on every TP rank."""
+        """ids: any shape of token ids -> [*ids.shape, hidden], complete on every TP rank.
+        Ids must lie in ``[0, vocab_size)`` (the trainer checks its data's, ``data/loader.py``):
+        at tp=1 another id is an index error, at tp > 1 no rank owns it and its row is zeros."""
         if self.tp == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.weight.shape[0])
