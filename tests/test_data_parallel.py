@@ -764,3 +764,69 @@ def test_a_step_given_up_midway_leaves_nothing_in_the_next():
     (zero=2 added the abandoned step's shard into the next one's)."""
     for out in run_ranks(_aborted_step_worker, 2, timeout=120):
         assert out == {0: 0.0, 1: 0.0, 2: 0.0}, out
+
+
+def _resume_worker(rank: int, world: int, overrides: list[str]) -> dict:
+    """4 steps straight against 2 steps, save (model and optimizer state dicts), a fresh build,
+    load, 2 more steps."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    topo = Topology.build()
+
+    def build():
+        cfg = validate(load_config(None, BASE + overrides), world)
+        stage = Stage(cfg, topo, RNGTracker.for_rank(cfg.train.seed, 0, 0))
+        dp, opt = build_data_parallel(stage, topo, cfg)
+        return cfg, stage, dp, opt
+
+    def steps(cfg, stage, dp, opt, first, n):
+        losses = []
+        for s in range(first, first + n):
+            mbs = my_micro_batches(s, topo)
+            losses.append(train_step(opt, mbs, topo, stage.executor(len(mbs)), dp, clip_grad=cfg.optim.clip_grad).loss)
+        dp.wait_param_gather()
+        return losses
+
+    straight = build()
+    straight_losses = steps(*straight, 0, 4)
+    saved = build()
+    losses = steps(*saved, 0, 2)
+    model_state, opt_state = (copy.deepcopy(saved[1].model.state_dict()), copy.deepcopy(saved[3].state_dict()))
+    resumed = build()
+    resumed[1].model.load_state_dict(model_state)
+    resumed[3].load_state_dict(opt_state)
+    losses += steps(*resumed, 2, 2)
+    full = lambda p: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float()
+    a, b = dict(straight[1].model.named_parameters()), dict(resumed[1].model.named_parameters())
+    out = {"straight": straight_losses, "resumed": losses,
+           "param_diff": max((full(a[k]) - full(b[k])).abs().max().item() for k in a)}
+    if resumed[3].__class__.__name__ == "MainParamOptimizer":
+        bad = {k: v for k, v in opt_state.items() if k != "main_params"}
+        try:  # a state without the fp32 copies (an fp32 model's) is refused, nothing changed
+            build()[3].load_state_dict(bad)
+            out["refused"] = not any(resumed[3].copies)
+        except ValueError as e:
+            out["refused"] = "has none" in str(e)
+        if opt_state.get("main_params"):  # another layout's shapes: refused
+            cut = {**opt_state, "main_params": {i: m[:-1] for i, m in opt_state["main_params"].items()}}
+            try:
+                build()[3].load_state_dict(cut)
+                out["refused"] = False
+            except ValueError as e:
+                out["refused"] = out["refused"] and "do not fit" in str(e)
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,extra", [(1, ["train.dtype=bf16"]), (2, ["train.dtype=bf16", "parallel.zero=1"]),
+                                         (2, ["train.dtype=fp16", "parallel.zero=2"]), (2, ["parallel.zero=1"])],
+                         ids=["bf16", "bf16-zero1-dp2", "fp16-zero2-dp2", "fp32-zero1-dp2"])
+def test_resuming_from_state_dicts_continues_exactly(world, extra):
+    """A 16-bit model's fp32 main parameters travel in the optimizer's state dict (before, a
+    resumed bf16 run updated the initial fp32 copies and wrote them over the loaded weights)."""
+    for out in run_ranks(_resume_worker, world, extra, timeout=280):
+        assert out["resumed"] == out["straight"], out
+        assert out["param_diff"] == 0.0, out
+        assert out["refused"], out

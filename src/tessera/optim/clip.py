@@ -50,8 +50,9 @@ def global_grad_norm(grads: Grads, topo: Topology, sharded: bool = False) -> tor
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
     """The factor min(1, max_norm / norm) that clipping multiplies every gradient by (a tensor,
-    so no host sync); None when ``max_norm = 0`` (no clipping). The optimizers apply it, inside
-    the fused AdamW kernel on CUDA (no extra pass over the gradients)."""
+    so no host sync); None when ``max_norm = 0`` (no clipping). The optimizers apply it: at zero
+    0-2 inside the fused AdamW kernel on CUDA (no extra pass over the gradients), at zero=3 and
+    on a CPU as one foreach multiply."""
     if max_norm <= 0:
         return None
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -123,6 +123,37 @@ class MainParamOptimizer(_AdamW):
         for tensor, *_ in self.pieces:
             tensor.grad = None
 
+    def state_dict(self) -> dict:
+        """AdamW's state, and the fp32 main parameters where they are copies of a 16-bit model's
+        (``"main_params"``, by range index; Megatron's ``fp32_from_fp16_params``): a resumed run
+        must continue from them, not from the 16-bit weights rounded from them. References to
+        the live tensors, as torch's optimizers give."""
+        state = self.inner.state_dict()
+        state["main_params"] = {i: m for i, (m, copy) in enumerate(zip(self.mains, self.copies)) if copy}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore AdamW's state and the fp32 main parameters, then the model's 16-bit copy of
+        them (gathered over dp where sharded). A state from another layout, zero mode or
+        dtype is refused before anything changes."""
+        state = dict(state)
+        mains = state.pop("main_params", None)
+        wanted = {i: tuple(m.shape) for i, (m, copy) in enumerate(zip(self.mains, self.copies)) if copy}
+        if mains is None and wanted:
+            raise ValueError("this optimizer keeps fp32 main parameters (a 16-bit model) and the state has none "
+                             "(saved from an fp32 model, or by an older version): resuming from it would restart "
+                             "from the 16-bit weights")
+        given = {int(i): tuple(m.shape) for i, m in (mains or {}).items()}
+        if given != wanted:
+            raise ValueError(f"the state's fp32 main parameters {given} do not fit this optimizer's {wanted} "
+                             "(range index: shape): saved under another layout, parallel.zero, dp size or dtype")
+        self.inner.load_state_dict(state)
+        with torch.no_grad():
+            for i, main in (mains or {}).items():
+                self.mains[int(i)].copy_(main)
+        self._copy_to_model()
+        self.dp.start_param_gather()
+
     def main_param_bytes(self) -> int:
         """Bytes of fp32 main parameters that are copies (not the model's own storage)."""
         return sum(m.numel() * 4 for m, copy in zip(self.mains, self.copies) if copy)
