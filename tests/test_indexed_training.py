@@ -63,6 +63,25 @@ def test_token_ids_past_the_model_vocabulary_stop_the_run(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_a_bad_id_in_one_ranks_share_is_said_by_that_rank(tmp_path):
+    """One document holds id 200; with this seed its sample falls in dp rank 1's share, so
+    only rank 1 finds it and must say it (rank 0 only sees its peer gone)."""
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(tmp_path / "bad", np.uint16) as writer:
+        for d in range(200):
+            doc = rng.integers(1, 100, size=40)
+            doc[5] = 200 if d == 150 else doc[5]
+            writer.add_document(doc)
+    proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2", *[a for s in (
+        "model.layers=1", "model.hidden=32", "model.heads=2", "model.seq_len=16", "train.steps=40",
+        "model.vocab_size=128", "data.source=indexed", f"data.paths={tmp_path / 'bad'}", "train.seed=1",
+        "data.split=1,0,0", f"train.out_dir={tmp_path}/run") for a in ("--set", s)]],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "tessera: rank 1: config error: model.vocab_size: sample 285 holds token id 200" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(300)
 def test_jsonl_to_training(tmp_path):
     """The whole pipeline: text -> `tessera preprocess` (a BPE trained on it) -> `tessera train`."""
     import json

@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
 
         train(cfg)
     except ConfigError as e:
-        if rank == 0:
+        if e.rank_local:  # found in this rank's own share (of the data): only this rank knows
+            print(f"tessera: rank {rank}: {e}", file=sys.stderr, flush=True)
+        elif rank == 0:
             print(f"tessera: {e}", file=sys.stderr, flush=True)
         else:  # every rank finds the error; torchrun stops the others once one exits, so the
             time.sleep(3)  # rest leave rank 0 time to say it (seen lost on a loaded 2-core CI box)

@@ -25,10 +25,12 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 
 class ConfigError(ValueError):
-    """A configuration the run cannot start with. ``key`` is the dotted name at fault."""
+    """A configuration the run cannot start with. ``key`` is the dotted name at fault.
+    ``rank_local``: found by one rank only (e.g. in its share of the data), so that rank must say
+    it; the others' errors are found on every rank and said once, by rank 0."""
 
-    def __init__(self, key: str, problem: str, fix: str):
-        self.key, self.problem, self.fix = key, problem, fix
+    def __init__(self, key: str, problem: str, fix: str, rank_local: bool = False):
+        self.key, self.problem, self.fix, self.rank_local = key, problem, fix, rank_local
         super().__init__(f"config error: {key}: {problem} -> {fix}")
 
 
