@@ -174,6 +174,10 @@ PIPELINE_BAD = [
     (["parallel.pp=2", "parallel.schedule=1f1b", "parallel.vpp=2"], 2, "parallel.schedule", "use 'interleaved'"),
     (["parallel.pp=2", "parallel.schedule=interleaved"], 2, "parallel.schedule", "needs vpp >= 2"),
     (["parallel.vpp=2"], 1, "parallel.vpp", "vpp > 1 needs pp >= 2"),
+    (["train.sample_tokens=5", "data.source=synthetic"], 1, "train.sample_tokenizer", "has no text"),
+    (["train.sample_tokens=5", "train.sample_prompt="], 1, "train.sample_prompt", "encodes to no tokens"),
+    (["train.sample_tokens=5", "train.sample_tokenizer=/nowhere/tok.json"], 1, "train.sample_tokenizer",
+     "no such tokenizer file"),
 ]
 
 

@@ -96,6 +96,16 @@ def test_jsonl_to_training(tmp_path):
                            "--key", "text", "--tokenizer", "bpe:500", "--output-prefix", str(tmp_path / "docs"),
                            "--no-progress"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    curve, _ = run_train(tmp_path / "run", 1, ["data.source=indexed", f"data.paths={tmp_path / 'docs'}",
-                                               "model.vocab_size=512", "train.steps=4", "data.split=1,0,0"])
+    curve, out = run_train(tmp_path / "run", 1, ["data.source=indexed", f"data.paths={tmp_path / 'docs'}",
+                                                 "model.vocab_size=512", "train.steps=4", "data.split=1,0,0",
+                                                 "train.sample_tokens=8", "train.sample_prompt=The object"])
     assert len(curve) == 4 and curve[-1]["loss"] < curve[0]["loss"]
+    # the sample is encoded and decoded with the data's own BPE (docs.tokenizer.json), not bytes
+    from tessera.data import FileTokenizer
+
+    tokenizer = FileTokenizer(str(tmp_path / "docs.tokenizer.json"))
+    sample = out.split("sample: ", 1)[1].rstrip("\n")
+    assert sample.startswith("The object") and len(tokenizer.encode(sample)) >= 8, sample
+    with pytest.raises(AssertionError, match="model.vocab_size: 256 is smaller than the sample tokenizer's"):
+        run_train(tmp_path / "small", 1, ["data.source=indexed", f"data.paths={tmp_path / 'docs'}",
+                                          "model.vocab_size=256", "data.split=1,0,0", "train.sample_tokens=8"])

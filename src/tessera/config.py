@@ -234,6 +234,9 @@ class TrainConfig:
     """After training, generate this many tokens from sample_prompt and print them (0: none)."""
     sample_prompt: str = "The "
     """Prompt for the sample printed after training."""
+    sample_tokenizer: str = ""
+    """The sample's tokenizer: a tokenizer.json (or a folder holding one); empty: the data's own
+    (bytes for data.source=builtin, PREFIX.tokenizer.json beside the first indexed dataset)."""
     compile: Literal["auto", "true", "false"] = "auto"
     """torch.compile each transformer layer (inductor fuses its elementwise work; the first steps
     pay the compile time). Linear layers whose weight gradients are deferred (zb-h1, zb-h2,

@@ -13,7 +13,7 @@ _WHERE = {
     "IndexedDataset": "indexed", "IndexedDatasetError": "indexed", "IndexedDatasetWriter": "indexed",
     "MicroBatches": "loader", "microbatch_counts": "loader",
     "SyntheticTokens": "sources",
-    "ByteTokenizer": "tokenizer",
+    "ByteTokenizer": "tokenizer", "FileTokenizer": "tokenizer", "sample_tokenizer": "tokenizer",
 }
 __all__ = sorted(_WHERE)
 

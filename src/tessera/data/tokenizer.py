@@ -1,10 +1,13 @@
-"""The byte tokenizer: token id = UTF-8 byte (256 ids). Needs no files and no download.
-
-The data-pipeline issue adds Hugging Face ``tokenizers`` BPE; the demo uses bytes so that it runs
-anywhere with nothing to fetch.
+"""Tokenizers for the sample printed after training: bytes (the built-in corpus's, 256 ids; no
+files, no download), or a Hugging Face ``tokenizers`` file, the one an indexed dataset was made
+with (``tessera preprocess`` saves a trained one as ``PREFIX.tokenizer.json``).
 """
 
 from __future__ import annotations
+
+import os
+
+from tessera.config import ConfigError, DataConfig
 
 
 class ByteTokenizer:
@@ -15,3 +18,53 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class FileTokenizer:
+    """A ``tokenizer.json``: ids of the text alone (no special tokens), as preprocessing wrote."""
+
+    def __init__(self, path: str):
+        from tessera.data.preprocess import load_tokenizer  # (tokenizers: imported only here)
+
+        self.path, self._tok = path, load_tokenizer(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def sample_tokenizer(spec: str, data: DataConfig, vocab_size: int, prompt: str):
+    """The tokenizer of ``train.sample_tokenizer`` (a tokenizer.json or a folder holding one), or
+    where empty the data's own: bytes for the built-in corpus, ``PREFIX.tokenizer.json`` beside
+    the first indexed dataset. Refused with the key to set where there is none (synthetic
+    tokens have no text), where it has more ids than the model, or where the prompt encodes to
+    nothing."""
+    key, fix = "train.sample_tokenizer", "give the tokenizer.json the data was made with, or set train.sample_tokens=0"
+    if spec:
+        from tessera.data.preprocess import PreprocessError
+
+        try:
+            tokenizer = FileTokenizer(spec)
+        except PreprocessError as e:
+            raise ConfigError(key, str(e), fix) from None
+    elif data.source == "builtin":
+        tokenizer = ByteTokenizer()
+    elif data.source == "indexed":
+        from tessera.data.blend import parse_blend
+
+        beside = parse_blend(data.paths)[0][1] + ".tokenizer.json"
+        if not os.path.isfile(beside):
+            raise ConfigError(key, f"the sample needs the data's tokenizer: no {beside} (written where "
+                                   "`tessera preprocess` trains one)", fix)
+        tokenizer = FileTokenizer(beside)
+    else:
+        raise ConfigError(key, f"data.source={data.source} has no text to decode a sample into", fix)
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError("model.vocab_size", f"{vocab_size} is smaller than the sample tokenizer's "
+                          f"{tokenizer.vocab_size} ids", "set model.vocab_size to the tokenizer's size or more")
+    if not tokenizer.encode(prompt):
+        raise ConfigError("train.sample_prompt", f"{prompt!r} encodes to no tokens", "give some text to continue")
+    return tokenizer

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import Config, ConfigError, can_graph_layers, to_dict, validate
-from tessera.data import ByteTokenizer, microbatch_counts
+from tessera.data import ByteTokenizer, microbatch_counts, sample_tokenizer
 from tessera.inference.generate import generate
 from tessera.models import TPContext
 from tessera.distributed.data_parallel import DataParallel
@@ -110,6 +110,8 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
         raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the byte "
                           f"tokenizer's {ByteTokenizer.vocab_size} ids of the builtin corpus",
                           "set model.vocab_size >= 256")
+    if t.sample_tokens:
+        sample_tokenizer(t.sample_tokenizer, cfg.data, m.vocab_size, t.sample_prompt)
     return cfg
 
 
@@ -389,7 +391,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
         dist.all_gather_object(peaks, round(torch.cuda.max_memory_allocated(device) / 2**30, 2))
         logger.print(f"peak memory per rank (GiB): {peaks}")
     if t.sample_tokens:
-        tokenizer = ByteTokenizer()
+        tokenizer = sample_tokenizer(t.sample_tokenizer, cfg.data, cfg.model.vocab_size, t.sample_prompt)
         ids = generate(list(model), tokenizer.encode(t.sample_prompt), t.sample_tokens, topo=topo,
                        p2p=stage.p2p, seed=t.seed)
         logger.print("sample: " + tokenizer.decode(ids))
