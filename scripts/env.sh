@@ -20,7 +20,15 @@ else
     [ -x "$PY" ] || "$BASE_PY" -m venv "$ROOT/.venv"
     if ! "$PY" -c 'import torch' 2>/dev/null; then
         echo "tessera: installing the CPU build of torch into .venv (once)" >&2
-        "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
+        # PyPI's Linux torch is the CUDA build (several GB of nvidia-* wheels); PyTorch's CPU index
+        # has the CPU one (2.13.0+cpu, preferred over 2.13.0 when both are seen). Offered only
+        # where it answers within 5 s, so a machine with its own package mirror is not held up.
+        CPU_INDEX=https://download.pytorch.org/whl/cpu
+        EXTRA=()
+        if "$PY" -c "import urllib.request as u; u.urlopen('$CPU_INDEX/torch/', timeout=5)" 2>/dev/null; then
+            EXTRA=(--extra-index-url "$CPU_INDEX")
+        fi
+        "$PY" -m pip install -q --disable-pip-version-check ${EXTRA[@]+"${EXTRA[@]}"} torch==2.13.0
     fi
     if ! "$PY" -c 'import tessera, numpy, pytest, pytest_timeout, matplotlib' 2>/dev/null \
         || [ "$ROOT/pyproject.toml" -nt "$ROOT/.venv/.tessera-installed" ]; then

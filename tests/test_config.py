@@ -71,6 +71,10 @@ BAD = [
      "zero=2 keeps each bucket's buffer"),
     (["train.cuda_graphs=true", "parallel.zero=3"], 2, "train.cuda_graphs", "zero=3 (FSDP)"),
     (["data.eod_id=256", "model.vocab_size=256"], 1, "data.eod_id", "outside model.vocab_size=256"),
+    (["optim.lr=inf"], 1, "optim.lr", "inf is not a finite number"),
+    (["optim.eps=nan"], 1, "optim.eps", "nan is not a finite number"),
+    (["optim.eps=-1e-8"], 1, "optim.eps", "is negative"),
+    (["train.timeout_s=1e13"], 1, "train.timeout_s", "not in (0, 1e9]"),
     (["model.family=llama", "model.hidden=36", "model.heads=4"], 1, "model.hidden", "= 9 is odd; RoPE"),
 ]
 
@@ -103,6 +107,8 @@ def test_bad_config_is_refused_with_key_and_fix(overrides, world, key, words):
 def test_bad_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="cannot read .* directory"):
+        load_config(tmp_path)
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\nhidden=")
     with pytest.raises(ConfigError, match="not valid TOML"):

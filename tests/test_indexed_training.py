@@ -32,6 +32,8 @@ def test_blended_packed_indexed_data_on_every_layout(tmp_path):
     reference, _ = run_train(tmp_path / "one", 1, data)
     assert reference[-1]["loss"] < reference[0]["loss"]
     assert all(m["tokens"] < 8 * 32 for m in reference), "EOD predictions carry no loss"
+    # throughput counts every token processed (global batch 8 x seq 32), not the loss's
+    assert all(m["tokens_per_s"] * m["step_time_s"] == pytest.approx(8 * 32) for m in reference)
     layout, _ = run_train(tmp_path / "tp2pp2", 4, data + ["parallel.tp=2", "parallel.pp=2"])
     assert_same_curve(reference, layout)
 

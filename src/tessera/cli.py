@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="TOML file with [model], [parallel], [train], ... sections")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one config value (repeatable), e.g. --set parallel.tp=2")
-    train.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
+    train.add_argument("--nproc-per-node", type=_positive(int), default=0, metavar="N",
                        help="check the config for N processes, then launch them with torchrun")
     sub.add_parser("config", help="print the configuration reference (every key, default and meaning)")
     schedule = sub.add_parser("schedule", help="simulate a pipeline schedule: step time, bubble, picture")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -315,7 +316,8 @@ class TrainConfig:
         for name in ("micro_batch", "global_batch", "steps", "log_every"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1", "give a value >= 1")
         _check(self.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", "use 0 for no sample")
-        _check(self.timeout_s > 0, "train.timeout_s", "must be positive", "give seconds, e.g. 300")
+        _check(0 < self.timeout_s <= 1e9, "train.timeout_s", f"{self.timeout_s} is not in (0, 1e9] seconds",
+               "give seconds, e.g. 300")
         _check(0 <= self.seed < 2**62, "train.seed", f"{self.seed} is outside [0, 2**62)",
                "give a non-negative seed (numpy's data order takes no negative one; torch's, none of 2**64 or more)")
         _check(self.gc_interval >= 0, "train.gc_interval", f"{self.gc_interval} is below 0",
@@ -396,6 +398,7 @@ class OptimConfig:
         _check(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0", "use 0 to disable clipping")
         _check(0 <= self.beta1 < 1, "optim.beta1", "must be in [0, 1)", "the usual value is 0.9")
         _check(0 <= self.beta2 < 1, "optim.beta2", "must be in [0, 1)", "the usual value is 0.95")
+        _check(self.eps >= 0, "optim.eps", f"{self.eps} is negative", "the usual value is 1e-8")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -505,6 +508,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if not isinstance(value, base) or (base is int and isinstance(value, bool)):
         raise ConfigError(key, f"{value!r} has type {type(value).__name__}, expected {base.__name__}",
                           f"give a {base.__name__} value")
+    if base is float and not math.isfinite(value):  # no setting means anything at inf or nan
+        raise ConfigError(key, f"{value} is not a finite number", "give a finite value")
     if choices and value not in choices:
         names = ", ".join(map(str, choices))
         raise ConfigError(key, f"'{value}' is not one of {names}", f"choose one of {names}")
@@ -554,6 +559,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
                 values = tomllib.load(f)
         except FileNotFoundError:
             raise ConfigError("--config", f"file '{path}' does not exist", "give the path of a TOML file") from None
+        except OSError as e:  # a directory, no permission
+            raise ConfigError("--config", f"cannot read '{path}' ({e.strerror})", "give the path of a TOML file") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("--config", f"'{path}' is not valid TOML ({e})", "fix the file's syntax") from None
     for section, table in parse_overrides(list(overrides)).items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,8 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
                           "set model.vocab_size >= 256")
     if t.sample_tokens:
         sample_tokenizer(t.sample_tokenizer, cfg.data, m.vocab_size, t.sample_prompt)
+    if os.path.exists(t.out_dir) and not os.path.isdir(t.out_dir):
+        raise ConfigError("train.out_dir", f"{t.out_dir} is a file, not a directory", "give a directory")
     return cfg
 
 
@@ -343,12 +346,15 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         return out
 
-    def log(done: int, lr: float, decay: float, scale: float | None, result) -> None:
+    def log(done: int, lr: float, decay: float, scale: float | None, result, processed: int) -> None:
+        """``tokens``: the tokens the loss averaged over (loss mask applied); throughput and
+        FLOPs count every token the model processed (``processed``: global batch x seq_len),
+        as Megatron's do."""
         tokens = result.tokens  # waits for that step's GPU work
         elapsed = clock.lap(result)
         metrics = {"step": done + 1, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
-                   "weight_decay": decay, "tokens_per_s": tokens / elapsed, "tokens": tokens,
-                   "step_time_s": elapsed, **speed(tokens, elapsed)}
+                   "weight_decay": decay, "tokens_per_s": processed / elapsed, "tokens": tokens,
+                   "step_time_s": elapsed, **speed(processed, elapsed)}
         if scaler is not None:
             metrics.update(loss_scale=scale, skipped=result.skipped)
         if done in collected:  # train.gc_interval: the collection run after this step's launch
@@ -365,6 +371,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             watchdog.tick()  # a step that hangs ends the job with every thread's stack (training/watchdog.py)
             try:
                 lr, scale = scheduler.apply(optimizer, step), scaler.scale if scaler is not None else None
+                processed = data.batches.global_batch(data.batches.consumed_samples) * cfg.model.seq_len
                 micro_batches = data.next()
                 result = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)),
                                     data_parallel, clip_grad=cfg.optim.clip_grad, scaler=scaler)
@@ -375,7 +382,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
                 raise
             if pending is not None:
                 log(*pending)
-            pending = (step, lr, scheduler.weight_decay(step), scale, result)  # the scale the step ran with
+            pending = (step, lr, scheduler.weight_decay(step), scale, result, processed)  # the scale the step ran with
             ms = collector.step(step)
             if ms is not None:
                 collected[step] = ms
