@@ -22,7 +22,10 @@
 #      again (and measuring the issue-6 tp=2 rows with them)
 #   2. s20D -- gc_trainer_probe with the refreeze: the tracked objects per collection and a scan
 #      alone (session 19: 281.9 ms for the collection after the refreeze) (~150 s)
-#   3. the issue-6 rows were measured in session 20 (s18B/s18C); repeat only after a change
+#   3. s22B -- dp=2 with train.grad_dtype=bf16: the bf16 gradient buffers were widened to fp32
+#      on the wire until session 20 (0.929 in session 14 against 0.983 in session 2's code);
+#      now sent as bf16 (~580 s, GPT; compare.py runs one GPU with the same setting)
+#   4. the issue-6 rows were measured in session 20 (s18B/s18C); repeat only after a change
 #      that can move them
 # Session 20's calls (done; BENCHMARKS.md session 20): s20A (pairs with one hardware queue: 0
 # of 6 hung, no gain; default 1 of 6 hung), s18B / s18C (the issue-6 rows with both peers),
@@ -376,6 +379,12 @@ print(f"{d.rsplit('/', 1)[-1]}: rc={rc}, steps begun {steps}, pair backwards {le
       f"orders differ in {len(differ)}{where}; {speed}")
 PY
     done ;;
+  s22B)  # session 22: dp=2 with bf16 gradient buffers now that they travel as bf16 (session 20's fix; 0.929
+    # in session 14 when they were widened to fp32 on the wire, 0.983 in session 2's code), and the fp32 default
+    smi_log s22B; date +"runs from %T"
+    COMPARE_BUDGET=585 python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 1gpu+train.grad_dtype=bf16 \
+      dp2+train.grad_dtype=bf16 --skip mcore@1gpu,torch@1gpu,torch@dp2 2>&1 \
+      | tee "${OUT:-/tmp}/compare_bf16_grads.log" | grep -E "^\||RESULT|Error" | tail -14 ;;
   s20D)  # session 20: what a gc_interval collection inside the trainer finds, and whether it waits for the GPU
     sets="model.family=gpt2 model.layers=24 model.hidden=2048 model.heads=16 model.seq_len=2048 model.vocab_size=50304
           model.tie_embeddings=true train.micro_batch=2 train.global_batch=16 train.steps=17 train.dtype=bf16
