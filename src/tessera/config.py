@@ -164,7 +164,7 @@ class ParallelConfig:
     sequence parallelism, reduce-scatter) as soon as that gradient is computed and runs the
     weight-gradient GEMM while it travels. auto: on with CUDA-graphed layers (train.cuda_graphs,
     the CUDA default at tp > 1): on GPT-1.3B at tp=2 + SP +1.6 % and +1.9 % in two alternated
-    A/Bs (session 14), +2.6 % (session 7); off around eager layers (-1.8 % in one A/B, session 4)
+    A/Bs (session 14), +2.6 % (session 7); off around eager layers (-1.8 % in one A/B, session 3)
     and compiled ones (its asynchronous collectives break dynamo's graph, ~6 breaks per layer).
     false: the collective, then the GEMM (BENCHMARKS.md)."""
     tp_microbatch_pairs: Literal["auto", "true", "false"] = "auto"
@@ -260,8 +260,8 @@ class TrainConfig:
     compiled layers 62,988 against 59,998 tokens/s, H100, BENCHMARKS.md session 16); off at tp > 1
     (in eager layers measured 15% slower at tp=2, where the smaller GEMMs leave the step bound by
     the CPU time per layer that the fused path adds to) and on CPU. true at tp > 1 with CUDA-graphed
-    layers (train.cuda_graphs) captures the fused GEMMs in the graphs (zero 0/1; opt-in until
-    measured in the step)."""
+    layers (train.cuda_graphs) captures the fused GEMMs in the graphs (zero 0/1; opt-in: +0.4 %
+    at tp=2, BENCHMARKS.md session 11)."""
     cuda_graphs: Literal["auto", "true", "false"] = "auto"
     """Capture each transformer layer's forward and backward as CUDA graphs and replay them
     (training/cuda_graphs.py): two graph launches per layer and micro-batch instead of dozens of
@@ -435,9 +435,11 @@ class DataConfig:
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     dir: str = ""
-    """Where checkpoints go; empty means no checkpoints."""
+    """Reserved: distributed checkpoints are not built yet, and any value is refused. (The
+    model's, optimizer's, scheduler's and data position's state dicts can be saved and loaded
+    directly; a trainer resume does not exist yet.)"""
     save_every: int = 0
-    """Save every this many steps (0: never)."""
+    """Reserved with checkpoint.dir; any value but 0 is refused."""
 
     def __post_init__(self) -> None:
         _check(not self.dir and self.save_every == 0, "checkpoint.dir",

@@ -35,7 +35,7 @@ Kinds:
   hold more than under interleaved, as deferred W's, which keep only the linear layers' inputs
   and output gradients; counted in chunks, not bytes: with uneven layouts a later rank's chunk may
   be the larger). At the measured per-stage costs (F 12, I 16, W 8 ms, 0.2 ms per transfer) the
-  simulator gives pp=2, vpp=2, 8 micro-batches 294.6 ms against interleaved's 307.2 and ZB-H1's
+  simulator gives pp=2, vpp=2, 8 micro-batches 294.8 ms against interleaved's 307.2 and ZB-H1's
   308.8 (288 ms of work per rank). With unit costs it cuts interleaved's bubble to a third at
   small pp, less at m = pp for pp >= 3 and for pp >= 7, where a deferral of r would do better
   (and worse at the measured costs).

@@ -11,7 +11,7 @@ scatter_to_tp_region           split last dim         all-gather last dim
 gather_from_tp_region          all-gather last dim    split last dim
 scatter_to_sequence_region     split dim 0            all-gather dim 0
 gather_from_sequence_region    all-gather dim 0       reduce-scatter dim 0
-reduce_scatter_to_sequence     reduce-scatter dim 0   all-gather dim 0
+reduce_scatter_to_sequence_region  reduce-scatter dim 0   all-gather dim 0
 =============================  =====================  =====================
 
 Activations are laid out ``[seq, batch, hidden]``, so the sequence dimension is dim 0 and its
