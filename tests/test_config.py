@@ -183,7 +183,7 @@ PIPELINE_BAD = [
     (["train.sample_tokens=5", "data.source=synthetic"], 1, "train.sample_tokenizer", "has no text"),
     (["train.sample_tokens=5", "train.sample_prompt="], 1, "train.sample_prompt", "encodes to no tokens"),
     (["train.sample_tokens=5", "train.sample_tokenizer=/nowhere/tok.json"], 1, "train.sample_tokenizer",
-     "no such tokenizer file"),
+     "/nowhere/tok.json: no such file (a tokenizer.json or a folder holding one)"),
 ]
 
 
@@ -551,3 +551,19 @@ def test_graph_stage_releases_what_it_captured_when_a_later_chunk_fails(monkeypa
     with pytest.raises(RuntimeError, match="capture failed"):
         cuda_graphs.graph_stage(["chunk0", "chunk1"], cfg)
     assert calls == [(2, 32), (2, 32)] and len(released) == 1  # per-rank sequence under SP
+
+
+def test_a_broken_tokenizer_beside_the_data_is_a_config_error(tmp_path):
+    from tessera.data import IndexedDatasetWriter, sample_tokenizer
+    from tessera.config import DataConfig
+
+    import numpy as np
+
+    with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as writer:
+        writer.add_document(np.array([1, 2, 3]))
+    data = DataConfig(source="indexed", paths=[str(tmp_path / "ds")])
+    with pytest.raises(ConfigError, match=r"train.sample_tokenizer: .*ds\.tokenizer\.json \(`tessera preprocess`"):
+        sample_tokenizer("", data, 512, "The ")
+    (tmp_path / "ds.tokenizer.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"train.sample_tokenizer: .*ds\.tokenizer\.json: not a Hugging Face"):
+        sample_tokenizer("", data, 512, "The ")

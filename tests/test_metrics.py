@@ -45,5 +45,7 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path):
     from tessera.training.trainer import check_runnable
 
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(ConfigError, match="train.out_dir: .*afile is a file"):
-        check_runnable(load_config(None, [f"train.out_dir={tmp_path / 'afile'}"]), 1)
+    for out_dir in (tmp_path / "afile", tmp_path / "afile" / "run" / "deeper"):
+        with pytest.raises(ConfigError, match="train.out_dir: .*afile is a file"):
+            check_runnable(load_config(None, [f"train.out_dir={out_dir}"]), 1)
+    check_runnable(load_config(None, [f"train.out_dir={tmp_path / 'new' / 'run'}"]), 1)

@@ -94,7 +94,11 @@ def test_given_tokenizer_file_or_folder_and_workers(tmp_path):
         r2 = preprocess(src, tmp_path / "two", str(folder), workers=2, progress=False)
     finally:
         pre.CHUNK_LINES = pre_chunk
-    assert r2.tokenizer_path is None and r2.documents == len(TEXTS) * 3
+    assert r2.documents == len(TEXTS) * 3
+    # the given tokenizer is saved beside the pair as the data's own
+    assert r2.tokenizer_path == str(tmp_path / "two") + ".tokenizer.json"
+    from tokenizers import Tokenizer
+    assert Tokenizer.from_file(r2.tokenizer_path).to_str() == Tokenizer.from_file(r.tokenizer_path).to_str()
     assert (tmp_path / "one.bin").read_bytes() == (tmp_path / "two.bin").read_bytes()
     assert (tmp_path / "one.idx").read_bytes() == (tmp_path / "two.idx").read_bytes()
 
@@ -180,8 +184,8 @@ def test_existing_outputs_are_kept_unless_overwrite(tmp_path):
     saved = {p: (tmp_path / p).read_bytes() for p in ("ds.bin", "ds.idx", "ds.tokenizer.json")}
     with pytest.raises(PreprocessError, match=r"ds\.bin, .*ds\.idx, .*ds\.tokenizer\.json already exist; .*--overwrite"):
         preprocess(jsonl(tmp_path / "other.jsonl", ["something else"]), tmp_path / "ds", "bpe:300", progress=False)
-    with pytest.raises(PreprocessError, match=r"ds\.bin, .*ds\.idx already exist"):  # a given tokenizer
-        preprocess(src, tmp_path / "ds", r.tokenizer_path, progress=False)
+    with pytest.raises(PreprocessError, match=r"ds\.bin, .*ds\.idx, .*ds\.tokenizer\.json already exist"):
+        preprocess(src, tmp_path / "ds", r.tokenizer_path, progress=False)  # a given tokenizer
     (tmp_path / "lone.tokenizer.json").write_text("precious")
     with pytest.raises(PreprocessError, match=r"lone\.tokenizer\.json already exists"):
         preprocess(src, tmp_path / "lone", "bpe:300", progress=False)
@@ -190,6 +194,10 @@ def test_existing_outputs_are_kept_unless_overwrite(tmp_path):
     r2 = preprocess(jsonl(tmp_path / "two.jsonl", TEXTS[:2]), tmp_path / "ds", "bpe:300", progress=False,
                     overwrite=True)
     assert r2.documents == 2 and len(IndexedDataset(tmp_path / "ds")) == 2
+    # overwritten with a given tokenizer: the old trained one beside the pair is replaced too
+    other = preprocess(jsonl(tmp_path / "o.jsonl", ["zzz yyy xxx"] * 9), tmp_path / "o", "bpe:260", progress=False)
+    preprocess(src, tmp_path / "ds", other.tokenizer_path, progress=False, overwrite=True)
+    assert (tmp_path / "ds.tokenizer.json").read_bytes() == (tmp_path / "o.tokenizer.json").read_bytes()
 
 
 def test_a_failed_run_leaves_no_trained_tokenizer(tmp_path):
@@ -213,6 +221,9 @@ def test_an_unpaired_surrogate_names_file_and_line(tmp_path):
                                    progress=False).tokenizer_path, tokenizer)
         with pytest.raises(PreprocessError, match=r"in\.jsonl:2: 'text' holds an unpaired surrogate"):
             preprocess(path, tmp_path / "out", tokenizer, progress=False)
+    path.write_bytes(b'{"text": "ok"}\n{"text": "raw \xed\xa0\xbd bytes"}\n')  # a surrogate as CESU-8 bytes
+    with pytest.raises(PreprocessError, match=r"in\.jsonl:2: not valid JSON"):
+        preprocess(path, tmp_path / "out", "bpe:300", progress=False)
     path.write_text('{"text": "fine \\u00e9 \\ud83d\\ude00"}\n')  # a pair is one character
     r = preprocess(path, tmp_path / "out", "bpe:300", progress=False)
     assert r.documents == 1

@@ -1,9 +1,9 @@
 """The data subcommands of the ``tessera`` command line.
 
 ``tessera preprocess --input FILE.jsonl[.gz]|DIR --key text --tokenizer SPEC --output-prefix P
-[--workers N] [--vocab-size V] [--eod-token TOKEN] [--overwrite]`` writes ``P.bin`` and ``P.idx``
-(SPEC: a tokenizer.json, a folder holding one, or ``bpe:V`` to train a byte-level BPE on the input
-and save it as ``P.tokenizer.json``).
+[--workers N] [--vocab-size V] [--eod-token TOKEN] [--overwrite]`` writes ``P.bin``, ``P.idx`` and
+the tokenizer as ``P.tokenizer.json`` (SPEC: a tokenizer.json, a folder holding one, or ``bpe:V``
+to train a byte-level BPE on the input).
 
 ``tessera data inspect P [--show N]`` prints the pair's counts and dtype, and with ``--show N``
 document N's token ids as a JSON list.
@@ -26,14 +26,14 @@ def add_data_commands(sub) -> None:
     pre.add_argument("--key", default="text", help="the JSON key holding each document's text")
     pre.add_argument("--tokenizer", required=True, metavar="SPEC",
                      help="tokenizer.json, a folder containing one, or bpe:V to train a byte-level BPE of V ids")
-    pre.add_argument("--output-prefix", required=True, metavar="P", help="writes P.bin and P.idx")
+    pre.add_argument("--output-prefix", required=True, metavar="P", help="writes P.bin, P.idx and P.tokenizer.json")
     pre.add_argument("--workers", type=int, default=1, help="processes that parse and encode")
     pre.add_argument("--vocab-size", type=int, metavar="V",
                      help="vocabulary size for the token dtype (default: the tokenizer's); with --tokenizer bpe, "
                           "the size to train")
     pre.add_argument("--eod-token", metavar="TOKEN",
                      help="the end-of-document token (default: <|endoftext|>, </s>, ... whichever exists)")
-    pre.add_argument("--overwrite", action="store_true", help="replace P.bin, P.idx (and P.tokenizer.json) if they exist")
+    pre.add_argument("--overwrite", action="store_true", help="replace P.bin, P.idx and P.tokenizer.json if they exist")
     pre.add_argument("--no-progress", action="store_true", help="no progress bar")
     data = sub.add_parser("data", help="look into indexed datasets")
     data_sub = data.add_subparsers(dest="data_command", required=True)
@@ -65,7 +65,7 @@ def _preprocess(args: argparse.Namespace) -> int:
     rate = r.input_bytes / 1e6 / max(r.seconds, 1e-9)
     print(f"{r.documents} documents, {r.tokens} tokens ({r.dtype}, vocab {r.vocab_size}, eod {r.eod_id}) "
           f"in {r.seconds:.1f}s ({r.documents / max(r.seconds, 1e-9):,.0f} docs/s, {rate:.1f} MB/s): "
-          f"{r.bin_path}, {r.idx_path}" + (f", tokenizer {r.tokenizer_path}" if r.tokenizer_path else ""))
+          f"{r.bin_path}, {r.idx_path}, tokenizer {r.tokenizer_path}")
     return 0
 
 

@@ -113,7 +113,8 @@ class MicroBatches:
         raise ConfigError("model.vocab_size", f"sample {start + row} holds token id {bad}, outside the model's "
                           f"vocabulary [0, {self.vocab_size}): the data was tokenized with another tokenizer",
                           "set model.vocab_size to the tokenizer's size (`tessera data inspect PREFIX --show N` "
-                          "prints a document's ids), or preprocess the data with the model's tokenizer",
+                          "prints document N's ids; the sample number is the shuffled sample index), or "
+                          "preprocess the data with the model's tokenizer",
                           rank_local=True)
 
 

@@ -5,7 +5,8 @@ Face ``tokenizers`` tokenizer and an end-of-document (EOD) token is appended (Me
 ``--append-eod``), so documents packed back to back in a training sample stay separable.
 
 The tokenizer is a ``tokenizer.json`` (or a folder holding one), or ``bpe:V``: a byte-level BPE of
-V ids trained on the input itself, saved as ``PREFIX.tokenizer.json``. Byte-level means every
+V ids trained on the input itself. Either way it is saved beside the pair as
+``PREFIX.tokenizer.json``, the data's own tokenizer (the trainer's sample decodes with it). Byte-level means every
 string encodes, nothing maps to "unknown", and decoding gives the text back exactly.
 
 Parallelism. With ``workers=1`` (the default) everything runs in this process and the tokenizers
@@ -21,8 +22,8 @@ any N.
 
 Megatron names its outputs ``{prefix}_{key}_document.bin``; here the prefix is the name itself:
 ``PREFIX.bin`` and ``PREFIX.idx``. Existing outputs are never replaced unless asked
-(``overwrite``), and nothing is written until the whole input has encoded: the pair (and a trained
-tokenizer) appear together at the end, or not at all.
+(``overwrite``), and nothing is written until the whole input has encoded: the pair and its
+tokenizer appear together at the end, or not at all.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class PreprocessResult:
     eod_id: int
     bin_path: str
     idx_path: str
-    tokenizer_path: str | None
+    tokenizer_path: str
 
 
 def input_files(path: str | os.PathLike) -> list[Path]:
@@ -101,8 +102,8 @@ def parse_text(line: bytes, key: str, path: str, lineno: int) -> str | None:
     """The text of one JSONL line, or None for a blank line. Errors name ``file:line``."""
     if not line.strip():
         return None
-    try:
-        record = json.loads(line)
+    try:  # decoded strictly: json.loads(bytes) would let surrogate bytes (CESU-8) through
+        record = json.loads(line.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PreprocessError(f"{path}:{lineno}: not valid JSON ({e})") from None
     if not isinstance(record, dict) or key not in record:
@@ -242,8 +243,8 @@ def preprocess(input: str | os.PathLike, output_prefix: str | os.PathLike, token
 
     ``vocab_size`` picks the token dtype (default: the tokenizer's size); give the model's padded
     vocabulary to match a Megatron run that used one. For ``tokenizer="bpe"`` it is also the size
-    to train. The output pair appears only once complete (:class:`IndexedDatasetWriter`), and a
-    trained tokenizer with it; existing outputs are an error unless ``overwrite``.
+    to train. The output pair appears only once complete (:class:`IndexedDatasetWriter`), and the
+    tokenizer (``PREFIX.tokenizer.json``) with it; existing outputs are an error unless ``overwrite``.
     """
     from tqdm import tqdm
 
@@ -252,8 +253,8 @@ def preprocess(input: str | os.PathLike, output_prefix: str | os.PathLike, token
     files = input_files(input)
     output_prefix = os.fspath(output_prefix)
     train = tokenizer == "bpe" or tokenizer.startswith("bpe:")
-    tokenizer_path = output_prefix + ".tokenizer.json" if train else None
-    outputs = [bin_path(output_prefix), idx_path(output_prefix)] + [tokenizer_path] * train
+    tokenizer_path = output_prefix + ".tokenizer.json"
+    outputs = [bin_path(output_prefix), idx_path(output_prefix), tokenizer_path]
     existing = [p for p in outputs if os.path.exists(p)]
     if existing and not overwrite:
         raise PreprocessError(f"{', '.join(existing)} already exist{'s' * (len(existing) == 1)}; "
@@ -308,10 +309,10 @@ def preprocess(input: str | os.PathLike, output_prefix: str | os.PathLike, token
                         future, n = pending.popleft()
                         consume(future.result(), n)
             bar.update(disk_bytes - bar.n)  # gzip may stop short of the file's last bytes
-        if tokenizer_path:  # saved once the pair is published: a failed run leaves neither
-            scratch = f"{tokenizer_path}.tmp-{os.getpid()}"
-            tok.save(scratch)
-            os.replace(scratch, tokenizer_path)
+        # the data's tokenizer beside it, saved once the pair is published: a failed run leaves neither
+        scratch = f"{tokenizer_path}.tmp-{os.getpid()}"
+        tok.save(scratch)
+        os.replace(scratch, tokenizer_path)
     finally:
         bar.close()
     return PreprocessResult(documents=documents, tokens=tokens, input_bytes=disk_bytes,

@@ -36,6 +36,18 @@ class FileTokenizer:
         return self._tok.decode(ids, skip_special_tokens=False)
 
 
+def _file_tokenizer(path: str, key: str, fix: str) -> FileTokenizer:
+    from tessera.data.preprocess import PreprocessError
+
+    target = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(target):
+        raise ConfigError(key, f"{target}: no such file (a tokenizer.json or a folder holding one)", fix)
+    try:
+        return FileTokenizer(path)
+    except PreprocessError as e:
+        raise ConfigError(key, str(e), fix) from None
+
+
 def sample_tokenizer(spec: str, data: DataConfig, vocab_size: int, prompt: str):
     """The tokenizer of ``train.sample_tokenizer`` (a tokenizer.json or a folder holding one), or
     where empty the data's own: bytes for the built-in corpus, ``PREFIX.tokenizer.json`` beside
@@ -44,12 +56,7 @@ def sample_tokenizer(spec: str, data: DataConfig, vocab_size: int, prompt: str):
     nothing."""
     key, fix = "train.sample_tokenizer", "give the tokenizer.json the data was made with, or set train.sample_tokens=0"
     if spec:
-        from tessera.data.preprocess import PreprocessError
-
-        try:
-            tokenizer = FileTokenizer(spec)
-        except PreprocessError as e:
-            raise ConfigError(key, str(e), fix) from None
+        tokenizer = _file_tokenizer(spec, key, fix)
     elif data.source == "builtin":
         tokenizer = ByteTokenizer()
     elif data.source == "indexed":
@@ -57,9 +64,9 @@ def sample_tokenizer(spec: str, data: DataConfig, vocab_size: int, prompt: str):
 
         beside = parse_blend(data.paths)[0][1] + ".tokenizer.json"
         if not os.path.isfile(beside):
-            raise ConfigError(key, f"the sample needs the data's tokenizer: no {beside} (written where "
-                                   "`tessera preprocess` trains one)", fix)
-        tokenizer = FileTokenizer(beside)
+            raise ConfigError(key, f"the sample needs the data's tokenizer: no {beside} (`tessera preprocess` "
+                                   "writes it beside the pair)", fix)
+        tokenizer = _file_tokenizer(beside, key, fix)
     else:
         raise ConfigError(key, f"data.source={data.source} has no text to decode a sample into", fix)
     if tokenizer.vocab_size > vocab_size:

@@ -134,8 +134,9 @@ class MainParamOptimizer(_AdamW):
 
     def load_state_dict(self, state: dict) -> None:
         """Restore AdamW's state and the fp32 main parameters, then the model's 16-bit copy of
-        them (gathered over dp where sharded). A state from another layout, zero mode or
-        dtype is refused before anything changes."""
+        them (gathered over dp where sharded). A state whose fp32 main parameters differ in
+        shape or presence (an fp32 model's against a 16-bit one's, another layout or dp
+        sharding) is refused before anything changes."""
         state = dict(state)
         mains = state.pop("main_params", None)
         wanted = {i: tuple(m.shape) for i, (m, copy) in enumerate(zip(self.mains, self.copies)) if copy}

@@ -113,8 +113,12 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
                           "set model.vocab_size >= 256")
     if t.sample_tokens:
         sample_tokenizer(t.sample_tokenizer, cfg.data, m.vocab_size, t.sample_prompt)
-    if os.path.exists(t.out_dir) and not os.path.isdir(t.out_dir):
-        raise ConfigError("train.out_dir", f"{t.out_dir} is a file, not a directory", "give a directory")
+    existing = os.path.abspath(t.out_dir)  # it, or the nearest folder above it that exists
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError("train.out_dir", f"{existing} is a file, not a directory (train.out_dir={t.out_dir})",
+                          "give a directory")
     return cfg
 
 
