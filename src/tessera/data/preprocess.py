@@ -6,8 +6,9 @@ Face ``tokenizers`` tokenizer and an end-of-document (EOD) token is appended (Me
 
 The tokenizer is a ``tokenizer.json`` (or a folder holding one), or ``bpe:V``: a byte-level BPE of
 V ids trained on the input itself. Either way it is saved beside the pair as
-``PREFIX.tokenizer.json``, the data's own tokenizer (the trainer's sample decodes with it). Byte-level means every
-string encodes, nothing maps to "unknown", and decoding gives the text back exactly.
+``PREFIX.tokenizer.json``, the data's own tokenizer (the trainer's sample decodes with it).
+Byte-level means every string encodes, nothing maps to "unknown", and decoding gives the text
+back exactly.
 
 Parallelism. With ``workers=1`` (the default) everything runs in this process and the tokenizers
 library's ``encode_batch`` spreads each chunk over all cores with its own threads: the simplest

@@ -46,6 +46,8 @@ class PipelineExecutor:
     def __init__(self, chunks: list[GPTModel], actions: list[Action], p2p: P2P | None, pp: int, pp_rank: int,
                  wgrad_store: WeightGradStore | None = None):
         self.chunks, self.actions, self.p2p = chunks, actions, p2p
+        # the micro-batches this rank's schedule runs (run() refuses another count)
+        self.num_microbatches = 1 + max((a.microbatch for a in actions if a.op in COMPUTE), default=-1)
         self.pp, self.pp_rank, self.wgrad_store = pp, pp_rank, wgrad_store
         self.vpp = len(chunks)
         self.peak_in_flight = 0  # most micro-batches holding activations at once (F done, B or I not; last run)
@@ -68,9 +70,8 @@ class PipelineExecutor:
         ``after_comm``: called once this rank has issued its step's last send or receive (at once
         without any), so that collectives on other groups can start without ever being issued
         before a pipeline message on one rank and after it on another (which can deadlock NCCL)."""
-        expected = 1 + max((a.microbatch for a in self.actions if a.op in COMPUTE), default=-1)
-        if len(micro_batches) != expected:
-            raise ValueError(f"this rank's schedule runs {expected} micro-batches, got {len(micro_batches)}: "
+        if len(micro_batches) != self.num_microbatches:
+            raise ValueError(f"this rank's schedule runs {self.num_microbatches} micro-batches, got {len(micro_batches)}: "
                              "build the schedule for the step's micro-batch count")
         device = global_tokens.device
         last = self.pp * self.vpp - 1
