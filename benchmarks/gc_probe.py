@@ -49,9 +49,12 @@ for r in range(ROUNDS):
         found = gc.collect()
         ms = (time.perf_counter() - t0) * 1e3
         tracked = len(gc.get_objects())
-        print(f"GC rank {rank} round {r} {'after a sync' if synced else 'host ahead '}: collect {ms:.1f} ms"
-              f"{f' (the sync before it {sync_ms:.1f} ms)' if synced else ''}, counts before {counts}, "
-              f"found {found}, tracked after {tracked} (frozen {gc.get_freeze_count()})", flush=True)
+        # one write, newline included: the ranks share stdout, and print's separate write of the
+        # newline let two ranks' lines run together
+        sys.stdout.write(f"GC rank {rank} round {r} {'after a sync' if synced else 'host ahead '}: collect "
+                         f"{ms:.1f} ms{f' (the sync before it {sync_ms:.1f} ms)' if synced else ''}, counts before "
+                         f"{counts}, found {found}, tracked after {tracked} (frozen {gc.get_freeze_count()})\n")
+        sys.stdout.flush()
 gc.unfreeze()
 gc.enable()
 for g in b.graphs:
