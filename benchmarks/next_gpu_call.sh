@@ -382,8 +382,8 @@ PY
   s22B)  # session 22: dp=2 with bf16 gradient buffers now that they travel as bf16 (session 20's fix; 0.929
     # in session 14 when they were widened to fp32 on the wire, 0.983 in session 2's code), and the fp32 default
     smi_log s22B; date +"runs from %T"
-    COMPARE_BUDGET=585 python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 1gpu+train.grad_dtype=bf16 \
-      dp2+train.grad_dtype=bf16 --skip mcore@1gpu,torch@1gpu,torch@dp2 2>&1 \
+    COMPARE_BUDGET=585 python3 benchmarks/compare.py ${MODEL:-gpt-1.3b} 1gpu 1gpu+train.grad_dtype=bf16 \
+      dp2+train.grad_dtype=bf16 dp2 --skip mcore@1gpu,torch@1gpu 2>&1 \
       | tee "${OUT:-/tmp}/compare_bf16_grads.log" | grep -E "^\||RESULT|Error" | tail -14 ;;
   s20D)  # session 20: what a gc_interval collection inside the trainer finds, and whether it waits for the GPU
     sets="model.family=gpt2 model.layers=24 model.hidden=2048 model.heads=16 model.seq_len=2048 model.vocab_size=50304
