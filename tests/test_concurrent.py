@@ -233,6 +233,30 @@ def test_pairs_issue_the_forwards_piece_by_piece_in_turn_then_two_backwards(monk
                    "F4.0 on current", "F4.1 on current", "F4.2 on current", "B4 on current"]
 
 
+def test_an_error_in_a_pair_still_has_the_current_stream_wait_for_the_side(monkeypatch):
+    """A backward that fails leaves the side stream's work of the pair waited for by the current
+    stream all the same (what follows, a retried step, must not overtake it)."""
+    from tessera.training import concurrent
+
+    log: list[str] = []
+    executor = _logged_executor(log, concurrent_backward=False)
+
+    def failing(out, grad):
+        raise RuntimeError("backward failed")
+    monkeypatch.setattr(concurrent, "run_backward", failing)
+    with pytest.raises(RuntimeError, match="backward failed"):
+        executor.run([{"i": 0}, {"i": 1}], torch.tensor(1.0))
+    assert log[-1] == "current waits for side", log
+
+
+def test_backward_in_turn_is_refused_where_the_backwards_run_one_after_the_other():
+    executor = _logged_executor([], concurrent_backward=False)
+    with pytest.raises(ValueError, match="backward_in_turn interleaves.*zero=2"):
+        executor.backward_in_turn = True
+    assert not executor.backward_in_turn
+    executor.backward_in_turn = False  # (turning it off is always fine)
+
+
 def test_backward_in_turn_issues_both_micro_batches_piece_by_piece(monkeypatch):
     """backward_in_turn: this thread issues both backwards, the losses first, then each piece
     from the last, the two micro-batches in turn, the second's on the side stream; a tied weight

@@ -594,6 +594,69 @@ def test_parameter_without_gradient_this_step_reduces_zeros():
     torch.testing.assert_close(model["a"].weight.main_grad, x.sum(0).expand(4, 4))
 
 
+def test_a_chunk_without_trainable_parameters_is_accepted():
+    """A chunk whose parameters are all frozen (or that has none) gets an empty buffer, and the
+    frozen parameters take the model's dtype with the trainable ones."""
+    from torch import nn
+
+    from tessera.distributed.data_parallel import DataParallel
+
+    frozen, live = nn.Linear(4, 4), nn.Linear(4, 4)
+    frozen.requires_grad_(False)
+    dp = DataParallel([nn.ModuleDict({"f": frozen}), nn.ModuleDict({"l": live})], Topology.build(),
+                      param_dtype=torch.float64, bucket_size=10**6)
+    assert frozen.weight.dtype == torch.float64 and live.weight.dtype == torch.float64
+    assert not hasattr(frozen.weight, "main_grad")
+    x = torch.randn(3, 4, dtype=torch.float64)
+    dp.start_step(1)
+    live(frozen(x)).sum().backward()
+    dp.finish_grad_sync()
+    torch.testing.assert_close(live.bias.main_grad, torch.full((4,), 3.0))  # fp32 main grads
+
+
+def test_wrapping_a_wrapped_model_again_is_refused_until_removed():
+    """A second DataParallel over the same parameters would run both one's hooks: the first takes
+    each gradient, the second sees none. It is refused, and allowed after ``remove()``, which
+    leaves the first with no hooks (its buffers no longer see gradients)."""
+    from torch import nn
+
+    from tessera.distributed.data_parallel import DataParallel
+
+    model = nn.ModuleDict({"a": nn.Linear(4, 4)})
+    first = DataParallel([model], Topology.build(), bucket_size=10**6)
+    with pytest.raises(ValueError, match=r"a\.weight is already managed by a DataParallel.*remove\(\)"):
+        DataParallel([model], Topology.build(), bucket_size=10**6)
+    first.remove()
+    second = DataParallel([model], Topology.build(), bucket_size=10**6)
+    x = torch.randn(3, 4)
+    first.start_step(1)
+    second.start_step(1)
+    model["a"](x).sum().backward()
+    second.finish_grad_sync()
+    torch.testing.assert_close(model["a"].weight.main_grad, x.sum(0).expand(4, 4))
+    assert torch.count_nonzero(first.buffers[0].grad_data) == 0 and model["a"].weight.grad is None
+
+
+def _module_list_worker(rank: int, world: int) -> dict:
+    """zero=1 with the overlapped parameter gather over a chunk whose ``layers`` is a ModuleList."""
+    from torch import nn
+
+    from tessera.distributed.data_parallel import DataParallel
+
+    torch.manual_seed(0)
+    chunk = nn.Module()
+    chunk.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+    dp = DataParallel([chunk], Topology.build(), zero=1, bucket_size=1)
+    waits = [len(buckets) for module, buckets, _ in dp._gather_hooks if module in list(chunk.layers)]
+    return {"waits": waits}
+
+
+@pytest.mark.timeout(120)
+def test_layers_as_a_module_list_get_gather_waits():
+    out = run_ranks(_module_list_worker, 2, timeout=60)
+    assert out[0]["waits"] == [2, 2]  # each layer waits for its weight's and its bias's bucket
+
+
 def _uneven_worker(rank: int, world: int, zero: int) -> dict:
     """Rank 0 uses both linears, rank 1 only the second: bucket of ``a`` completes during backward
     on rank 0 and only in finish_grad_sync on rank 1. The reductions must still pair up."""

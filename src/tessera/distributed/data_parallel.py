@@ -112,6 +112,13 @@ class DataParallel:
         self.device, self._stream, self._stream_id, self._handover = torch.device(topo.device), None, 0, None
         self.zero, self.sharded, self.reduce_dtype = zero, zero >= 1, reduce_dtype
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if hasattr(p, "main_grad"):
+                    raise ValueError(f"parameter {name} is already managed by a DataParallel (it has a main_grad): "
+                                     "call that one's remove() before wrapping the model again")
+                if not p.requires_grad and p.is_floating_point() and p.dtype != param_dtype:
+                    p.data = p.data.to(param_dtype)  # frozen: no buffer, but the model's one dtype
         self.buffers = [ParamAndGradBuffer([p for p in chunk.parameters() if p.requires_grad],
                                            param_dtype=param_dtype, grad_dtype=grad_dtype,
                                            bucket_size=bucket_size, dp=self.dp_size, device=topo.device,
@@ -119,17 +126,19 @@ class DataParallel:
                         for chunk in chunks]
         self._state: dict[nn.Parameter, _BucketState] = {}
         self._states: list[_BucketState] = []  # one per bucket, in backward order per chunk
-        self._states_of: dict[ParamAndGradBuffer, list[_BucketState]] = {}
+        # (a chunk without trainable parameters has a buffer without buckets)
+        self._states_of: dict[ParamAndGradBuffer, list[_BucketState]] = {b: [] for b in self.buffers}
         self.ranges: list[OptimizerRange] = []
+        self._grad_hooks = []  # the post-accumulate hooks' handles (remove())
         for buffer in self.buffers:
             for bucket in buffer.buckets:
                 st = _BucketState(buffer, bucket, self._optimizer_range(buffer, bucket))
                 self._states.append(st)
-                self._states_of.setdefault(buffer, []).append(st)
+                self._states_of[buffer].append(st)
                 self.ranges.append(st.range)
                 for p in bucket.params:
                     self._state[p] = st
-                    p.register_post_accumulate_grad_hook(self._on_grad)
+                    self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         # Every bucket in the one order its reduction starts in when dp > 1: the chunks last to
         # first (the order their final backwards run in under the interleaved schedules, so
         # nothing waits that would not), each chunk's buckets in backward order. One order over
@@ -477,7 +486,8 @@ class DataParallel:
         the chunk itself, before anything runs, for those of the parameters registered before its
         layers (embeddings, which the model may read directly); every later module with
         parameters of its own (final norm, head) for those."""
-        layers = list(chunk.layers.values()) if hasattr(chunk, "layers") else []
+        layers = getattr(chunk, "layers", [])
+        layers = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
         in_layers = {p for layer in layers for p in layer.parameters()}
         for layer in layers:
             self._hook(layer, set(layer.parameters()))
@@ -497,6 +507,21 @@ class DataParallel:
         buckets = sorted({self._state[p].bucket for p in params if p in self._state}, key=lambda b: -b.index)
         if buckets:
             self._gather_hooks.append([module, buckets, self._register_wait(module, buckets)])
+
+    def remove(self) -> None:
+        """Detach from the model: its gradient hooks and gather waits removed and its parameters'
+        ``main_grad`` dropped (they stay views of this object's parameter buffers), so that the
+        model can be wrapped again. Waits for whatever is still in flight first."""
+        while self._in_flight:
+            self._in_flight.popleft().wait()
+        self.wait_param_gather()
+        for handle in self._grad_hooks:
+            handle.remove()
+        for entry in self._gather_hooks:
+            entry[2].remove()
+        self._grad_hooks, self._gather_hooks = [], []
+        for p in self._state:
+            del p.main_grad
 
     def _register_wait(self, module: nn.Module, buckets: list[Bucket]):
         return module.register_forward_pre_hook(lambda *_: self.wait_param_gather(buckets))

@@ -170,9 +170,22 @@ class PairedExecutor:
         self.data_parallel = None
         self.side_adds = False
         self._shared: set[nn.Parameter] | None = None  # parameters a micro-batch's graph uses twice or more
-        # the two backwards issued by this thread, piece by piece in turn (_backwards_in_turn),
-        # instead of from two threads: experimental (see the module's docstring)
-        self.backward_in_turn = False
+        self._in_turn = False
+
+    @property
+    def backward_in_turn(self) -> bool:
+        """The two backwards issued by this thread, piece by piece in turn (_backwards_in_turn),
+        instead of from two threads: experimental (see the module's docstring). Refused where
+        the backwards run one after the other anyway (zero=2)."""
+        return self._in_turn
+
+    @backward_in_turn.setter
+    def backward_in_turn(self, on: bool) -> None:
+        if on and not self._overlap_backwards:
+            raise ValueError("backward_in_turn interleaves a pair's two backwards, which this executor runs one "
+                             "after the other (concurrent_backward=False: zero=2's reduction rounds take one "
+                             "micro-batch's gradients at a time)")
+        self._in_turn = bool(on)
 
     def _steps(self, batch: dict[str, Tensor], global_tokens: Tensor, cut=None):
         """One micro-batch's forward a piece per ``next`` (GPTModel's ``in_steps``, cut where
@@ -205,21 +218,22 @@ class PairedExecutor:
                 losses.append(loss.detach())
                 run_backward(loss * loss_scale if loss_scale != 1.0 else loss, None)
                 continue
-            in_turn = self.backward_in_turn and self._overlap_backwards
-            cuts = (_Cuts(), _Cuts()) if in_turn else (None, None)
-            first, second = self._forwards(pair, global_tokens, current, after_gathers=i == 0 and self.gathers_in_forward,
-                                           cuts=cuts)
-            losses += [first.detach(), second.detach()]
-            if loss_scale != 1.0:
-                first = first * loss_scale
-                with self._on_side():
-                    second = second * loss_scale
-            if in_turn:
-                self._backwards_in_turn(first, second, *cuts)
-            else:
-                self._backwards(first, second)
-            if self.side is not None:
-                current.wait_stream(self.side)  # the pair's side work done before what follows
+            cuts = (_Cuts(), _Cuts()) if self._in_turn else (None, None)
+            try:
+                first, second = self._forwards(pair, global_tokens, current,
+                                               after_gathers=i == 0 and self.gathers_in_forward, cuts=cuts)
+                losses += [first.detach(), second.detach()]
+                if loss_scale != 1.0:
+                    first = first * loss_scale
+                    with self._on_side():
+                        second = second * loss_scale
+                if self._in_turn:
+                    self._backwards_in_turn(first, second, *cuts)
+                else:
+                    self._backwards(first, second)
+            finally:  # the pair's side work done before what follows, also after an error
+                if self.side is not None:
+                    current.wait_stream(self.side)
         loss_sum = torch.zeros((), device=global_tokens.device)
         for loss in losses:  # (the side stream's are done: the current stream waited for it)
             loss_sum += loss
