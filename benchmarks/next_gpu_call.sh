@@ -379,6 +379,21 @@ print(f"{d.rsplit('/', 1)[-1]}: rc={rc}, steps begun {steps}, pair backwards {le
       f"orders differ in {len(differ)}{where}; {speed}")
 PY
     done ;;
+  s23A)  # session 23: micro-batch pairs' hang count under PAIRS_SETTINGS (default "turn": backward_in_turn,
+    # one thread issuing both backwards in one order; "0": the two-thread backwards) and EXTRA_ENV
+    # (e.g. "CUDA_DEVICE_MAX_CONNECTIONS=32": more hardware queues, fewer streams sharing one);
+    # runs of STEPS (default 30) timed steps after 4 warm-up steps, until BUDGET seconds are used;
+    # per run: finished or hung (stacks dumped where a step runs 25 s), steps begun, ms/step
+    smi_log s23A; date +"runs from %T"; deadline=$((SECONDS + ${BUDGET:-540}))
+    for i in $(seq 1 12); do
+      [ $((deadline - SECONDS)) -lt 95 ] && { echo "no time left for run $i"; continue; }
+      log="${OUT:-/tmp}/pairs_hangs_$i.log"
+      EACH_STEP=1 DUMP_AFTER=25 SETTINGS="${PAIRS_SETTINGS:-turn}" STEPS=${STEPS:-30} ROUNDS=1 env $EXTRA_ENV \
+        timeout -k 5 90 torchrun --nproc-per-node 2 benchmarks/pairs_ab.py parallel.tp=2 \
+        parallel.sequence_parallel=true parallel.tp_microbatch_pairs=true > "$log" 2>&1
+      rc=$?; pkill -9 -f "benchmarks/pairs_ab[.]py"; sleep 1
+      echo "run $i (${PAIRS_SETTINGS:-turn}; ${EXTRA_ENV:-default env}): rc=$rc, $(grep -cE '^step' "$log") steps begun; $(grep -E '^PAIRS' "$log" | tr '\n' ' ')"
+    done ;;
   s22B)  # session 22: dp=2 with bf16 gradient buffers now that they travel as bf16 (session 20's fix; 0.929
     # in session 14 when they were widened to fp32 on the wire, 0.983 in session 2's code), and the fp32 default
     smi_log s22B; date +"runs from %T"
