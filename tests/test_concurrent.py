@@ -42,14 +42,11 @@ def _counting(calls: dict[str, int], groups: dict[int, str], inside: list[bool])
                                 (mappings, "reduce_scatter_single"))]
 
 
-def _train(topo: Topology, overrides: list[str], count: int, in_turn: bool = False) -> dict:
+def _train(topo: Topology, overrides: list[str], count: int) -> dict:
     """STEPS steps on the first ``count`` micro-batches of each dp rank's share; the TP
-    collectives of the executor's runs counted per communicator. ``in_turn``: the pairs'
-    backwards issued piece by piece in turn (PairedExecutor.backward_in_turn)."""
+    collectives of the executor's runs counted per communicator."""
     cfg = validate(load_config(None, BASE + overrides), topo.world_size)
     stage = Stage(cfg, topo, RNGTracker.for_rank(cfg.train.seed, topo.tp_rank, topo.pp_rank))
-    if in_turn:
-        stage.executor(count).backward_in_turn = True
     data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
     calls: dict[str, int] = {}
     inside = [False]
@@ -84,7 +81,8 @@ def _train(topo: Topology, overrides: list[str], count: int, in_turn: bool = Fal
     if hasattr(data_parallel, "wait_param_gather"):  # zero 1/2: the last update's gather overlaps nothing now
         data_parallel.wait_param_gather()
     params = {n: p.detach().clone() for n, p in stage.model.named_parameters()}
-    return dict(losses=losses, norms=norms, params=params, calls=calls, paired=isinstance(executor, PairedExecutor))
+    return dict(losses=losses, norms=norms, params=params, calls=calls, paired=isinstance(executor, PairedExecutor),
+                in_turn=getattr(executor, "backward_in_turn", False))
 
 
 def _worker(rank: int, world: int, tp: int, overrides: list[str], count: int, in_turn: bool = False) -> dict:
@@ -93,7 +91,9 @@ def _worker(rank: int, world: int, tp: int, overrides: list[str], count: int, in
     out = {pairs: _train(topo, layout + [f"parallel.tp_microbatch_pairs={pairs}"], count)
            for pairs in ("false", "true")}
     if in_turn:
-        out["in_turn"] = _train(topo, layout + ["parallel.tp_microbatch_pairs=true"], count, in_turn=True)
+        # (the backwards issued piece by piece in turn: PairedExecutor.backward_in_turn)
+        out["in_turn"] = _train(topo, layout + ["parallel.tp_microbatch_pairs=true",
+                                                "parallel.tp_pairs_backward=in_turn"], count)
     return out
 
 
@@ -120,7 +120,9 @@ def test_pairs_train_as_the_micro_batches_one_by_one(tp, dp, extra, count, in_tu
         assert paired["paired"] and not plain["paired"]
         _assert_same(paired, plain, f"tp={tp} dp={dp} {extra} {count} micro-batches, rank {rank}")
         _assert_second_communicator(paired, plain, count, STEPS)
+        assert not paired["in_turn"]
         if in_turn:
+            assert out["in_turn"]["in_turn"]
             _assert_same(out["in_turn"], plain, f"in turn: tp={tp} dp={dp} {extra} {count} micro-batches, rank {rank}")
             _assert_second_communicator(out["in_turn"], plain, count, STEPS)
 
@@ -539,6 +541,18 @@ def test_pairs_refused_where_they_cannot_run(sets, key):
     with pytest.raises(ConfigError) as e:
         validate(cfg, p.tp * p.pp * 2)
     assert e.value.key == key
+
+
+@pytest.mark.parametrize("sets,problem", [
+    (["parallel.tp_microbatch_pairs=auto"], "pairs are off"),
+    (["parallel.tp_microbatch_pairs=false"], "pairs are off"),
+    (["parallel.tp_microbatch_pairs=true", "parallel.zero=2"], "zero=2 runs a pair's two backwards one after"),
+])
+def test_backwards_in_turn_refused_without_pairs_to_interleave(sets, problem):
+    cfg = load_config(None, ["parallel.tp=2", "parallel.tp_pairs_backward=in_turn", *sets])
+    with pytest.raises(ConfigError, match=problem) as e:
+        validate(cfg, 4)
+    assert e.value.key == "parallel.tp_pairs_backward"
 
 
 @pytest.mark.parametrize("sets, expected", [

@@ -181,6 +181,14 @@ class ParallelConfig:
     is fixed; true opts in. Costs a second micro-batch's activations (+2.2 GiB on GPT-1.3B), a
     second set of graphs and a second TP communicator. Not with compiled layers, fused weight
     gradients, zero=3 or parallel.tp_async (true is refused there)."""
+    tp_pairs_backward: Literal["threads", "in_turn"] = "threads"
+    """With parallel.tp_microbatch_pairs=true, how a pair's two backwards are issued. threads:
+    the second from a worker thread while this one runs the first (measured in session 18; the
+    order autograd then issues the two communicators' collectives in may differ between ranks,
+    the suspected cause of the hangs). in_turn: this thread issues both, a piece at a time (the
+    losses, then each layer from the last), the two micro-batches in turn, so every rank issues
+    the collectives in one order (experimental, CPU-tested to the bit against no pairs; not
+    measured on a GPU yet). Not with zero=2, which runs the two backwards one after the other."""
     tp_async: Literal["false", "true", "p2p"] = "false"
     """tp > 1 with sequence parallelism: each column layer's all-gather and row layer's
     reduce-scatter run fused with the GEMM, chunked and overlapped, both directions
@@ -634,6 +642,14 @@ def validate(cfg: Config, world_size: int) -> Config:
            "give the end-of-document id your preprocessing appended (`tessera preprocess` prints it)")
     if p.tp_microbatch_pairs == "true":
         _check_microbatch_pairs(cfg)
+    if p.tp_pairs_backward != "threads":
+        _check(p.tp_microbatch_pairs == "true", "parallel.tp_pairs_backward",
+               f"{p.tp_pairs_backward} orders micro-batch pairs' backwards, and pairs are off "
+               f"(parallel.tp_microbatch_pairs={p.tp_microbatch_pairs})",
+               "set parallel.tp_microbatch_pairs=true, or leave parallel.tp_pairs_backward at threads")
+        _check(p.zero != 2, "parallel.tp_pairs_backward", "zero=2 runs a pair's two backwards one after the other "
+               "(its reduction rounds take one micro-batch's gradients at a time): there is nothing to interleave",
+               "use parallel.zero 0 or 1, or leave parallel.tp_pairs_backward at threads")
     if t.cuda_graphs == "true":
         _check_cuda_graphs(cfg, dp)
     p.dp = dp

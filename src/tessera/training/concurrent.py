@@ -74,8 +74,8 @@ runs) but also the gain (+3 % over no pairs, against +13 %). A suspect: the orde
 backwards issue their graphs in. Autograd's device thread takes the nodes of both graph tasks
 from one queue, but the second task starts when its host thread gets there, so how far the
 first has gone by then, and with it the order of the two communicators' collectives, may differ
-from rank to rank. ``backward_in_turn`` (experimental, off; benchmarks/pairs_ab.py's setting
-"turn") takes the threads out: each forward is cut into its pieces (GPTModel's ``cut``: the
+from rank to rank. ``backward_in_turn`` (experimental, off; ``parallel.tp_pairs_backward=in_turn``,
+benchmarks/pairs_ab.py's setting "turn") takes the threads out: each forward is cut into its pieces (GPTModel's ``cut``: the
 residual stream between pieces, and a tied output layer's weight, read through leaves of their
 own), and this thread issues the backwards a piece at a time, the losses' first, then each
 layer's from the last, the two micro-batches in turn: the same order on every rank, and still

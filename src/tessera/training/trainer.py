@@ -239,6 +239,7 @@ class Stage:
             gathers = p.zero in (1, 2) and p.overlap_param_gather and topo.dp > 1
             self._paired = PairedExecutor(self.chunks[0], self.first_tp, self.second_tp, side,
                                           gathers_in_forward=gathers, concurrent_backward=p.zero != 2)
+            self._paired.backward_in_turn = p.tp_pairs_backward == "in_turn"
         self._executors: dict[int, PipelineExecutor] = {}
 
     def capture_graphs(self, data_parallel) -> list:
