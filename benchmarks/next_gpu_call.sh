@@ -6,27 +6,25 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 22's calls (session 21 had no device time left; its plan stands unchanged: 30 device
-# minutes; kind nvidia-h100-x2; send the next call at once: the machine is given back 30 s after
-# a call ends):
-#   1. s21A -- why micro-batch pairs hang (5 of 25 runs in sessions 19-20; with one hardware
-#      queue, CUDA_DEVICE_MAX_CONNECTIONS=1, 0 of 6 but no gain left): pairs_ab runs with
-#      ORDER_LOG=1, each pair's backward graph replays per rank. The two backwards are started
-#      by two host threads and issued by autograd's one device thread in an order that depends
-#      on when the second starts: if the orders differ between ranks (and most in the runs that
-#      hang), the cure is one thread issuing both backwards in a fixed order (e.g. layer by
-#      layer, the two micro-batches in turn), which keeps each micro-batch's fp32 adds: built in
-#      session 20 as PairedExecutor.backward_in_turn (CPU-tested to the bit). So then
-#      PAIRS_SETTINGS=turn (its runs' orders must agree; count hangs; ms/step) and one A/B
-#      PAIRS_SETTINGS="turn 0" (~540 s each); only many clean runs would justify turning pairs on
-#      again (and measuring the issue-6 tp=2 rows with them)
-#   2. s20D -- gc_trainer_probe with the refreeze: the tracked objects per collection and a scan
-#      alone (session 19: 281.9 ms for the collection after the refreeze) (~150 s)
-#   3. s22B -- dp=2 with train.grad_dtype=bf16: the bf16 gradient buffers were widened to fp32
-#      on the wire until session 20 (0.929 in session 14 against 0.983 in session 2's code);
-#      now sent as bf16 (~580 s, GPT; compare.py runs one GPU with the same setting)
-#   4. the issue-6 rows were measured in session 20 (s18B/s18C); repeat only after a change
-#      that can move them
+# Session 24's calls (session 23 was lent one GPU only: its one-GPU tests passed; session 22 ran
+# s22B: bf16 gradient buffers do not lift dp=2, BENCHMARKS.md). 30 device minutes; kind
+# nvidia-h200-x2 (or -h100-x2); send the next call at once: the machine is given back 30 s after
+# a call ends:
+#   1. s23A -- micro-batch pairs with parallel.tp_pairs_backward=in_turn (PAIRS_SETTINGS=turn, the
+#      default): one thread issues both backwards in one order on every rank (CPU-tested to the
+#      bit; never run on a GPU). Runs of 30 timed steps until BUDGET (540 s): count hangs (the
+#      two-thread backwards hung in 5 of 25 runs of 4-10 steps, sessions 19-20) and ms/step
+#      (the two-thread version: 353-363 ms on 2x H100)
+#   2. s23A with PAIRS_SETTINGS=0 EXTRA_ENV="CUDA_DEVICE_MAX_CONNECTIONS=32": the two-thread
+#      backwards with 32 hardware queues instead of 8 (CUDA gives two streams no promise of
+#      independent progress: streams sharing a queue can make a kernel wait behind another
+#      stream's spinning NCCL kernel; one queue stopped the hangs and the gain in session 20)
+#   3. where 1 (or 2) ran clean: the issue-6 rows with the pairs, e.g. COMPARE_BUDGET=585 python3
+#      benchmarks/compare.py gpt-1.3b 1gpu tp2 \
+#        tp2+parallel.tp_microbatch_pairs=true+parallel.tp_pairs_backward=in_turn --skip torch@tp2
+#      (Llama-1B next); many clean runs would justify pairs on by default
+#   4. the 2-GPU tests (tests K="nccl or pairs or graphed_layers_without or overlapped"): they last
+#      ran in sessions 18-20
 # Session 20's calls (done; BENCHMARKS.md session 20): s20A (pairs with one hardware queue: 0
 # of 6 hung, no gain; default 1 of 6 hung), s18B / s18C (the issue-6 rows with both peers),
 # s20C (gc_probe: 0.2 ms per collection between bare steps), s20D (the trainer's collections:
