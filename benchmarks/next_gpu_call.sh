@@ -21,7 +21,7 @@
 #      stream's spinning NCCL kernel; one queue stopped the hangs and the gain in session 20)
 #   3. where 1 (or 2) ran clean: the issue-6 rows with the pairs, e.g. COMPARE_BUDGET=585 python3
 #      benchmarks/compare.py gpt-1.3b 1gpu tp2 \
-#        tp2+parallel.tp_microbatch_pairs=true+parallel.tp_pairs_backward=in_turn --skip torch@tp2
+#        tp2+parallel.tp_microbatch_pairs=true+parallel.tp_pairs_backward=in_turn
 #      (Llama-1B next); many clean runs would justify pairs on by default
 #   4. the 2-GPU tests (tests K="nccl or pairs or graphed_layers_without or overlapped"): they last
 #      ran in sessions 18-20
