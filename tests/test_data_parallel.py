@@ -637,6 +637,30 @@ def test_wrapping_a_wrapped_model_again_is_refused_until_removed():
     assert torch.count_nonzero(first.buffers[0].grad_data) == 0 and model["a"].weight.grad is None
 
 
+def test_removed_data_parallel_gives_the_weight_gradient_store_back():
+    """After remove(), the layers' weight-gradient store (fused into main_grad while wrapped)
+    sends gradients to ``param.grad`` again; a DataParallel it no longer belongs to leaves it be."""
+    from torch import nn
+
+    from tessera.distributed.data_parallel import DataParallel
+    from tessera.tensor_parallel.wgrad import WeightGradStore, linear
+
+    store = WeightGradStore()
+    weight = nn.Parameter(torch.randn(4, 3))
+    model = nn.ParameterDict({"w": weight})
+    dp = DataParallel([model], Topology.build(), wgrad_store=store, fuse_wgrad=True)
+    assert store.accumulate_product is not None
+    dp.remove()
+    assert store.accumulate_product is None and getattr(store.accumulate, "__self__", None) is not dp
+    later = DataParallel([nn.ParameterDict({"v": nn.Parameter(torch.ones(2))})], Topology.build(), wgrad_store=store)
+    dp.remove()  # (again: a no-op) the store is the later one's now, not this one's to reset
+    assert store.accumulate == later.accumulate
+    later.remove()
+    x = torch.randn(2, 3)
+    linear(x, weight, None, store).sum().backward()
+    torch.testing.assert_close(weight.grad, torch.ones(2, 4).t() @ x)
+
+
 def _module_list_worker(rank: int, world: int) -> dict:
     """zero=1 with the overlapped parameter gather over a chunk whose ``layers`` is a ModuleList."""
     from torch import nn
@@ -893,3 +917,40 @@ def test_resuming_from_state_dicts_continues_exactly(world, extra):
         assert out["resumed"] == out["straight"], out
         assert out["param_diff"] == 0.0, out
         assert out["refused"], out
+
+
+def _failed_zero_bubble_step_worker(rank: int, world: int, fail: bool) -> dict:
+    """pp=2 ZB-H1: a step, then (``fail``) a step that raises after micro-batch 7's I and before
+    its W, then a step; the last step's loss and gradient norm."""
+    topo = Topology.build(pp=2)
+    cfg = validate(load_config(None, BASE + ["parallel.pp=2", "parallel.schedule=zb-h1", "model.tie_embeddings=false",
+                                             "parallel.overlap_grad_reduce=false"]), world)
+    stage = Stage(cfg, topo, RNGTracker.for_rank(cfg.train.seed, topo.tp_rank, topo.pp_rank))
+    data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
+    batches = my_micro_batches(0, topo)
+    executor = stage.executor(len(batches))
+    train_step(optimizer, batches, topo, executor, data_parallel, clip_grad=0.0)
+    if fail:
+        store, run = stage.wgrad_store, stage.wgrad_store.run
+
+        def failing(key):
+            if key == (7, 0):
+                stage.p2p.wait_sends()
+                raise RuntimeError("injected failure before W 7")
+            run(key)
+        store.run = failing
+        with pytest.raises(RuntimeError, match="injected failure"):
+            train_step(optimizer, batches, topo, executor, data_parallel, clip_grad=0.0)
+        store.run = run
+        optimizer.zero_grad()
+    r = train_step(optimizer, batches, topo, executor, data_parallel, clip_grad=0.0)
+    return {"loss": float(r.loss), "norm": float(r.grad_norm)}
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_zero_bubble_step_leaves_no_weight_gradient_to_the_next():
+    """The weight gradients a failed step deferred (its W never ran) are dropped, not added to
+    the next step's (which then equals the step after a clean one: the failed step updated nothing)."""
+    clean, after_failure = (run_ranks(_failed_zero_bubble_step_worker, 2, fail, timeout=120) for fail in (False, True))
+    for a, b in zip(clean, after_failure):
+        assert a == b

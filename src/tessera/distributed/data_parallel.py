@@ -165,6 +165,7 @@ class DataParallel:
         # while a micro-batch pair's backwards run at once: the second's adds on its side stream
         # (distributed/side_adds.py; set and cleared by training/concurrent.py's PairedExecutor)
         self.side_adds: SideAdds | None = None
+        self._wgrad_store = wgrad_store  # (remove() points it back at param.grad)
         if wgrad_store is not None:
             wgrad_store.accumulate = self.accumulate
             wgrad_store.accumulate_product = self.accumulate_product if fuse_wgrad else None
@@ -509,9 +510,10 @@ class DataParallel:
             self._gather_hooks.append([module, buckets, self._register_wait(module, buckets)])
 
     def remove(self) -> None:
-        """Detach from the model: its gradient hooks and gather waits removed and its parameters'
-        ``main_grad`` dropped (they stay views of this object's parameter buffers), so that the
-        model can be wrapped again. Waits for whatever is still in flight first."""
+        """Detach from the model: its gradient hooks and gather waits removed, its parameters'
+        ``main_grad`` dropped (they stay views of this object's parameter buffers) and its
+        weight-gradient store sending to ``param.grad`` again, so that the model can be wrapped
+        again. Waits for whatever is still in flight first."""
         while self._in_flight:
             self._in_flight.popleft().wait()
         self.wait_param_gather()
@@ -520,8 +522,12 @@ class DataParallel:
         for entry in self._gather_hooks:
             entry[2].remove()
         self._grad_hooks, self._gather_hooks = [], []
+        store = self._wgrad_store
+        if store is not None and getattr(store.accumulate, "__self__", None) is self:
+            store.send_to_grad()
         for p in self._state:
-            del p.main_grad
+            if hasattr(p, "main_grad"):  # (a second remove() finds none)
+                del p.main_grad
 
     def _register_wait(self, module: nn.Module, buckets: list[Bucket]):
         return module.register_forward_pre_hook(lambda *_: self.wait_param_gather(buckets))

@@ -81,6 +81,8 @@ class PipelineExecutor:
         input_grads: dict[tuple[int, int], Tensor] = {}  # backward done, SEND_B not yet
         holding: set[tuple[int, int]] = set()  # activations alive: F done, B or I not yet
         deferred: set[tuple[int, int]] = set()  # I done, W not yet: the weight-gradient store holds its inputs
+        if self.wgrad_store is not None:  # (what a failed step deferred is not this step's)
+            self.wgrad_store.clear()
         if self.p2p is not None:
             self.p2p.new_step()
         self.peak_in_flight = self.peak_weight_grads_pending = self.peak_held = 0

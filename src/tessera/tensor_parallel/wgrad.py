@@ -32,11 +32,14 @@ class WeightGradStore:
     def __init__(self):
         self.key: object | None = None
         self.pending: dict[object, list] = {}
-        # Where a deferred weight gradient goes: into ``weight.grad`` by default; data parallelism
-        # (tessera.distributed.DataParallel) points this at its gradient buffers.
+        self.send_to_grad()
+
+    def send_to_grad(self) -> None:
+        """Deferred weight gradients go into ``weight.grad`` (the default; data parallelism,
+        tessera.distributed.DataParallel, points ``accumulate`` at its gradient buffers and, with
+        gradient-accumulation fusion, sets ``accumulate_product(weight, grad_out_2d, input_2d)``,
+        which adds ``grad_out_2d.T @ input_2d`` into the weight's main gradient)."""
         self.accumulate = _accumulate
-        # Gradient-accumulation fusion: ``accumulate_product(weight, grad_out_2d, input_2d)`` adds
-        # ``grad_out_2d.T @ input_2d`` into the weight's main gradient (set by DataParallel).
         self.accumulate_product = None
 
     @contextlib.contextmanager
@@ -54,6 +57,12 @@ class WeightGradStore:
 
     def __len__(self) -> int:
         return sum(map(len, self.pending.values()))
+
+    def clear(self) -> None:
+        """Drop every deferred weight gradient (a step that failed between an I and its W left
+        them, with the activations they hold: run in the next step, they would be counted twice)."""
+        self.pending.clear()
+        self.key = None
 
     def register(self, params) -> None:
         """Let compiled layers reach these parameters' deferred or fused weight gradients without
