@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tessera.cli import main
 from tessera.config import Config, ConfigError, load_config, validate
@@ -567,3 +568,18 @@ def test_a_broken_tokenizer_beside_the_data_is_a_config_error(tmp_path):
     (tmp_path / "ds.tokenizer.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"train.sample_tokenizer: .*ds\.tokenizer\.json: not a Hugging Face"):
         sample_tokenizer("", data, 512, "The ")
+
+
+def test_more_local_ranks_than_gpus_refused(monkeypatch):
+    """Local rank 2 on a machine with 2 GPUs does not wrap onto GPU 0 (two ranks on one GPU);
+    with one visible GPU (a launcher gave each process its own), every local rank takes it."""
+    from tessera.training import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    assert launch.pick_device("auto", 1) == torch.device("cuda", 1)
+    with pytest.raises(RuntimeError, match=r"local rank 2 \(LOCAL_RANK\) but sees 2 CUDA devices.*--nproc-per-node"):
+        launch.pick_device("cuda", 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # each process given its own GPU
+    assert launch.pick_device("cuda", 3) == torch.device("cuda", 0)

@@ -763,6 +763,40 @@ def test_zero2_and_zero_bubble_refused():
         validate(load_config(None, ["parallel.zero=2", "parallel.pp=2", "parallel.schedule=zb-h2"]), 2)
 
 
+@pytest.mark.parametrize("args,problem", [
+    ((0, 2, "float32"), "dtype must be one of fp32, bf16, fp16, not 'float32'"),
+    ((0, 2, "bf16", "half"), "grad_dtype must be one of"),
+    ((1, 0), "dp is a number of data-parallel ranks >= 1, not 0"),
+    ((2, -2), "not -2"),
+])
+def test_memory_table_refuses_bad_input(args, problem):
+    with pytest.raises(ValueError, match=problem):
+        bytes_per_parameter(*args)
+
+
+def _frozen_memory_worker(rank: int, world: int, zero: int) -> tuple[int, int, int]:
+    topo = Topology.build()
+    cfg = validate(load_config(None, BASE + [f"parallel.zero={zero}"]), world)
+    stage = Stage(cfg, topo, RNGTracker.for_rank(cfg.train.seed, topo.tp_rank, topo.pp_rank))
+    for chunk in stage.chunks:
+        chunk.embedding.weight.requires_grad_(False)
+    data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
+    report = memory_report(data_parallel, optimizer)
+    trainable = sum(p.numel() for c in stage.chunks for p in c.parameters() if p.requires_grad)
+    return report.numel, trainable, report.grads
+
+
+@pytest.mark.timeout(120)
+def test_memory_report_counts_trainable_parameters_at_every_zero():
+    """A frozen embedding has no gradient and is left out of the count, under FSDP as under
+    zero 0-2 (zero=3's gradients: the fp32 shards of the trainable parameters)."""
+    for zero in (1, 3):
+        numel, trainable, grads = run_ranks(_frozen_memory_worker, 2, zero, timeout=60)[0]
+        assert numel == trainable, zero
+        if zero == 3:
+            assert grads == trainable // 2 * 4
+
+
 def test_bf16_gradients_table_counts_the_fp32_copy():
     assert bytes_per_parameter(0, 4, "bf16", "bf16") == 2 + 2 + 4 + 4 + 8
     assert bytes_per_parameter(1, 4, "bf16", "bf16") == 2 + 2 + (4 + 8 + 4) / 4

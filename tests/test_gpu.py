@@ -540,3 +540,21 @@ def test_fast_paths_follow_the_reference_loss_curve(tmp_path, group):
         for w in range(0, 200, 10):  # windows of 10 steps: bf16 noise per step, the same curve
             a, b = (sum(m["loss"] for m in r[w:w + 10]) / 10 for r in (run, ref))
             assert a == pytest.approx(b, rel=3e-2), f"{name}: steps {w + 1}-{w + 10}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_rng_tracker_seeds_its_own_device_not_the_current_one():
+    """A tracker for cuda:1 made while cuda:0 is current: its tp stream is the one seeded for it
+    (before, the seed went to cuda:0's generator and cuda:1's tp stream was its default one)."""
+    from tessera.tensor_parallel.random import RNGTracker
+
+    torch.cuda.set_device(0)
+    torch.cuda.manual_seed_all(1)
+    before = [torch.cuda.get_rng_state(d) for d in (0, 1)]
+    tracker = RNGTracker("cuda:1")
+    tracker.add("tp", 1234)
+    assert all(torch.equal(a, torch.cuda.get_rng_state(d)) for d, a in zip((0, 1), before))
+    with tracker.fork("tp"):
+        drawn = torch.rand(4, device="cuda:1")
+    want = torch.rand(4, device="cuda:1", generator=torch.Generator("cuda:1").manual_seed(1234))
+    assert torch.equal(drawn, want)

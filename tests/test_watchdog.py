@@ -52,8 +52,9 @@ def test_a_one_step_run_times_only_its_tail_and_a_bad_timeout_is_refused():
     with dog:
         dog.tick()
     assert log == []  # never armed, nothing to cancel
-    with pytest.raises(ValueError, match="seconds > 0"):
-        StepWatchdog(0)
+    for bad in (0, -1.0, float("nan"), float("inf"), 2e9):
+        with pytest.raises(ValueError, match=r"seconds in \(0, 1e9\]"):
+            StepWatchdog(bad)
 
 
 _HANG = textwrap.dedent("""

@@ -49,11 +49,13 @@ class FullyShardedDataParallel:
         self.chunks = chunks
 
     def model_state_bytes(self) -> tuple[int, int, int]:
-        """(parameter bytes, gradient bytes, parameter count): fp32 shards, and the fp32 sharded
-        gradients they get after backward."""
-        shards = [p.to_local() for chunk in self.chunks for p in chunk.parameters()]
+        """(parameter bytes, gradient bytes, parameter count) of the trainable parameters, as
+        DataParallel counts them: fp32 shards, and the fp32 sharded gradients they get after
+        backward."""
+        trainable = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
+        shards = [p.to_local() for p in trainable]
         params = sum(t.numel() * t.element_size() for t in shards)
-        return params, sum(t.numel() * 4 for t in shards), sum(p.numel() for c in self.chunks for p in c.parameters())
+        return params, sum(t.numel() * 4 for t in shards), sum(p.numel() for p in trainable)
 
     def start_step(self, num_microbatches: int) -> None:
         """Nothing to prepare: FSDP reduces each micro-batch's gradients in its backward."""

@@ -10,7 +10,8 @@ saves before they launch. With bf16 parameters and fp32 gradients (Megatron's ta
     zero=3   (4 + 4 + 8) / dp          = 16/dp        (FSDP: fp32 parameter shards are the main copy)
 
 (params, grads, main params, Adam's two moments.) Activations and temporary buffers (a bucket in
-flight, FSDP's gathered layer) come on top.
+flight, FSDP's gathered layer) come on top, and so do frozen parameters: the report counts
+trainable ones.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class MemoryReport:
 
 def bytes_per_parameter(zero: int, dp: int, dtype: str = "bf16", grad_dtype: str = "fp32") -> float:
     """Model-state bytes per parameter on one rank (padding aside)."""
+    for name, value in (("dtype", dtype), ("grad_dtype", grad_dtype)):
+        if value not in SIZES:
+            raise ValueError(f"{name} must be one of {', '.join(SIZES)}, not {value!r}")
+    if not (isinstance(dp, int) and dp >= 1):
+        raise ValueError(f"dp is a number of data-parallel ranks >= 1, not {dp!r}")
     p, g = SIZES[dtype], SIZES[grad_dtype]
     main = 0 if dtype == "fp32" else 4
     adam = 8

@@ -43,13 +43,34 @@ def _last_stage_logits(chunks: list[GPTModel], tokens: torch.Tensor, topo: Topol
 @torch.no_grad()
 def generate(chunks: list[GPTModel], prompt: list[int], new_tokens: int, *, topo: Topology,
              p2p: P2P | None = None, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> list[int]:
-    """Extend ``prompt`` by ``new_tokens`` sampled ids; every rank returns the same list."""
+    """Extend ``prompt`` by ``new_tokens`` sampled ids; every rank returns the same list. The
+    chunks run in eval mode and are put back as they were, also after an error; a trainer's
+    ``p2p`` (shapes kept for the run) renegotiates its shapes at the next training step."""
+    vocab = chunks[0].cfg.vocab_size
+    if not prompt:
+        raise ValueError("generate needs a prompt of at least one token id")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt ids {bad[:5]} are outside the model's vocabulary [0, {vocab})")
+    if new_tokens < 0 or top_k < 0 or not temperature >= 0:
+        raise ValueError(f"generate needs new_tokens >= 0, top_k >= 0 (0: no cut) and temperature >= 0, "
+                         f"got {new_tokens}, {top_k}, {temperature}")
     was_training = chunks[0].training
     for chunk in chunks:
         chunk.eval()
+    try:
+        return _sample(chunks, list(prompt), new_tokens, topo, p2p, temperature, top_k, seed)
+    finally:
+        for chunk in chunks:
+            chunk.train(was_training)
+        if p2p is not None:  # the next training step sends its own shapes again
+            p2p.new_step(renegotiate=True)
+
+
+def _sample(chunks: list[GPTModel], ids: list[int], new_tokens: int, topo: Topology, p2p: P2P | None,
+            temperature: float, top_k: int, seed: int) -> list[int]:
     device = topo.device
     generator = torch.Generator(device).manual_seed(seed)
-    ids = list(prompt)
     tp, seq_len = topo.tp, chunks[0].cfg.seq_len
     last_rank = topo.ranks_of("pp")[-1]
     for _ in range(new_tokens):
@@ -71,6 +92,4 @@ def generate(chunks: list[GPTModel], prompt: list[int], new_tokens: int, *, topo
         if topo.pp > 1:
             dist.broadcast(token, last_rank, group=topo.group("pp"))
         ids.append(int(token))
-    for chunk in chunks:
-        chunk.train(was_training)
     return ids

@@ -60,13 +60,9 @@ class RNGTracker:
     def add(self, name: str, seed: int) -> None:
         if name in self.states:
             raise ValueError(f"RNG stream '{name}' already exists")
-        saved = _get_state(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
-        self.states[name] = _get_state(self.device)
-        _set_state(self.device, saved)
+        # a state seeded on its own generator of this device: the global ones (of the current
+        # CUDA device, or of every device for torch.manual_seed) are left untouched
+        self.states[name] = torch.Generator(self.device).manual_seed(seed).get_state()
 
     @contextlib.contextmanager
     def fork(self, name: str = "tp"):

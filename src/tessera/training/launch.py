@@ -24,7 +24,14 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device='cuda' but no CUDA device is available")
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        # One visible GPU: this process's own (a launcher such as SLURM's may give each process
+        # one through CUDA_VISIBLE_DEVICES). Several: the local rank's, never wrapped onto another
+        # rank's (two ranks on one GPU, which NCCL refuses later, obscurely).
+        count = torch.cuda.device_count()
+        if count > 1 and local_rank >= count:
+            raise RuntimeError(f"this process is local rank {local_rank} (LOCAL_RANK) but sees {count} CUDA "
+                               f"devices: launch at most {count} processes per node (--nproc-per-node)")
+        device = torch.device("cuda", local_rank if count > 1 else 0)
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")

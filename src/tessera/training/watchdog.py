@@ -33,8 +33,8 @@ class StepWatchdog:
     SLOWEST_FACTOR = 5.0
 
     def __init__(self, timeout_s: float, arm=None, disarm=None, clock=time.monotonic):
-        if timeout_s <= 0:
-            raise ValueError(f"a step timeout is a number of seconds > 0, not {timeout_s}")
+        if not 0 < timeout_s <= 1e9:  # (NaN too; faulthandler takes no more)
+            raise ValueError(f"a step timeout is a number of seconds in (0, 1e9], not {timeout_s}")
         self.timeout_s = timeout_s
         self._arm = arm or (lambda seconds: faulthandler.dump_traceback_later(seconds, exit=True, file=_stderr()))
         self._disarm = disarm or faulthandler.cancel_dump_traceback_later
