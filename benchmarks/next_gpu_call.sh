@@ -23,7 +23,8 @@
 #      benchmarks/compare.py gpt-1.3b 1gpu tp2 \
 #        tp2+parallel.tp_microbatch_pairs=true+parallel.tp_pairs_backward=in_turn
 #      (Llama-1B next); many clean runs would justify pairs on by default
-#   4. the 2-GPU tests (tests K="nccl or pairs or graphed_layers_without or overlapped"): they last
+#   4. the 2-GPU tests (tests K="nccl or pairs or graphed_layers_without or overlapped or rng_tracker",
+#      the last new in session 23): the others last
 #      ran in sessions 18-20
 # Session 20's calls (done; BENCHMARKS.md session 20): s20A (pairs with one hardware queue: 0
 # of 6 hung, no gain; default 1 of 6 hung), s18B / s18C (the issue-6 rows with both peers),
