@@ -273,6 +273,21 @@ def test_cli_refuses_in_one_line(argv, capsys, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("argv,problem", [
+    (["--comm", "-5"], "argument --comm: must be a finite number >= 0, got -5"),
+    (["--comm", "nan"], "argument --comm: must be a finite number >= 0, got nan"),
+    (["--cost-b", "nan"], "argument --cost-b: must be a finite number > 0, got nan"),
+    (["--cost-f", "inf", "--out", "t.svg"], "argument --cost-f: must be a finite number > 0, got inf"),
+    (["--cost-w", "0"], "argument --cost-w: must be a finite number > 0, got 0"),
+])
+def test_cli_refuses_costs_that_are_not_times(argv, problem, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:  # argparse: usage, then the error
+        cli.main(["schedule", *argv])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(problem)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_png_without_matplotlib_says_what_to_do(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes any matplotlib import fail
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
@@ -302,6 +317,24 @@ def test_png_picture_from_the_cli(tmp_path, capsys):
     assert "bubble 0.188 (analytic 0.188)" in capsys.readouterr().out
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_png_width_does_not_follow_the_costs_unit(tmp_path):
+    """The same schedule with costs in seconds or in tenths of milliseconds: one picture size."""
+    import struct
+
+    sizes = []
+    for scale in (0.012, 120.0):
+        timeline = simulate(_built("1f1b", 4, 1, 32), costs=Costs(F=scale, B=2 * scale))
+        draw_timeline(timeline, tmp_path / f"t{scale}.png")
+        sizes.append(struct.unpack(">II", (tmp_path / f"t{scale}.png").read_bytes()[16:24]))  # IHDR width, height
+    assert sizes[0] == sizes[1] and sizes[0][0] < 20_000
+
+
+@pytest.mark.parametrize("name,value", [("F", 0), ("B", float("nan")), ("W", float("inf")), ("comm", -1.0)])
+def test_costs_refuse_what_is_not_a_time(name, value):
+    with pytest.raises(ValueError, match=f"Costs.{name} must be a finite time"):
+        Costs(**{name: value})
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])

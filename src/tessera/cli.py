@@ -11,6 +11,7 @@ the key and the fix (printed once, by rank 0) and exit status 2.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     schedule.add_argument("--cost-b", type=_positive(float), default=2.0, help="full backward time of one chunk")
     schedule.add_argument("--cost-i", type=_positive(float), help="input-grad backward time (default: half of B)")
     schedule.add_argument("--cost-w", type=_positive(float), help="weight-grad backward time (default: half of B)")
-    schedule.add_argument("--comm", type=float, default=0.0, help="latency of one send between ranks")
+    schedule.add_argument("--comm", type=_latency, default=0.0, help="latency of one send between ranks")
     schedule.add_argument("--out", help="write the timeline picture here (.svg, or .png with matplotlib)")
     schedule.add_argument("--print-actions", action="store_true", help="print each rank's action list")
     from tessera.data.commands import add_data_commands
@@ -52,10 +53,18 @@ def _positive(kind: type):
 
     def parse(text: str):
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not 0 < value < math.inf:  # (NaN too)
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
         return value
     return parse
+
+
+def _latency(text: str) -> float:
+    """An argparse type: a finite time >= 0 (a send's latency)."""
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
 
 
 def _schedule(args: argparse.Namespace) -> int:

@@ -63,7 +63,7 @@ def generate(chunks: list[GPTModel], prompt: list[int], new_tokens: int, *, topo
     finally:
         for chunk in chunks:
             chunk.train(was_training)
-        if p2p is not None:  # the next training step sends its own shapes again
+        if p2p is not None and p2p.failed is None:  # the next training step sends its own shapes again
             p2p.new_step(renegotiate=True)
 
 

@@ -49,6 +49,9 @@ class PipelineExecutor:
         # the micro-batches this rank's schedule runs (run() refuses another count)
         self.num_microbatches = 1 + max((a.microbatch for a in actions if a.op in COMPUTE), default=-1)
         self.pp, self.pp_rank, self.wgrad_store = pp, pp_rank, wgrad_store
+        if wgrad_store is None and any(a.op in (Op.I, Op.W) for a in actions):
+            raise ValueError("this schedule splits backward into I and W (zero-bubble): its deferred weight "
+                             "gradients need a WeightGradStore (wgrad_store=), the one the model's layers hold")
         self.vpp = len(chunks)
         self.peak_in_flight = 0  # most micro-batches holding activations at once (F done, B or I not; last run)
         self.peak_weight_grads_pending = 0  # most deferred W's at once (I done, W not; last run)
@@ -89,58 +92,67 @@ class PipelineExecutor:
         last_comm = max((i for i, a in enumerate(self.actions) if a.op not in COMPUTE), default=-1)
         if after_comm is not None and last_comm < 0:
             after_comm()
-        for i, action in enumerate(self.actions):
-            mb, c, op = action.microbatch, action.chunk, action.op
-            key = (mb, c)
-            if self.trace is not None and op in COMPUTE:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                self.trace.append((op.name, mb, c, time.perf_counter(), start, end))
-                start.record()
-            if op in (Op.RECV_F, Op.RECV_B):
-                # tagged with the sender's chunk: the neighbouring virtual stage, which may wrap
-                sender = self._stage(c) + (-1 if op == Op.RECV_F else 1)
-                recvs[(op, key)] = self.p2p.recv(op.value[-1], action.peer, self._tag(mb, sender // self.pp))
-            elif op == Op.F:
-                stage, batch = self._stage(c), micro_batches[mb]
-                x = recvs.pop((Op.RECV_F, key)).wait().requires_grad_() if stage > 0 else None
-                out = self.chunks[c](tokens=batch["tokens"] if stage == 0 else None, hidden=x,
-                                     labels=batch["labels"] if stage == last else None,
-                                     position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids"))
-                if stage == last:
-                    out = (out * batch["loss_mask"]).sum() / global_tokens
-                    loss_sum += out.detach()
-                    out = out * loss_scale if loss_scale != 1.0 else out
-                state[key] = (x, out)
-                holding.add(key)
-                self.peak_in_flight = max(self.peak_in_flight, len(holding))
-                self.peak_held = max(self.peak_held, len(holding) + len(deferred))
-            elif op == Op.SEND_F:
-                out = state[key][1]
-                self.p2p.send("F", action.peer, self._tag(mb, c), out.detach())
-                _release(out)
-            elif op in (Op.B, Op.I):
-                x, out = state.pop(key)
-                grad = None if self._stage(c) == last else recvs.pop((Op.RECV_B, key)).wait()
-                with self.wgrad_store.defer(key) if op == Op.I else contextlib.nullcontext():
-                    run_backward(out, grad)
-                if x is not None:
-                    input_grads[key] = x.grad
-                holding.discard(key)
-                if op == Op.I:
-                    deferred.add(key)
-                    self.peak_weight_grads_pending = max(self.peak_weight_grads_pending, len(deferred))
-            elif op == Op.SEND_B:
-                self.p2p.send("B", action.peer, self._tag(mb, c), input_grads.pop(key))
-            elif op == Op.W:
-                self.wgrad_store.run(key)
-                deferred.discard(key)
-            if self.trace is not None and op in COMPUTE:
-                self.trace[-1][-1].record()
-            if i == last_comm and after_comm is not None:
-                after_comm()
+        i = -1
+        try:
+            for i, action in enumerate(self.actions):
+                mb, c, op = action.microbatch, action.chunk, action.op
+                key = (mb, c)
+                if self.trace is not None and op in COMPUTE:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    self.trace.append((op.name, mb, c, time.perf_counter(), start, end))
+                    start.record()
+                if op in (Op.RECV_F, Op.RECV_B):
+                    # tagged with the sender's chunk: the neighbouring virtual stage, which may wrap
+                    sender = self._stage(c) + (-1 if op == Op.RECV_F else 1)
+                    recvs[(op, key)] = self.p2p.recv(op.value[-1], action.peer, self._tag(mb, sender // self.pp))
+                elif op == Op.F:
+                    stage, batch = self._stage(c), micro_batches[mb]
+                    x = recvs.pop((Op.RECV_F, key)).wait().requires_grad_() if stage > 0 else None
+                    out = self.chunks[c](tokens=batch["tokens"] if stage == 0 else None, hidden=x,
+                                         labels=batch["labels"] if stage == last else None,
+                                         position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids"))
+                    if stage == last:
+                        out = (out * batch["loss_mask"]).sum() / global_tokens
+                        loss_sum += out.detach()
+                        out = out * loss_scale if loss_scale != 1.0 else out
+                    state[key] = (x, out)
+                    holding.add(key)
+                    self.peak_in_flight = max(self.peak_in_flight, len(holding))
+                    self.peak_held = max(self.peak_held, len(holding) + len(deferred))
+                elif op == Op.SEND_F:
+                    out = state[key][1]
+                    self.p2p.send("F", action.peer, self._tag(mb, c), out.detach())
+                    _release(out)
+                elif op in (Op.B, Op.I):
+                    x, out = state.pop(key)
+                    grad = None if self._stage(c) == last else recvs.pop((Op.RECV_B, key)).wait()
+                    with self.wgrad_store.defer(key) if op == Op.I else contextlib.nullcontext():
+                        run_backward(out, grad)
+                    if x is not None:
+                        input_grads[key] = x.grad
+                    holding.discard(key)
+                    if op == Op.I:
+                        deferred.add(key)
+                        self.peak_weight_grads_pending = max(self.peak_weight_grads_pending, len(deferred))
+                elif op == Op.SEND_B:
+                    self.p2p.send("B", action.peer, self._tag(mb, c), input_grads.pop(key))
+                elif op == Op.W:
+                    self.wgrad_store.run(key)
+                    deferred.discard(key)
+                if self.trace is not None and op in COMPUTE:
+                    self.trace[-1][-1].record()
+                if i == last_comm and after_comm is not None:
+                    after_comm()
+                if self.p2p is not None:
+                    self.p2p.reap()
             if self.p2p is not None:
-                self.p2p.reap()
-        if self.p2p is not None:
-            self.p2p.wait_sends()
+                self.p2p.wait_sends()
+        except BaseException as error:
+            # Messages of this step still posted or due (a receive not taken, a send or receive
+            # the schedule had still to issue) would pair with the next step's: the channel is
+            # unusable from here, and says so rather than mixing steps or hanging.
+            if self.p2p is not None and (i <= last_comm or recvs):
+                self.p2p.fail(f"{type(error).__name__} at action {i} of pipeline rank {self.pp_rank}'s step")
+            raise
         assert not state and not recvs and not input_grads, "the schedule left work undone"
         return loss_sum

@@ -91,6 +91,7 @@ class P2P:
             self.groups[key] = topo.new_groups(topo.all_ranks_along("pp"))
         self.rank = topo.pp_rank
         self._sends: list[tuple[object, torch.Tensor | None]] = []
+        self.failed: str | None = None  # why this channel is unusable (fail())
         self.new_step(renegotiate=True)
         self._connect(topo.pp_rank, topo.pp)
 
@@ -114,10 +115,22 @@ class P2P:
     def _tag(self, tag: int) -> int:
         return 0 if self.match_in_order else tag
 
+    def fail(self, reason: str) -> None:
+        """A step failed with messages of it still posted or due on this rank: they would pair
+        with a later step's, so every later use of this channel raises (the run must restart)."""
+        self.failed = reason
+
+    def _usable(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"the pipeline's point-to-point channel is unusable: an earlier step failed midway "
+                               f"({self.failed}) with messages still posted or due, which would pair with this "
+                               "step's; restart the run (a new P2P) instead of retrying the step")
+
     def new_step(self, renegotiate: bool = False) -> None:
         """Forget the negotiated shapes: the next message on each stream carries a header. With
         ``keep_shapes``, keep them unless ``renegotiate`` (both ends must pass the same: sampling
         from the trained model sends other shapes over the trainer's P2P)."""
+        self._usable()
         if self.keep_shapes and not renegotiate:
             return
         self._sent_shape: dict[tuple[str, int], tuple] = {}
@@ -127,6 +140,7 @@ class P2P:
     # -- send -----------------------------------------------------------------------------------
     def send(self, stream: str, peer: int, tag: int, tensor: torch.Tensor) -> None:
         """Post an asynchronous send of ``tensor`` to pipeline rank ``peer``."""
+        self._usable()
         key, signature = (stream, peer), (tuple(tensor.shape), tensor.dtype)
         dst, group = self.global_ranks[peer], self.groups[(stream, self.rank)]
         if key not in self._sent_shape:
@@ -155,6 +169,7 @@ class P2P:
     def recv(self, stream: str, peer: int, tag: int) -> PendingRecv:
         """Post a receive from pipeline rank ``peer``; the payload is posted as soon as the shape
         is known (now, unless this is the step's first message on this stream)."""
+        self._usable()
         key = (stream, peer)
         if key not in self._recv_shape:
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)

@@ -12,6 +12,7 @@ it is (p - 1) / m for 1F1B, (p - 1) / (v * m) for interleaved and (p - 1) / (3 m
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tessera.pipeline_parallel.schedules import COMPUTE, SPLIT_BACKWARD, Action, Op, ScheduleError
@@ -26,6 +27,13 @@ class Costs:
     I: float = 1.0  # noqa: E741
     W: float = 1.0
     comm: float = 0.0
+
+    def __post_init__(self):
+        for name in ("F", "B", "I", "W", "comm"):
+            value = getattr(self, name)
+            if not (0 <= value < math.inf and (value > 0 or name == "comm")):
+                raise ValueError(f"Costs.{name} must be a finite time {'>= 0' if name == 'comm' else '> 0'}, "
+                                 f"not {value}")
 
     def of(self, op: Op) -> float:
         return getattr(self, op.value)

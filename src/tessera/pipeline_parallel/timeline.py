@@ -120,7 +120,10 @@ def _draw_png(timeline: Timeline, path: Path, title: str) -> None:
         raise ValueError(f"cannot draw '{path}': PNG needs matplotlib; write .svg instead, "
                          "or pip install matplotlib") from None
     pp, vpp, _ = _sizes(timeline)
-    fig = Figure(figsize=(max(6.0, timeline.step_time / 4), 1.2 + 0.45 * pp))
+    # as wide as the busiest rank's actions need (a quarter inch each, 6-60 inches), whatever
+    # unit the costs are in
+    actions = max((len(rank) for rank in timeline.spans), default=0)
+    fig = Figure(figsize=(min(60.0, max(6.0, actions / 4)), 1.2 + 0.45 * pp))
     ax = fig.subplots()
     for r, rank in enumerate(timeline.spans):
         for action, start, end in rank:
