@@ -401,3 +401,15 @@ def test_zb_h2_fills_the_start_where_i_costs_more_than_f():
             if m >= 2 * pp:  # unit costs: ZB-H1's 3m + p - 1 (a few units behind it for pp < m < 2pp)
                 assert simulate(_built("zb-h2", pp, 1, m)).step_time == 3 * m + pp - 1, (pp, m)
     assert zb_h2_deferral(2, 8) == 2 and zb_h2_deferral(2, 1) == 0
+
+
+@pytest.mark.parametrize("where", ["missing/schedule.svg", "folder.svg", "missing/schedule.png"])
+def test_cli_picture_it_cannot_write_is_refused_in_one_line(where, tmp_path, capsys, monkeypatch):
+    """--out in a folder that does not exist, or naming a directory: one line and status 2, not
+    a traceback."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder.svg").mkdir()
+    assert cli.main(["schedule", "--pp", "2", "--out", where]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1
+    assert captured.err.startswith(f"tessera: cannot write the picture '{where}'")
