@@ -157,7 +157,7 @@ def test_cuda_graphed_layers_follow_eager_layers(tmp_path):
                                                         "train.cuda_graphs=true"]))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_microbatch_pairs_on_two_streams_follow_the_plain_run(tmp_path):
     """parallel.tp_microbatch_pairs at tp=2 + SP (training/concurrent.py; opt-in): the second micro-batch
@@ -169,17 +169,36 @@ def test_microbatch_pairs_on_two_streams_follow_the_plain_run(tmp_path):
     plain = _train(tmp_path, "tp2-plain", 2, sp + ["parallel.tp_microbatch_pairs=false"], timeout=110)
     assert "in pairs" not in (tmp_path / "tp2-plain" / "output.log").read_text()
     runs = {"pairs-graphed": sp + ["parallel.tp_microbatch_pairs=true"],
-            "pairs-eager": sp + ["parallel.tp_microbatch_pairs=true", "train.cuda_graphs=false"]}
+            "pairs-eager": sp + ["parallel.tp_microbatch_pairs=true", "train.cuda_graphs=false"],
+            "pairs-graphed-in-turn": sp + ["parallel.tp_microbatch_pairs=true", "parallel.tp_pairs_backward=in_turn"]}
     failed = []
     for name, sets in runs.items():
         try:
             _follows(plain, _train(tmp_path, name, 2, sets, timeout=110), rel=1e-5)
             log = (tmp_path / name / "output.log").read_text()
             assert "micro-batches in pairs on two streams" in log
-            assert ("in CUDA graphs" in log) == (name == "pairs-graphed"), log[:600]
+            assert ("in CUDA graphs" in log) == name.startswith("pairs-graphed"), log[:600]
         except Exception as e:  # noqa: BLE001 -- each run reported
             failed.append(f"{name}: {type(e).__name__}: {str(e)[-500:]}")
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("layers", ["graphed", "eager"])
+def test_pairs_streams_and_graphs_on_one_gpu(layers):
+    """Micro-batch pairs' CUDA machinery on ONE GPU (tests/pairs_in_turn_check.py): forced on at
+    tp=1 with a one-rank NCCL group for each TP communicator, the side stream, the graphs captured
+    per communicator and the in-turn backward's cut forward and seeded pieces give the plain
+    executor's fp32 gradients and losses, with the two-thread backwards and in turn. What one GPU
+    can check of the pairs before a 2-GPU machine runs them (their collectives, and the hang,
+    need two)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+               os.path.join(os.path.dirname(__file__), "pairs_in_turn_check.py")]
+    if layers == "eager":
+        command.append("train.cuda_graphs=false")
+    returncode, out = _run(command, f"pairs on one GPU, {layers}", 150)
+    assert returncode == 0 and "IN TURN OK" in out, out[-3000:]
 
 
 @pytest.mark.timeout(300)
