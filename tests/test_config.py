@@ -583,3 +583,14 @@ def test_more_local_ranks_than_gpus_refused(monkeypatch):
         launch.pick_device("cuda", 2)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # each process given its own GPU
     assert launch.pick_device("cuda", 3) == torch.device("cuda", 0)
+
+
+def test_cuda_device_without_cuda_is_a_config_error(monkeypatch, capsys):
+    """train.device=cuda on a machine without CUDA: the CLI's one line naming the key, status 2
+    (it was a RuntimeError traceback on every rank)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", "--set", "train.device=cuda", "--set", "data.source=synthetic"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tessera: config error: train.device: ") and len(err.splitlines()) == 1

@@ -179,3 +179,33 @@ def test_rampup_config_accepted():
     cfg = validate(load_config(None, ["train.batch_rampup=4, 4, 100"]), 1)
     assert cfg.train.rampup == (4, 4, 100)
     assert MicroBatchCalculator.from_config(cfg.train, 1).global_batch(0) == 4
+
+
+def test_rampup_grows_at_each_slice_boundary_exactly():
+    # 2 -> 30 by 2 over 18 samples: 14 slices of 18/14 samples; 9 samples consumed end the 7th
+    # slice exactly (9 * 14 / 18 = 7), so the batch is 2 + 2 * 7 (the float quotient gave 6.999...)
+    c = MicroBatchCalculator(30, 2, 1, (2, 2, 18))
+    assert c.global_batch(9) == 16
+    for consumed in range(19):
+        assert c.global_batch(consumed) == 2 + 2 * (consumed * 14 // 18), consumed
+
+
+def test_wsd_decay_longer_than_the_run_is_refused_before_any_work():
+    """check_runnable (what `tessera train --nproc-per-node` runs before starting torchrun)
+    refuses it, not the trainer after every rank built its model."""
+    from tessera.training.trainer import check_runnable
+
+    with pytest.raises(ConfigError) as info:
+        check_runnable(load_config(None, ["optim.decay_style=wsd", "optim.wsd_decay_steps=100", "train.steps=20",
+                                          "data.source=synthetic"]), 1)
+    assert info.value.key == "optim.wsd_decay_steps" and "exceeds the 10 steps" in str(info.value)
+
+
+@pytest.mark.parametrize("args,key", [((0, 2, 1), "train.global_batch"), ((-4, 2, 1), "train.global_batch"),
+                                      ((8, 0, 1), "train.micro_batch"), ((8, 2, 0), "parallel.dp")])
+def test_batch_sizes_below_one_are_refused(args, key):
+    """A global batch of 0 was accepted (steps of no micro-batches), micro_batch or dp of 0 fell
+    over as a ZeroDivisionError."""
+    with pytest.raises(ConfigError) as info:
+        MicroBatchCalculator(*args)
+    assert info.value.key == key and ">= 1" in str(info.value) and info.value.fix

@@ -84,7 +84,7 @@ def _schedule(args: argparse.Namespace) -> int:
     except (ScheduleError, ValueError) as e:
         print(f"tessera: {e}", file=sys.stderr)
         return 2
-    except ZeroDivisionError as e:  # a folder that does not exist, a directory, no permission
+    except OSError as e:  # a folder that does not exist, a directory, no permission
         print(f"tessera: cannot write the picture '{args.out}': {e.strerror or e}", file=sys.stderr)
         return 2
     if args.print_actions:

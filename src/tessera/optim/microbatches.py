@@ -24,6 +24,11 @@ class MicroBatchCalculator:
         self.target, self.micro_batch, self.dp = global_batch, micro_batch, dp
         self.start, self.increment, self.ramp_samples = rampup or (global_batch, 1, 0)
         self.consumed_samples = 0
+        for key, value in (("train.global_batch", global_batch), ("train.micro_batch", micro_batch),
+                           ("parallel.dp", dp)):
+            if not value >= 1:
+                raise ConfigError(key, f"{value!r} is not >= 1", "give a positive number of samples"
+                                  if key != "parallel.dp" else "give the number of data-parallel ranks (>= 1)")
         per_step = micro_batch * dp
         if self.target % per_step:
             raise ConfigError("train.global_batch",
@@ -54,8 +59,9 @@ class MicroBatchCalculator:
         increments = (self.target - self.start) // self.increment
         if increments == 0 or consumed_samples > self.ramp_samples:
             return self.target
-        samples_per_increment = self.ramp_samples / increments
-        return self.start + self.increment * int(consumed_samples / samples_per_increment)
+        # floor(consumed / (ramp_samples / increments)) in integers: the float quotient falls
+        # short of a whole slice at its boundary (9 / (18 / 14) = 6.999...)
+        return self.start + self.increment * (consumed_samples * increments // self.ramp_samples)
 
     def num_micro_batches(self, consumed_samples: int) -> int:
         return self.global_batch(consumed_samples) // (self.micro_batch * self.dp)

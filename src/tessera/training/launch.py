@@ -13,6 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from tessera.config import ConfigError
+
 
 def world_from_env() -> tuple[int, int, int]:
     """(rank, local_rank, world_size) as torchrun sets them; (0, 0, 1) when not launched."""
@@ -21,8 +23,9 @@ def world_from_env() -> tuple[int, int, int]:
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device='cuda' but no CUDA device is available")
+    if choice == "cuda" and not torch.cuda.is_available():  # on every rank alike: said once, by rank 0
+        raise ConfigError("train.device", "cuda, but this machine has no CUDA device available",
+                          "set train.device=auto or cpu")
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         # One visible GPU: this process's own (a launcher such as SLURM's may give each process
         # one through CUDA_VISIBLE_DEVICES). Several: the local rank's, never wrapped onto another

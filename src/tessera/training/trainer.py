@@ -105,6 +105,7 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
         raise ConfigError("parallel.schedule", f"{e} (with {count} micro-batches per step)",
                           "choose another parallel.schedule, or change parallel.pp / vpp / train.global_batch"
                           " / train.batch_rampup") from None
+    LRScheduler(cfg.optim, t.steps)  # refuses a wsd decay longer than the steps after warmup
     if cfg.data.source == "indexed":
         check_datasets(cfg.data)
     if cfg.data.source == "builtin" and m.vocab_size < ByteTokenizer.vocab_size:
