@@ -190,3 +190,17 @@ def test_ids_outside_the_vocabulary_are_owned_by_no_rank_on_both_paths(tp):
         assert_close(fused_grad, ref_grad, **TOL)
         pad_from = min(max(50 - rank * ref_grad.shape[-1], 0), ref_grad.shape[-1])
         assert (ref_grad[..., pad_from:] == 0).all() and (fused_grad[..., pad_from:] == 0).all()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+def test_mismatched_target_or_vocabulary_is_refused_naming_it(fused):
+    """A target not shaped like the logits' leading dims, or a vocab_size wider than the logit
+    columns, raises (before: a mis-sized target failed inside gather, and ids past the columns
+    silently got the loss of a target logit of 0)."""
+    logits = torch.randn(4, 3, 50)
+    with pytest.raises(ValueError, match=r"target shape \(3, 4\) does not match the logits' \(4, 3\)"):
+        vocab_parallel_cross_entropy(logits, torch.zeros(3, 4, dtype=torch.long), None, 50, fused=fused)
+    with pytest.raises(ValueError, match=r"target shape \(4, 1\) does not match"):  # used to broadcast silently
+        vocab_parallel_cross_entropy(logits, torch.zeros(4, 1, dtype=torch.long), None, 50, fused=fused)
+    with pytest.raises(ValueError, match="vocab_size 100 does not fit the 50 logit columns"):
+        vocab_parallel_cross_entropy(logits, torch.full((4, 3), 60), None, 100, fused=fused)

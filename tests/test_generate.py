@@ -39,6 +39,27 @@ def test_every_rank_samples_what_one_process_samples(tp, pp, sp):
         assert ids == one
 
 
+CFG_ODD = ModelConfig(vocab_size=50, hidden=32, heads=4, layers=2, seq_len=7)  # seq_len not divisible by tp=2
+
+
+def _odd_seq_len_worker(rank: int, world: int, tp: int) -> list[int]:
+    topo = Topology.build(tp=tp)
+    chunks = build_stage_chunks(CFG_ODD, TPContext(group=topo.group("tp")), topo.pp_rank, topo.pp, 1, None,
+                                topo.device)
+    for chunk in chunks:
+        chunk.init_weights(7)
+    return generate(chunks, [1, 2, 3, 4, 5, 6], 8, topo=topo, seed=3)
+
+
+@pytest.mark.timeout(240)
+def test_tp_without_sequence_parallel_keeps_the_whole_context():
+    """Without sequence parallelism the context is not padded to a multiple of tp: padding it
+    past seq_len used to cut it (7 tokens of context became 5 at tp=2) and change the samples."""
+    (one,) = run_ranks(_odd_seq_len_worker, 1, 1, timeout=60)
+    for ids in run_ranks(_odd_seq_len_worker, 2, 2, timeout=120):
+        assert ids == one
+
+
 def _training_after_sampling_worker(rank: int, world: int) -> str:
     """A trainer's P2P keeps its first step's shapes; sampling in between sends other shapes, and
     the next training step must still send its own."""

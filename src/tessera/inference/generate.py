@@ -71,7 +71,9 @@ def _sample(chunks: list[GPTModel], ids: list[int], new_tokens: int, topo: Topol
             temperature: float, top_k: int, seed: int) -> list[int]:
     device = topo.device
     generator = torch.Generator(device).manual_seed(seed)
-    tp, seq_len = topo.tp, chunks[0].cfg.seq_len
+    # (padding only under sequence parallelism: elsewhere it would cut the context to fit seq_len)
+    tp = topo.tp if chunks[0].tp.sequence_parallel else 1
+    seq_len = chunks[0].cfg.seq_len
     last_rank = topo.ranks_of("pp")[-1]
     for _ in range(new_tokens):
         context = ids[-seq_len:]

@@ -93,6 +93,9 @@ class GPTModel(nn.Module):
     # -- forward --------------------------------------------------------------------------------
     def embed(self, tokens: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """tokens [b, s] -> residual stream [s, b, h] (or [s/tp, b, h] under sequence parallel)."""
+        if tokens.dim() != 2 or tokens.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"tokens must be [batch, seq] with seq <= model.seq_len = {self.cfg.seq_len}, "
+                             f"got shape {tuple(tokens.shape)}")
         x = self.embedding(tokens.t())  # [s, b, h]
         if hasattr(self, "pos_embedding"):
             if position_ids is None:

@@ -102,6 +102,9 @@ class RotaryEmbedding(nn.Module):
         """q, k: [b, heads, s, head_dim] (their own head counts); position_ids [b, s] (packed
         sequences) or None for 0..s-1. Both rotated, in one compiled function when fused."""
         s = q.shape[-2]
+        if s > self.cos.shape[0]:
+            raise ValueError(f"a sequence of {s} tokens is longer than the RoPE table of model.seq_len = "
+                             f"{self.cos.shape[0]} positions")
         if position_ids is None:
             cos, sin = self.cos[:s].to(q.dtype), self.sin[:s].to(q.dtype)
         else:  # [b, 1, s, head_dim]
@@ -116,6 +119,12 @@ class Attention(nn.Module):
         super().__init__()
         self.tp, self.dropout = tp, cfg.dropout
         self.head_dim = cfg.head_dim
+        # Whole heads per rank: q/k/v widths may divide by tp while the head counts do not (the
+        # split of the fused QKV output would then fail with an unrelated size error).
+        for what, n in (("heads", cfg.heads), ("kv_heads", cfg.num_kv_heads)):
+            if n % tp.size:
+                raise ValueError(f"model.{what} = {n} is not divisible by the TP size {tp.size}: "
+                                 "each TP rank needs whole attention heads")
         self.heads, self.kv_heads = cfg.heads // tp.size, cfg.num_kv_heads // tp.size
         bias = cfg.family == "gpt2"
         q, kv = cfg.heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

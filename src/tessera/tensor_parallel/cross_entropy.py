@@ -159,6 +159,15 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, group: Group, v
     ``fused=True`` on a CPU runs the fused formulation eagerly. The reference path's gradient
     w.r.t. ``logits`` is fp32 and cast back by autograd; the fused path's is in the logits' dtype.
     """
+    # Shape checks only (no device sync): a mis-shaped target fails inside gather, or, with a
+    # dim of size 1 (e.g. [s, 1] for [s, b] logits), is gathered and broadcast silently.
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(f"target shape {tuple(target.shape)} does not match the logits' {tuple(logits.shape[:-1])} "
+                         f"(logits {tuple(logits.shape)} = [..., padded_vocab / tp])")
+    columns = logits.shape[-1] * group_size(group)
+    if not 0 < vocab_size <= columns:
+        raise ValueError(f"vocab_size {vocab_size} does not fit the {columns} logit columns over the TP group "
+                         f"({logits.shape[-1]} per rank): pass this rank's slice of the padded vocabulary")
     if fused is None:
         fused = logits.is_cuda
     fn = _FusedVocabParallelCrossEntropy if fused else _VocabParallelCrossEntropy
