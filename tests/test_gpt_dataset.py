@@ -255,3 +255,47 @@ def test_a_failure_on_rank_0_reaches_every_rank():
     out = run_ranks(_failing_build, 2, timeout=60)
     assert out[0] == "ValueError: corrupt index on rank 0"
     assert "rank 0 failed" in out[1] and "corrupt index" in out[1]
+
+
+@pytest.mark.parametrize("damage", ["empty", "half", "missing"])
+def test_a_cache_file_cut_short_is_rebuilt_not_trusted(tmp_path, damage):
+    """A crash (or a clean-up) can leave the description beside a broken index file: build again."""
+    args = dict(docs=random_docs(), document_range=range(50), seq_len=8, num_samples=20, seed=0,
+                cache_dir=str(tmp_path), name="fake")
+    first = GPTDataset(**args)
+    (path,) = tmp_path.glob("*-sample_index.npy")
+    if damage == "missing":
+        path.unlink()
+    else:
+        data = path.read_bytes()
+        path.write_bytes(b"" if damage == "empty" else data[:len(data) // 2])
+    again = GPTDataset(**args)
+    assert again.built_index
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        np.testing.assert_array_equal(getattr(first, name), getattr(again, name))
+    assert not GPTDataset(**args).built_index  # and the repaired cache is used from then on
+
+
+def test_cache_files_reach_the_disk_before_their_rename(tmp_path, monkeypatch):
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_ino), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append(os.stat(a).st_ino), real_replace(a, b))[1])
+    GPTDataset(random_docs(), range(50), 8, 20, seed=0, cache_dir=str(tmp_path), name="fake")
+    assert len(renamed) == 4 and all(inode in synced for inode in renamed)
+
+
+def test_cache_writers_sharing_a_pid_do_not_collide(tmp_path):
+    """Two hosts on one cache folder can run writers with the same pid (containers): each writer
+    needs its own temporary file, or one truncates and renames the other's."""
+    from tessera.data.gpt_dataset import _save_atomic
+
+    target = str(tmp_path / "x.npy")
+
+    def outer(f):
+        f.write(b"outer")
+        _save_atomic(target, lambda g: g.write(b"inner"))  # the other writer, meanwhile
+
+    _save_atomic(target, outer)
+    assert open(target, "rb").read() == b"outer"
+    assert os.listdir(tmp_path) == ["x.npy"]

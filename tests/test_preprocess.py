@@ -144,6 +144,8 @@ def test_bad_inputs_and_tokenizers(tmp_path):
         preprocess(src, tmp_path / "o", "bpe:100")
     with pytest.raises(PreprocessError, match="expected bpe:V"):
         preprocess(src, tmp_path / "o", "bpe:lots")
+    with pytest.raises(PreprocessError, match="--vocab-size must be >= 1, got 0"):
+        preprocess(src, tmp_path / "o", "bpe:300", vocab_size=0)
     (tmp_path / "junk.json").write_text("{not a tokenizer")
     with pytest.raises(PreprocessError, match="junk.json: not a Hugging Face tokenizers file"):
         preprocess(src, tmp_path / "o", str(tmp_path / "junk.json"))
@@ -253,3 +255,55 @@ def test_cli_preprocess_and_inspect(tmp_path, capsys):
     assert main(["preprocess", "--input", str(tmp_path / "bad.jsonl"), "--tokenizer", "bpe:300",
                  "--output-prefix", str(tmp_path / "bad"), "--no-progress"]) == 2
     assert "bad.jsonl:2: no key 'text'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_eod_name_in_the_text_is_text_not_a_document_end(tmp_path, workers):
+    """A document quoting ``<|endoftext|>`` stays one document: the EOD id only at its end."""
+    texts = ["GPT-2 ends documents with <|endoftext|> between them.", "<|endoftext|>", "plain"]
+    src = jsonl(tmp_path / "in.jsonl", texts)
+    r = preprocess(src, tmp_path / "ds", "bpe:300", progress=False, workers=workers)
+    assert decoded(tmp_path / "ds", r.tokenizer_path) == texts  # asserts one EOD, at the end
+    # the saved tokenizer is the library's own, special tokens as usual for other uses
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(r.tokenizer_path).encode("<|endoftext|>").ids == [r.eod_id]
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_an_input_without_documents_is_refused(tmp_path, content):
+    (tmp_path / "in.jsonl").write_text(content)
+    with pytest.raises(PreprocessError, match=r"in\.jsonl: no documents"):
+        preprocess(tmp_path / "in.jsonl", tmp_path / "ds", "bpe:300", progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_overwrite_that_cannot_save_the_tokenizer_keeps_the_old_outputs_together(tmp_path, monkeypatch):
+    """--overwrite, and the disk fills as the tokenizer is saved: the old pair must not be replaced
+    by the new one while the old tokenizer stays beside it (ids decoded with the wrong tokenizer)."""
+    src = jsonl(tmp_path / "in.jsonl", TEXTS)
+    preprocess(src, tmp_path / "ds", "bpe:300", progress=False)
+    saved = {p: (tmp_path / p).read_bytes() for p in ("ds.bin", "ds.idx", "ds.tokenizer.json")}
+    other = preprocess(jsonl(tmp_path / "o.jsonl", ["zzz yyy xxx"] * 9), tmp_path / "o", "bpe:260",
+                       progress=False).tokenizer_path
+    real_load = pre.load_tokenizer
+
+    class DiskFull:
+        def __init__(self, tok):
+            object.__setattr__(self, "tok", tok)
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def __setattr__(self, name, value):
+            setattr(self.tok, name, value)
+
+        def save(self, path):
+            open(path, "w").close()
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pre, "load_tokenizer", lambda spec: DiskFull(real_load(spec)))
+    with pytest.raises(OSError, match="No space left"):
+        preprocess(src, tmp_path / "ds", other, progress=False, overwrite=True)
+    assert {p: (tmp_path / p).read_bytes() for p in saved} == saved
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]

@@ -31,6 +31,7 @@ import itertools
 import json
 import os
 import re
+import uuid
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -161,10 +162,19 @@ def index_key(description: dict) -> str:
 
 
 def _save_atomic(path: str, write: Callable) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)  # readers see the whole file or none of it
+    # A name no other writer can hold (a pid alone repeats across the hosts sharing a cache), and
+    # the data on disk before the rename: else a crash can leave the new name over empty blocks.
+    tmp = f"{path}.tmp.{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # readers see the whole file or none of it
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def build_on_one_rank(build_fn: Callable[[], T], group=None) -> T:
@@ -216,7 +226,7 @@ class GPTDataset:
                              f"the {len(lengths)} documents")
         if seq_len < 1 or num_samples < 1:
             raise ValueError(f"seq_len ({seq_len}) and num_samples ({num_samples}) must be positive")
-        self.docs, self.seq_len, self.seed = docs, seq_len, seed
+        self.docs, self.seq_len, self.seed, self.range = docs, seq_len, seed, document_range
         self.lengths = lengths
         self.tokens_per_epoch = int(lengths[document_range.start:document_range.stop].sum(dtype=np.int64))
         if self.tokens_per_epoch < 2:
@@ -261,7 +271,16 @@ class GPTDataset:
         # The description is written last, so its presence means the three indices are complete.
         if not os.path.exists(paths["description"]):
             return None
-        return tuple(np.load(paths[n], mmap_mode="r") for n in _INDEX_NAMES)
+        try:
+            indices = tuple(np.load(paths[n], mmap_mode="r") for n in _INDEX_NAMES)
+        except (OSError, ValueError, EOFError):  # a file missing or cut short: build again
+            return None
+        document_index, sample_index, shuffle_index = indices
+        if (document_index.shape != (self.num_epochs * (self.range.stop - self.range.start),)
+                or sample_index.ndim != 2 or sample_index.shape[1] != 2
+                or shuffle_index.shape != (len(sample_index) - 1,)):
+            return None
+        return indices
 
     def _save(self, indices) -> None:
         os.makedirs(self.cache_dir, exist_ok=True)

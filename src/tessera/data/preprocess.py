@@ -190,7 +190,9 @@ def _init_worker(tokenizer_json: str, key: str, eod_id: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
-    _worker_state.update(tokenizer=Tokenizer.from_str(tokenizer_json), key=key, eod_id=eod_id)
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer.encode_special_tokens = True  # not serialised: see encode_chunk
+    _worker_state.update(tokenizer=tokenizer, key=key, eod_id=eod_id)
 
 
 def encode_chunk(tokenizer, key: str, eod_id: int, path: str, first_lineno: int,
@@ -198,7 +200,10 @@ def encode_chunk(tokenizer, key: str, eod_id: int, path: str, first_lineno: int,
     """Parse and encode consecutive lines: ``(tokens, lengths)``, EOD after each document.
 
     ``add_special_tokens=False``: the ids are the text's and the EOD's only, like Megatron's GPT
-    preprocessing; a tokenizer's post-processor (BOS, [CLS] ...) is not applied.
+    preprocessing; a tokenizer's post-processor (BOS, [CLS] ...) is not applied. The caller sets
+    ``tokenizer.encode_special_tokens``: a special token's name written in the text (a page about
+    GPT-2 quoting ``<|endoftext|>``) is encoded as text, as Megatron's GPT-2 BPE does, not as the
+    special id, which would put an EOD inside the document.
     """
     texts = [t for i, line in enumerate(lines)
              if (t := parse_text(line, key, path, first_lineno + i)) is not None]
@@ -251,6 +256,8 @@ def preprocess(input: str | os.PathLike, output_prefix: str | os.PathLike, token
 
     if workers < 1:
         raise PreprocessError(f"--workers must be >= 1, got {workers}")
+    if vocab_size is not None and vocab_size < 1:  # else 0 would silently mean "the tokenizer's"
+        raise PreprocessError(f"--vocab-size must be >= 1, got {vocab_size}")
     files = input_files(input)
     output_prefix = os.fspath(output_prefix)
     train = tokenizer == "bpe" or tokenizer.startswith("bpe:")
@@ -273,6 +280,9 @@ def preprocess(input: str | os.PathLike, output_prefix: str | os.PathLike, token
     if vocab < tokenizer_size:
         raise PreprocessError(f"--vocab-size {vocab} is smaller than the tokenizer's {tokenizer_size} ids")
     dtype = np.dtype(best_dtype(vocab))
+    # Special tokens' names in the text are text (see encode_chunk). Not saved with the tokenizer,
+    # so set here and in each worker; the copy saved beside the data keeps the library's default.
+    tok.encode_special_tokens = True
 
     disk_bytes = sum(p.stat().st_size for p in files)
     bar = tqdm(total=disk_bytes, unit="B", unit_scale=True, disable=not progress,
@@ -290,6 +300,7 @@ def preprocess(input: str | os.PathLike, output_prefix: str | os.PathLike, token
         bar.set_postfix_str(f"{documents / max(time.perf_counter() - start, 1e-9):,.0f} docs/s, {documents:,} docs",
                             refresh=False)
 
+    scratch = f"{tokenizer_path}.tmp-{os.getpid()}"
     try:
         with IndexedDatasetWriter(output_prefix, dtype) as writer:
             if workers == 1:
@@ -310,12 +321,16 @@ def preprocess(input: str | os.PathLike, output_prefix: str | os.PathLike, token
                         future, n = pending.popleft()
                         consume(future.result(), n)
             bar.update(disk_bytes - bar.n)  # gzip may stop short of the file's last bytes
-        # the data's tokenizer beside it, saved once the pair is published: a failed run leaves neither
-        scratch = f"{tokenizer_path}.tmp-{os.getpid()}"
-        tok.save(scratch)
+            if not documents:  # an empty dataset fails only later, in training, far from the cause
+                raise PreprocessError(f"{os.fspath(input)}: no documents (empty, or only blank lines)")
+            # The data's tokenizer, written before the pair is published (a full disk fails here,
+            # and an old pair keeps its own tokenizer) and moved beside it right after.
+            tok.save(scratch)
         os.replace(scratch, tokenizer_path)
     finally:
         bar.close()
+        if os.path.exists(scratch):
+            os.remove(scratch)
     return PreprocessResult(documents=documents, tokens=tokens, input_bytes=disk_bytes,
                             seconds=time.perf_counter() - start, dtype=dtype, vocab_size=vocab, eod_id=eod_id,
                             bin_path=bin_path(output_prefix), idx_path=idx_path(output_prefix),
