@@ -6,8 +6,9 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# Session 24's calls (session 23 was lent one GPU only: its one-GPU tests passed; session 22 ran
-# s22B: bf16 gradient buffers do not lift dp=2, BENCHMARKS.md). 30 device minutes; kind
+# The next 2-GPU session's calls (sessions 23 and 24 were lent one GPU only: the one-GPU tests and
+# the pairs' streams and graphs on one GPU passed; session 22 ran s22B: bf16 gradient buffers do
+# not lift dp=2, BENCHMARKS.md). 30 device minutes; kind
 # nvidia-h200-x2 (or -h100-x2); send the next call at once: the machine is given back 30 s after
 # a call ends:
 #   1. s23A -- micro-batch pairs with parallel.tp_pairs_backward=in_turn (PAIRS_SETTINGS=turn, the
