@@ -82,6 +82,17 @@ def test_scaler_grows_after_clean_steps():
     assert s.scale == 4.0 and s.clean_steps == 0
 
 
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(growth_interval=0), "growth_interval"), (dict(growth_interval=2.5), "growth_interval"),
+    (dict(backoff=1.0), "backoff"), (dict(backoff=0.0), "backoff"), (dict(growth=1.0), "growth"),
+    (dict(init_scale=float("inf")), "init_scale"), (dict(init_scale=0.0), "init_scale"),
+    (dict(min_scale=0.0), "min_scale"), (dict(init_scale=2.0, min_scale=4.0), "min_scale")])
+def test_scaler_settings_that_cannot_work_are_refused_by_name(kwargs, named):
+    # growth_interval=0 divided by zero at the first clean step; backoff >= 1 never lowered the scale
+    with pytest.raises(ValueError, match=f"DynamicLossScaler: {named} "):
+        DynamicLossScaler(**kwargs)
+
+
 def test_learning_rate_warmup_then_cosine():
     cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup=4)
     assert [learning_rate(s, cfg, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]

@@ -11,8 +11,10 @@ the key and the fix (printed once, by rank 0) and exit status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -115,7 +117,24 @@ def _launch(args: argparse.Namespace) -> int:
     command += ["--config", args.config] if args.config else []
     for item in args.overrides:
         command += ["--set", item]
-    return subprocess.call(command)
+    return run_forwarding_signals(command)
+
+
+def run_forwarding_signals(command: list[str]) -> int:
+    """Run ``command`` and return its exit status, passing SIGTERM and SIGHUP on to it: a job
+    manager that stops only the launcher (a container's PID 1, ``kill``) would otherwise leave
+    torchrun and its workers running on the GPUs. (SIGINT from a terminal reaches both already.)"""
+    child = subprocess.Popen(command)
+
+    def forward(signum, _frame):
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:

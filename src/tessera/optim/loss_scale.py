@@ -4,6 +4,8 @@ it after ``growth_interval`` clean steps."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -11,6 +13,15 @@ import torch.distributed as dist
 class DynamicLossScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 1000,
                  backoff: float = 0.5, growth: float = 2.0, min_scale: float = 1.0):
+        checks = [(math.isfinite(init_scale) and init_scale > 0, f"init_scale {init_scale} must be a finite number > 0"),
+                  (isinstance(growth_interval, int) and growth_interval >= 1,
+                   f"growth_interval {growth_interval!r} must be a whole number of steps >= 1"),
+                  (0 < backoff < 1, f"backoff {backoff} must be in (0, 1): it lowers the scale"),
+                  (math.isfinite(growth) and growth > 1, f"growth {growth} must be a finite number > 1: it raises the scale"),
+                  (0 < min_scale <= init_scale, f"min_scale {min_scale} must be in (0, init_scale = {init_scale}]")]
+        for ok, problem in checks:
+            if not ok:
+                raise ValueError(f"DynamicLossScaler: {problem}")
         self.scale, self.growth_interval = init_scale, growth_interval
         self.backoff, self.growth, self.min_scale = backoff, growth, min_scale
         self.clean_steps = 0
