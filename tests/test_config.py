@@ -77,6 +77,17 @@ BAD = [
     (["optim.eps=-1e-8"], 1, "optim.eps", "is negative"),
     (["train.timeout_s=1e13"], 1, "train.timeout_s", "not in (0, 1e9]"),
     (["model.family=llama", "model.hidden=36", "model.heads=4"], 1, "model.hidden", "= 9 is odd; RoPE"),
+    # accepted once, then NaN losses from the first step (eps, theta) or a torch error deep in init (std)
+    (["model.norm_eps=-1e-5"], 1, "model.norm_eps", "is not positive"),
+    (["model.norm_eps=0"], 1, "model.norm_eps", "is not positive"),
+    (["model.family=llama", "model.rope_theta=0"], 1, "model.rope_theta", "is not positive"),
+    (["model.family=llama", "model.rope_theta=-10000"], 1, "model.rope_theta", "is not positive"),
+    (["model.init_std=-0.02"], 1, "model.init_std", "is negative"),
+    # accepted once, then a RuntimeError from FSDP: one process runs without a process group
+    (["parallel.zero=3"], 1, "parallel.zero", "needs a process group"),
+    # accepted once, then training on the builtin corpus instead of the datasets named
+    (["data.paths=my-corpus_text_document"], 1, "data.paths", "data.source=builtin reads no datasets"),
+    (["data.source=synthetic", "data.paths=0.5,a,0.5,b"], 1, "data.paths", "data.source=synthetic reads no"),
 ]
 
 
@@ -248,7 +259,7 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     assert resolved(["model.family=llama"]) == (True, True, False)  # llama at tp=1: compiled layers, fused W
     assert resolved(["model.family=llama"], "1f1b") == (True, True, False)
     assert resolved(["model.family=llama", "parallel.dp=2", "parallel.zero=1"]) == (True, True, False)
-    assert resolved(["model.family=llama", "parallel.zero=3"]) == (True, False, False)  # FSDP: no fusion
+    assert resolved(["model.family=llama", "parallel.dp=2", "parallel.zero=3"]) == (True, False, False)  # FSDP: no fusion
     assert resolved(["model.family=llama", "parallel.pp=2"], "zb-h1") == (False, True, False)  # no graph breaks around deferred W
     assert resolved(["model.family=llama", "parallel.pp=2"], "zb-h2") == (False, True, False)
     # tp > 1: graphed eager layers where they can be captured; fusion measured slower, compiled slower
@@ -289,7 +300,7 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     assert resolved(["parallel.tp=2", "train.compile=true"]) == (True, False, False)
     assert resolved(["parallel.dp=2"]) == (False, True, False)
     assert resolved(["parallel.pp=2"], "zb-h1") == (False, True, False)
-    assert resolved(["parallel.zero=3"]) == (False, False, False)
+    assert resolved(["parallel.dp=2", "parallel.zero=3"]) == (False, False, False)
     assert resolved(["model.family=llama", "train.grad_accum_fusion=true"]) == (True, True, False)
     assert resolved(["model.family=llama", "train.grad_accum_fusion=false"]) == (True, False, False)
     assert resolved(["train.compile=true"]) == (True, False, False)

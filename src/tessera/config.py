@@ -91,6 +91,14 @@ class ModelConfig:
                "choose hidden and heads whose quotient (the head dimension) is even")
         _check(self.family == "llama" or self.num_kv_heads == self.heads, "model.kv_heads",
                "grouped-query attention is a llama feature", "set model.family='llama' or kv_heads=0")
+        # (a negative epsilon or RoPE base gives NaN losses from the first step, silently; a
+        # negative std fails deep inside the weights' initialisation)
+        _check(self.norm_eps > 0, "model.norm_eps", f"{self.norm_eps} is not positive",
+               "give a small positive epsilon such as 1e-5")
+        _check(self.rope_theta > 0, "model.rope_theta", f"{self.rope_theta} is not positive",
+               "give a positive base frequency such as 10000")
+        _check(self.init_std >= 0, "model.init_std", f"{self.init_std} is negative",
+               "give a standard deviation such as 0.02")
 
     @property
     def num_kv_heads(self) -> int:
@@ -592,6 +600,17 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check(dp * mp == world_size, "parallel.dp",
            f"tp*pp*dp = {mp}*{p.dp} = {mp * p.dp} is not the world size {world_size}",
            "set parallel.dp=0 to derive it")
+    if p.zero == 3 and world_size == 1:
+        # FSDP shards over a process group (the topology's dp mesh), and a single launched
+        # process runs without one (training/launch.py); one set up by the caller will do
+        import torch.distributed as dist  # late: torch
+        _check(dist.is_available() and dist.is_initialized(), "parallel.zero",
+               "zero=3 (FSDP) needs a process group, and a single process runs without one",
+               "use parallel.zero=0 (one process has nothing to shard over), or launch several processes")
+    # builtin and synthetic data read no datasets: paths given with them would be ignored silently
+    _check(cfg.data.source == "indexed" or not cfg.data.paths, "data.paths",
+           f"data.source={cfg.data.source} reads no datasets, so {cfg.data.paths} would be ignored",
+           "set data.source=indexed to train on them, or leave data.paths empty")
     _check(m.heads % p.tp == 0, "model.heads", f"{m.heads} heads are not divisible by tp={p.tp}",
            "choose heads as a multiple of parallel.tp")
     _check(m.num_kv_heads % p.tp == 0, "model.kv_heads",
