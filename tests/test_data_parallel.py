@@ -70,12 +70,15 @@ def _recording_order(log: list[str]):
             (collectives, "all_reduce", all_reduce, patched(all_reduce, "sum"))]
 
 
-def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None, prepare=None) -> dict:
-    """``prepare(stage, data_parallel)``: called once both are built, before the first step."""
+def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None, prepare=None, setup=None) -> dict:
+    """``prepare(stage, data_parallel)``: called once both are built, before the first step;
+    ``setup(stage)``: before data parallelism wraps the stage."""
     cfg = load_config(None, BASE + overrides)
     validate(cfg, topo.world_size)
     rng = RNGTracker.for_rank(cfg.train.seed, topo.tp_rank, topo.pp_rank)
     stage = Stage(cfg, topo, rng)
+    if setup is not None:
+        setup(stage)
     data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
     if prepare is not None:
         prepare(stage, data_parallel)
@@ -508,6 +511,38 @@ def test_fused_weight_gradients_replayed_by_graphs_match_eager_fusion():
         assert "zero 0 or 1, not zero=2" in out["refused"], out["refused"]
         # the gather hooks lifted for the capture came back: every layer waits for its buckets
         assert a["waited"] and b["waited"] == a["waited"], (b["waited"], a["waited"])
+
+
+def _freeze_embeddings(stage) -> None:
+    for chunk in stage.chunks:
+        for p in chunk.embedding.parameters():
+            p.requires_grad_(False)
+        chunk.pos_embedding.weight.requires_grad_(False)
+
+
+def _frozen_embedding_graphed_worker(rank: int, world: int) -> dict:
+    topo = Topology.build()
+    sets = ["parallel.zero=1", "train.grad_accum_fusion=true"]
+    eager = train_run(topo, sets, setup=_freeze_embeddings)
+    launched = []
+    graphed = train_run(topo, sets, setup=_freeze_embeddings,
+                        prepare=lambda stage, dp: _replay_graphs_of_fused_layers(stage, dp, launched))
+    return dict(eager=eager, graphed=graphed, launched=launched)
+
+
+@pytest.mark.timeout(300)
+def test_graphed_fused_layer_whose_input_needs_no_gradient_still_reports_its_weights():
+    """A frozen embedding: the first graphed layer's input needs no gradient, yet its replayed
+    backward adds its fused weight gradients into main_grad. Their arrival must still be
+    reported after the replay (else they counted nothing, their bucket started only after
+    backward and finish_grad_sync cleared them as gradients that never came): training equals
+    eager fusion's."""
+    for out in run_ranks(_frozen_embedding_graphed_worker, 2, timeout=240):
+        a, b = out["eager"], out["graphed"]
+        assert out["launched"] == [True] * STEPS, out["launched"]
+        assert b["losses"] == a["losses"] and b["norms"] == a["norms"], (b["norms"], a["norms"])
+        for name in a["params"]:
+            torch.testing.assert_close(b["params"][name], a["params"][name], rtol=0, atol=0, msg=name)
 
 
 def _lift_during_capture(stage, data_parallel, fused: bool, record: list) -> None:

@@ -164,3 +164,30 @@ def test_garbage_collection_at_fixed_steps(monkeypatch):
         gc.enable()
     with pytest.raises(ValueError, match=">= 0"):
         GarbageCollection(-1)
+
+
+def test_gradient_norm_of_16_bit_gradients_is_taken_in_fp32():
+    """Gradients of a 16-bit model without tessera's buffers (distributed.finalize.param_grads):
+    the norm of finite fp16 gradients is finite (an fp16 norm overflowed past 65504 to inf, and
+    clipping then zeroed every gradient), and a bf16 norm is the fp32 norm of those values."""
+    from tessera.optim import clip_coefficient, global_grad_norm
+
+    p = torch.nn.Parameter(torch.zeros(100_000))
+    big = torch.full((100_000,), 300.0, dtype=torch.float16)  # norm ~94,868
+    norm = global_grad_norm([(big, p)], Topology.build())
+    assert norm.dtype == torch.float32 and torch.isfinite(norm)
+    assert norm.item() == pytest.approx(300.0 * math.sqrt(100_000), rel=1e-4)  # (fp32 summation)
+    assert clip_coefficient(norm, 1.0).item() > 0
+    g = torch.randn(100_000, generator=torch.Generator().manual_seed(0)).bfloat16()
+    assert global_grad_norm([(g, p)], Topology.build()).item() == pytest.approx(g.float().norm().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("max_norm", [-1.0, float("nan")])
+def test_clipping_to_a_negative_or_nan_norm_is_refused(max_norm):
+    """A negative max_norm turned clipping off silently; NaN made every gradient NaN."""
+    from tessera.optim import clip_coefficient
+
+    with pytest.raises(ValueError, match=f"max_norm is the gradient norm to clip to, >= 0.*not {max_norm}"):
+        clip_coefficient(torch.tensor(2.0), max_norm)
+    assert clip_coefficient(torch.tensor(2.0), 0.0) is None
+    assert clip_coefficient(torch.tensor(2.0), 1.0).item() == pytest.approx(0.5, rel=1e-5)

@@ -38,8 +38,10 @@ def global_grad_norm(grads: Grads, topo: Topology, sharded: bool = False) -> tor
     mine = [g for g, p in grads if counts_once_here(p, topo.tp_rank)]
     device = topo.device
     if mine:
-        norms = torch._foreach_norm(mine, 2.0)
-        sq = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]).square().sum()
+        # in fp32 whatever the gradients' dtype: an fp16 norm overflows past 65504 (inf, so the
+        # clipping factor zeroed every gradient) and a bf16 one is off by up to 0.4 %
+        norms = torch._foreach_norm(mine, 2.0, dtype=torch.float32)
+        sq = torch.stack([n.to(device=device) for n in norms]).square().sum()
     else:
         sq = torch.zeros((), device=device)
     for axis in ("mp", "dp") if sharded else ("mp",):
@@ -53,6 +55,8 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None
     so no host sync); None when ``max_norm = 0`` (no clipping). The optimizers apply it: at zero
     0-2 inside the fused AdamW kernel on CUDA (no extra pass over the gradients), at zero=3 and
     on a CPU as one foreach multiply."""
-    if max_norm <= 0:
+    if not max_norm >= 0:  # (NaN too: it made every gradient NaN; a negative one turned clipping off)
+        raise ValueError(f"max_norm is the gradient norm to clip to, >= 0 (0: no clipping), not {max_norm}")
+    if max_norm == 0:
         return None
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -264,6 +264,10 @@ def _accept_unpacked_sequence(layer: nn.Module, shape: torch.Size, dtype: torch.
         if x.shape != shape or x.dtype != dtype:
             raise ValueError(f"a CUDA-graphed layer was captured for {tuple(shape)} {dtype} inputs, "
                              f"got {tuple(x.shape)} {x.dtype}")
-        return graphed(x if done is None else after_backward(x, done))
+        if done is None:
+            return graphed(x)
+        if not x.requires_grad:  # (a frozen embedding's output: the replay adds the fused gradients
+            x = x.detach().requires_grad_()  # all the same, and after_backward must report them)
+        return graphed(after_backward(x, done))
 
     layer.forward = forward
