@@ -1023,3 +1023,9 @@ def test_a_failed_zero_bubble_step_leaves_no_weight_gradient_to_the_next():
     clean, after_failure = (run_ranks(_failed_zero_bubble_step_worker, 2, fail, timeout=120) for fail in (False, True))
     for a, b in zip(clean, after_failure):
         assert a == b
+
+
+@pytest.mark.parametrize("zero", [True, 1.0, 4, -1, "1"])
+def test_bytes_per_parameter_refuses_a_zero_that_is_not_0_to_3(zero):
+    with pytest.raises(ValueError, match=f"zero must be one of the integers 0, 1, 2, 3, not {zero!r}"[:40]):
+        bytes_per_parameter(zero, 2)

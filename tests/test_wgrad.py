@@ -154,3 +154,12 @@ def test_an_unregistered_weight_breaks_the_graph_and_a_lost_store_is_named():
     wgrad._register(WeightGradStore(), [weight])  # its store is gone at once: a clear error
     with pytest.raises(RuntimeError, match="not registered with its WeightGradStore"):
         wgrad._registered(weight)
+
+
+def test_a_nested_defer_gives_the_outer_block_its_key_back():
+    store = WeightGradStore()
+    with store.defer("outer"):
+        with store.defer("inner"):
+            assert store.key == "inner"
+        assert store.key == "outer"  # (it was None: the outer block's later layers ran undeferred)
+    assert store.key is None

@@ -44,11 +44,11 @@ class WeightGradStore:
 
     @contextlib.contextmanager
     def defer(self, key: object):
-        self.key = key
+        outer, self.key = self.key, key
         try:
             yield
         finally:
-            self.key = None
+            self.key = outer  # (an inner block gives its outer one back its key)
 
     @torch.no_grad()  # outside autograd's backward: the saved input still requires grad
     def run(self, key: object) -> None:
