@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     schedule.add_argument("--cost-b", type=_positive(float), default=2.0, help="full backward time of one chunk")
     schedule.add_argument("--cost-i", type=_positive(float), help="input-grad backward time (default: half of B)")
     schedule.add_argument("--cost-w", type=_positive(float), help="weight-grad backward time (default: half of B)")
-    schedule.add_argument("--comm", type=_latency, default=0.0, help="latency of one send between ranks")
+    schedule.add_argument("--comm", type=_positive(float, zero_ok=True), default=0.0, help="latency of one send between ranks")
     schedule.add_argument("--out", help="write the timeline picture here (.svg, or .png with matplotlib)")
     schedule.add_argument("--print-actions", action="store_true", help="print each rank's action list")
     from tessera.data.commands import add_data_commands
@@ -50,23 +50,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive(kind: type):
-    """An argparse type: ``kind(text)``, refused unless > 0 (sizes and costs)."""
+def _positive(kind: type, zero_ok: bool = False):
+    """An argparse type: ``kind(text)``, refused unless a finite number > 0 (sizes and costs),
+    or >= 0 with ``zero_ok`` (a send's latency)."""
 
     def parse(text: str):
         value = kind(text)
-        if not 0 < value < math.inf:  # (NaN too)
-            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+        if not ((0 <= value) if zero_ok else (0 < value)) or not value < math.inf:  # (NaN too)
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if zero_ok else '>'} 0, got {text}")
         return value
     return parse
-
-
-def _latency(text: str) -> float:
-    """An argparse type: a finite time >= 0 (a send's latency)."""
-    value = float(text)
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
 
 
 def _schedule(args: argparse.Namespace) -> int:

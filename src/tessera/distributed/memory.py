@@ -47,7 +47,7 @@ def bytes_per_parameter(zero: int, dp: int, dtype: str = "bf16", grad_dtype: str
             raise ValueError(f"{name} must be one of {', '.join(SIZES)}, not {value!r}")
     if not (isinstance(dp, int) and dp >= 1):
         raise ValueError(f"dp is a number of data-parallel ranks >= 1, not {dp!r}")
-    if not isinstance(zero, int) or isinstance(zero, bool) or zero not in (0, 1, 2, 3):  # (True, 1.0 == 1)
+    if type(zero) is not int or zero not in (0, 1, 2, 3):  # (True and 1.0 equal 1: refused too)
         raise ValueError(f"zero must be one of the integers 0, 1, 2, 3, not {zero!r}")
     p, g = SIZES[dtype], SIZES[grad_dtype]
     main = 0 if dtype == "fp32" else 4
