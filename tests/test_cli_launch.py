@@ -11,8 +11,10 @@ import pytest
 
 from tessera.cli import run_forwarding_signals
 
-CHILD = ("import os, signal, sys, time; print(os.getpid(), flush=True); "
-         "[signal.signal(s, lambda *_: sys.exit(7)) for s in (signal.SIGTERM, signal.SIGHUP)]; time.sleep(60)")
+# (its handlers set before it says its pid: a signal forwarded at once finds them)
+CHILD = ("import os, signal, sys, time; "
+         "[signal.signal(s, lambda *_: sys.exit(7)) for s in (signal.SIGTERM, signal.SIGHUP)]; "
+         "print(os.getpid(), flush=True); time.sleep(60)")
 LAUNCHER = ("import sys; from tessera.cli import run_forwarding_signals; "
             f"sys.exit(run_forwarding_signals([sys.executable, '-c', {CHILD!r}]))")
 

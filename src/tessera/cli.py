@@ -117,13 +117,19 @@ def run_forwarding_signals(command: list[str]) -> int:
     """Run ``command`` and return its exit status, passing SIGTERM and SIGHUP on to it: a job
     manager that stops only the launcher (a container's PID 1, ``kill``) would otherwise leave
     torchrun and its workers running on the GPUs. (SIGINT from a terminal reaches both already.)"""
-    child = subprocess.Popen(command)
+    child, early = None, []
 
     def forward(signum, _frame):
+        if child is None:  # (before the child exists: sent to it once it does)
+            early.append(signum)
+            return
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(signum)
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
+        child = subprocess.Popen(command)
+        for signum in early:
+            child.send_signal(signum)
         return child.wait()
     finally:
         for sig, handler in previous.items():
