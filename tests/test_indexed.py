@@ -270,3 +270,16 @@ def test_overwrite_replaces_pair(tmp_path):
     write(tmp_path / "d", [[7]])
     ds = IndexedDataset(tmp_path / "d")
     assert [x.tolist() for x in ds] == [[7]]
+
+
+def test_two_writers_of_one_prefix_keep_their_own_temporaries(tmp_path):
+    # Two writers in one process (or on two hosts with the same pid) must not share temporary
+    # names: the second would truncate the first's tokens, and its abort would delete them.
+    first = IndexedDatasetWriter(tmp_path / "d", np.uint16)
+    first.add_document([1, 2, 3])
+    second = IndexedDatasetWriter(tmp_path / "d", np.uint16)
+    second.add_document([9])
+    second.abort()
+    first.close()
+    assert [x.tolist() for x in IndexedDataset(tmp_path / "d")] == [[1, 2, 3]]
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]

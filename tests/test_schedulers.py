@@ -112,7 +112,10 @@ def test_scheduler_state_round_trip_and_refusal():
     assert info.value.key == "optim.decay_style" and "'wsd'" in str(info.value)
     with pytest.raises(ConfigError) as info:
         sched("wsd", total=30, wsd_decay_steps=8).load_state_dict(s.state_dict())
-    assert info.value.key == "train.steps"
+    assert info.value.key == "train.steps" and "optim.decay_steps=20" in info.value.fix
+    # With the decay's end pinned by optim.decay_steps a run may be resumed for longer.
+    pinned = sched("cosine", decay_steps=15)
+    sched("cosine", total=40, decay_steps=15).load_state_dict(pinned.state_dict())
 
 
 def test_constant_global_batch():

@@ -32,6 +32,7 @@ from __future__ import annotations
 import array
 import os
 import struct
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -256,7 +257,8 @@ class IndexedDatasetWriter:
 
     The same files Megatron's ``IndexedDatasetBuilder`` writes for ``add_item(doc)`` followed by
     ``end_document()`` per document. Writing is atomic as a pair: tokens go to a temporary
-    ``PREFIX.bin.tmp-<pid>``, the index to ``PREFIX.idx.tmp-<pid>``; only after both are complete
+    ``PREFIX.bin.tmp-<uuid>``, the index to ``PREFIX.idx.tmp-<uuid>`` (a name no other writer holds:
+    a pid repeats across the hosts sharing a file system, and within one process); only after both are complete
     and fsynced does ``close()`` remove any old ``PREFIX.idx``, rename the .bin into place and
     rename the .idx last. A crash at any point leaves either no pair, the old pair, or a .bin
     without its .idx, and the reader refuses all but the first two. Leaving the ``with`` block
@@ -273,10 +275,10 @@ class IndexedDatasetWriter:
             raise IndexedDatasetError(f"{idx_path(self.path_prefix)}: dtype {self.dtype} has no Megatron code "
                                       f"(supported: {', '.join(str(d) for d in _CODE_OF)})")
         Path(self.path_prefix).parent.mkdir(parents=True, exist_ok=True)
-        suffix = f".tmp-{os.getpid()}"
+        suffix = f".tmp-{uuid.uuid4().hex}"
         self._tmp_bin = bin_path(self.path_prefix) + suffix
         self._tmp_idx = idx_path(self.path_prefix) + suffix
-        self._bin = open(self._tmp_bin, "wb", buffering=1 << 20)
+        self._bin = open(self._tmp_bin, "xb", buffering=1 << 20)
         self._lengths = array.array("i")
         self._closed = False
         if self.dtype.kind in "iu":

@@ -33,6 +33,7 @@ import gzip
 import json
 import os
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -300,7 +301,7 @@ def preprocess(input: str | os.PathLike, output_prefix: str | os.PathLike, token
         bar.set_postfix_str(f"{documents / max(time.perf_counter() - start, 1e-9):,.0f} docs/s, {documents:,} docs",
                             refresh=False)
 
-    scratch = f"{tokenizer_path}.tmp-{os.getpid()}"
+    scratch = f"{tokenizer_path}.tmp-{uuid.uuid4().hex}"
     try:
         with IndexedDatasetWriter(output_prefix, dtype) as writer:
             if workers == 1:

@@ -87,15 +87,20 @@ class LRScheduler:
 
     def state_dict(self) -> dict[str, Any]:
         settings = {name: getattr(self.cfg, name) for name in _SETTINGS}
-        return {"settings": settings | {"total_steps": self.total_steps}}
+        return {"settings": settings | {"decay_end": self.decay_end}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Refuse a state built with other settings: a resumed run would silently change schedule."""
+        """Refuse a state built with other settings: a resumed run would silently change schedule.
+        The run's length counts only through the decay's end D: with optim.decay_steps set, a
+        resumed run may train longer (it stays at min_lr after D)."""
         mine = self.state_dict()["settings"]
         for name, saved in state["settings"].items():
             if mine.get(name) != saved:
-                raise ConfigError(f"optim.{name}" if name != "total_steps" else "train.steps",
-                                  f"the checkpoint's schedule used {saved!r}, this run {mine.get(name)!r}",
+                if name == "decay_end":
+                    raise ConfigError("train.steps", f"the checkpoint's schedule decays until step {saved}, "
+                                      f"this run's until step {mine[name]}",
+                                      f"set optim.decay_steps={saved} (or train.steps back) to resume")
+                raise ConfigError(f"optim.{name}", f"the checkpoint's schedule used {saved!r}, this run {mine.get(name)!r}",
                                   f"set it back to {saved!r} to resume")
 
 
