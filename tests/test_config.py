@@ -184,6 +184,8 @@ PIPELINE_BAD = [
     (["parallel.pp=2", "parallel.vpp=3", "model.layers=4", "parallel.pp_layout=even"], 2, "parallel.vpp",
      "not divisible by pp*vpp = 6"),
     (["parallel.pp=2", "parallel.vpp=3", "model.layers=4"], 2, "parallel.vpp", "6 virtual stages for 4 layers"),
+    (["parallel.pp=2", "parallel.vpp=3", "model.layers=4"], 2, "parallel.vpp",
+     "-> use at most model.layers=4 virtual stages: lower parallel.pp / parallel.vpp"),
     (["parallel.pp=2", "model.layers=5"], 2, "parallel.pp", "cannot be split into vpp=1 equal chunks"),
     (["parallel.pp=2", "parallel.pp_layout=1,2", "model.layers=4"], 2, "parallel.pp_layout", "sum to model.layers = 4"),
     (["parallel.pp=2", "parallel.pp_layout=2,2,0", "model.layers=4"], 2, "parallel.pp_layout", "3 entries"),

@@ -1029,3 +1029,14 @@ def test_a_failed_zero_bubble_step_leaves_no_weight_gradient_to_the_next():
 def test_bytes_per_parameter_refuses_a_zero_that_is_not_0_to_3(zero):
     with pytest.raises(ValueError, match=f"zero must be one of the integers 0, 1, 2, 3, not {zero!r}"[:40]):
         bytes_per_parameter(zero, 2)
+
+
+@pytest.mark.parametrize("kw,named", [({"dp": 0}, "dp must be"), ({"dp": True}, "dp must be"),
+                                      ({"bucket_size": 0}, "bucket_size must be")])
+def test_buffer_refuses_a_size_below_one_by_name(kw, named):
+    from tessera.distributed.buffers import ParamAndGradBuffer
+
+    args = dict(param_dtype=torch.float32, grad_dtype=torch.float32, bucket_size=100, dp=2,
+                device=torch.device("cpu")) | kw
+    with pytest.raises(ValueError, match=named):
+        ParamAndGradBuffer([torch.nn.Parameter(torch.zeros(3))], **args)

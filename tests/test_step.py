@@ -191,3 +191,23 @@ def test_clipping_to_a_negative_or_nan_norm_is_refused(max_norm):
         clip_coefficient(torch.tensor(2.0), max_norm)
     assert clip_coefficient(torch.tensor(2.0), 0.0) is None
     assert clip_coefficient(torch.tensor(2.0), 1.0).item() == pytest.approx(0.5, rel=1e-5)
+
+
+def test_sequence_parallel_sums_of_16_bit_gradients_run_in_fp32(monkeypatch):
+    """Four ranks' bf16 gradients 1, 2^-8, 2^-8, 2^-8: summed pairwise in bf16 each 1 + 2^-8 rounds
+    back to 1; summed in fp32 and rounded once they give 1 + 2^-6 (the tie goes to even)."""
+    import tessera.distributed.finalize as finalize
+
+    seen = []
+
+    def all_reduce(flat, group):  # stands in for the three other ranks of a tp=4 group
+        seen.append(flat.dtype)
+        for _ in range(3):
+            flat.add_(torch.tensor(2.0 ** -8, dtype=flat.dtype))
+
+    monkeypatch.setattr(finalize.dist, "all_reduce", all_reduce)
+    g16 = torch.ones(3, dtype=torch.bfloat16)
+    g32 = torch.ones(2)
+    finalize._all_reduce_coalesced([g16, g32], group=object())
+    assert seen == [torch.float32, torch.float32]
+    assert g16.tolist() == [1 + 2.0 ** -6] * 3 and g32.tolist() == [1 + 3 * 2.0 ** -8] * 2

@@ -51,6 +51,10 @@ class ParamAndGradBuffer:
 
     def __init__(self, params: list[nn.Parameter], *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
                  bucket_size: int, dp: int, device: torch.device, keep_grads: bool = True):
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"ParamAndGradBuffer: dp must be an integer >= 1 (the data-parallel size), got {dp!r}")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(f"ParamAndGradBuffer: bucket_size must be an integer >= 1 (elements), got {bucket_size!r}")
         self.param_dtype, self.grad_dtype, self.dp, self.device = param_dtype, grad_dtype, dp, device
         self.offsets: dict[nn.Parameter, tuple[int, int]] = {}  # param -> [lo, hi) in the buffer
         self.buckets: list[Bucket] = []

@@ -27,14 +27,18 @@ Grads = list[tuple[Tensor, nn.Parameter]]
 
 
 def _all_reduce_coalesced(grads: list[Tensor], group: dist.ProcessGroup | None) -> None:
-    """One all-reduce of all ``grads`` flattened together (grouped by dtype)."""
+    """One all-reduce of all ``grads`` flattened together (grouped by dtype). 16-bit gradients
+    are summed in fp32 and rounded once (a ring over more than two ranks would round per hop);
+    these are small (norms, biases, the tied embedding), so the wider wire costs little."""
     if group is None or not grads:
         return
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
+    for dtype, same in by_dtype.items():
         flat = _flatten_dense_tensors(same)
+        if dtype in (torch.bfloat16, torch.float16):
+            flat = flat.float()
         dist.all_reduce(flat, group=group)
         for g, reduced in zip(same, _unflatten_dense_tensors(flat, same)):
             g.copy_(reduced)
