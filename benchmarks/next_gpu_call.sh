@@ -20,6 +20,9 @@
 #      backwards with 32 hardware queues instead of 8 (CUDA gives two streams no promise of
 #      independent progress: streams sharing a queue can make a kernel wait behind another
 #      stream's spinning NCCL kernel; one queue stopped the hangs and the gain in session 20)
+#      If 1 hung too: s23A with EXTRA_ENV="NCCL_LAUNCH_ORDER_IMPLICIT=1" (NCCL >= 2.26 orders the
+#      communicators' operations by host launch order, which the in-turn backward makes the same
+#      on every rank; the two-thread backwards do not, session 20)
 #   3. where 1 (or 2) ran clean: the issue-6 rows with the pairs, e.g. COMPARE_BUDGET=585 python3
 #      benchmarks/compare.py gpt-1.3b 1gpu tp2 \
 #        tp2+parallel.tp_microbatch_pairs=true+parallel.tp_pairs_backward=in_turn
