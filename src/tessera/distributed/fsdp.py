@@ -7,7 +7,10 @@ the layers as before. Each layer's parameters are all-gathered for its forward a
 its gradients reduce-scattered (in fp32, summed: the loss is already divided by the global token
 count, so FSDP's default average over dp is turned off) as soon as its backward ends, per
 micro-batch; FSDP accumulates the sharded gradients. Parameters stay fp32 shards (they are the main parameters);
-``MixedPrecisionPolicy`` casts them to the compute dtype when gathering.
+``MixedPrecisionPolicy`` casts them to the compute dtype when gathering. A 16-bit run first
+rounds the initial weights to that dtype, as zero 0-2 do (their fp32 main parameters are made
+from the model's 16-bit copy, as Megatron's): otherwise the two would train from different
+master weights, the same first step and apart from the second.
 
 FSDP2 replaces each parameter by a DTensor; the marks tessera's reductions and norms read
 (``tensor_parallel``, ``sequence_parallel``, ``tied_across_stages``, ``shared_embedding``) are
@@ -35,6 +38,10 @@ class FullyShardedDataParallel:
         policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                       reduce_dtype=torch.float32)
         for chunk in chunks:
+            if compute_dtype != torch.float32:
+                with torch.no_grad():
+                    for p in chunk.parameters():
+                        p.copy_(p.to(compute_dtype))
             marks = {name: {m: getattr(p, m) for m in MARKS if hasattr(p, m)}
                      for name, p in chunk.named_parameters()}
             sharded = [fully_shard(layer, mesh=mesh, mp_policy=policy)

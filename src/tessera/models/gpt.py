@@ -165,10 +165,11 @@ class GPTModel(nn.Module):
         if labels is None:
             yield logits
             return
-        # [s, b] -> [b, s]; contiguous (tiny), so it is no view (FSDP warns about returned views)
+        # [s, b] -> [b, s]; a copy (tiny), never a view, also where b = 1 makes the transpose
+        # contiguous already (FSDP warns about returned views)
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, self.cfg.vocab_size,
                                             fused=self.tp.fused_cross_entropy)
-        yield loss.t().contiguous()
+        yield loss.t().clone(memory_format=torch.contiguous_format)
 
     @torch.no_grad()
     def full_logits(self, tokens: Tensor) -> Tensor:
