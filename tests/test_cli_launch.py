@@ -1,5 +1,6 @@
-"""The launcher (`tessera train --nproc-per-node N` hands over to torchrun): a SIGTERM or SIGHUP sent
-to it alone reaches the launched command, so stopping the launcher never leaves workers behind."""
+"""The launcher (`tessera train --nproc-per-node N` hands over to torchrun): a SIGINT, SIGTERM, SIGHUP or
+SIGQUIT sent to it alone reaches the launched command once, so stopping the launcher never leaves
+workers behind."""
 
 import os
 import signal
@@ -13,10 +14,19 @@ from tessera.cli import run_forwarding_signals
 
 # (its handlers set before it says its pid: a signal forwarded at once finds them)
 CHILD = ("import os, signal, sys, time; "
-         "[signal.signal(s, lambda *_: sys.exit(7)) for s in (signal.SIGTERM, signal.SIGHUP)]; "
+         "[signal.signal(s, lambda *_: sys.exit(7)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, "
+         "signal.SIGQUIT)]; "
          "print(os.getpid(), flush=True); time.sleep(60)")
 LAUNCHER = ("import sys; from tessera.cli import run_forwarding_signals; "
             f"sys.exit(run_forwarding_signals([sys.executable, '-c', {CHILD!r}]))")
+
+
+def _start(ignore_hangup: bool = False):
+    """The launcher (SIGHUP ignored as under ``nohup`` where asked) and its child's pid."""
+    code = ("import signal; signal.signal(signal.SIGHUP, signal.SIG_IGN); " if ignore_hangup else "") + LAUNCHER
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    return launcher, int(launcher.stdout.readline())
 
 
 def _alive(pid: int) -> bool:
@@ -28,12 +38,13 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT])
 def test_a_signal_to_the_launcher_stops_what_it_launched(sig):
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    child = int(launcher.stdout.readline())
+    launcher, child = _start()
     try:
+        # In a session of its own: a terminal's Ctrl-C reaches the launcher only, which passes it
+        # on once (twice, the second would interrupt torchrun's shutdown of its workers).
+        assert os.getsid(child) != os.getsid(launcher.pid)
         launcher.send_signal(sig)  # to the launcher only, as `kill` or a container runtime sends it
         assert launcher.wait(timeout=20) == 7, "the launcher should return the child's exit status"
         deadline = time.monotonic() + 10
@@ -46,6 +57,55 @@ def test_a_signal_to_the_launcher_stops_what_it_launched(sig):
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.timeout(60)
+def test_a_hangup_the_launcher_ignores_is_not_passed_on():
+    launcher, child = _start(ignore_hangup=True)  # nohup tessera train ...: a logout must not stop it
+    try:
+        launcher.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert launcher.poll() is None and _alive(child)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=20) == 7
+    finally:
+        for pid in (child, launcher.pid):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_the_launched_commands_exit_status_is_returned():
     assert run_forwarding_signals([sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
+    killed = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    assert run_forwarding_signals([sys.executable, "-c", killed]) == 128 + signal.SIGKILL
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers put back
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_ends_a_run_with_one_line(tmp_path):
+    from test_train_e2e import TINY
+
+    sets = [a for s in TINY + ["train.steps=100000", "train.log_every=1", f"train.out_dir={tmp_path}"]
+            for a in ("--set", s)]
+    run = subprocess.Popen([sys.executable, "-m", "tessera", "train", *sets], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout.readline().startswith("tessera: ")  # (built: the model's line)
+        while "step" not in run.stdout.readline():  # training
+            pass
+        run.send_signal(signal.SIGINT)
+        _, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 130 and err.strip().splitlines() == ["tessera: interrupted"], err[-2000:]
+
+
+def test_the_launcher_refuses_an_out_dir_a_running_run_holds(tmp_path):
+    from tessera.training.metrics import lock_out_dir
+
+    held = lock_out_dir(tmp_path)  # a run writing there now
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2", "--set",
+                               f"train.out_dir={tmp_path}"], capture_output=True, text=True, timeout=60)
+    finally:
+        held.close()
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"tessera: config error: train.out_dir: {tmp_path} is in use by another run (host ")

@@ -45,8 +45,11 @@ def test_dp_derived_from_world():
 BAD = [
     # (overrides, world size, key named in the error, words in the message)
     (["model.hiden=3"], 1, "model.hiden", "did you mean 'model.hidden'"),
-    (["modle.hidden=3"], 1, "modle", "unknown"),
-    (["model.hidden=big"], 1, "model.hidden", "not a int"),
+    (["modle.hidden=3"], 1, "modle", "unknown section -> did you mean 'model.hidden'?"),
+    (["trainn.stepz=3"], 1, "trainn", "unknown section -> did you mean 'train'?"),
+    (["zzz.q=3"], 1, "zzz", "`tessera config` lists every key"),
+    (["checkpoint.save_every=5"], 1, "checkpoint.save_every", "not implemented yet"),
+    (["model.hidden=big"], 1, "model.hidden", "not an int"),
     (["parallel.sequence_parallel=maybe"], 1, "parallel.sequence_parallel", "not a bool"),
     (["train.dtype=fp8"], 1, "train.dtype", "fp32, bf16, fp16"),
     (["model.family=bert"], 1, "model.family", "gpt2, llama"),

@@ -52,6 +52,19 @@ def test_bad_data_paths_are_refused_up_front(tmp_path, paths, problem):
     assert "data.paths" in proc.stderr and problem in proc.stderr.lower(), proc.stderr
 
 
+@pytest.mark.parametrize("split", ["0,100,0", "1,1000,0"])
+def test_a_split_that_leaves_training_no_sample_is_refused_up_front(tmp_path, split):
+    from tessera.config import ConfigError, load_config
+    from tessera.training.trainer import check_runnable
+
+    write_corpus(tmp_path / "a", 1)
+    cfg = load_config(None, ["data.source=indexed", f"data.paths={tmp_path / 'a'}", f"data.split={split}"])
+    with pytest.raises(ConfigError) as info:  # (it failed in the data feed, after the model was built)
+        check_runnable(cfg, 1)
+    assert info.value.key == "data.split" and "too few tokens for a sample" in str(info.value)
+    check_runnable(load_config(None, ["data.source=indexed", f"data.paths={tmp_path / 'a'}", "data.split=1,1,0"]), 1)
+
+
 def test_token_ids_past_the_model_vocabulary_stop_the_run(tmp_path):
     """The corpus holds ids up to 63; a 32-id model would otherwise train on zero embeddings
     under a vocab-parallel layout (no rank owns the id) or fail on one device."""
@@ -111,3 +124,29 @@ def test_jsonl_to_training(tmp_path):
     with pytest.raises(AssertionError, match="model.vocab_size: 256 is smaller than the sample tokenizer's"):
         run_train(tmp_path / "small", 1, ["data.source=indexed", f"data.paths={tmp_path / 'docs'}",
                                           "model.vocab_size=256", "data.split=1,0,0", "train.sample_tokens=8"])
+
+
+def test_a_blend_of_two_vocabularies_is_refused_up_front(tmp_path):
+    """Two corpora each with its own trained BPE: the same id is other text in each."""
+    import json
+
+    pytest.importorskip("tokenizers")
+    import pydoc_data.topics
+
+    from tessera.config import ConfigError, load_config
+    from tessera.data.preprocess import preprocess
+    from tessera.training.trainer import check_runnable
+
+    texts = list(pydoc_data.topics.topics.values())
+    for name, part in (("a", texts[:20]), ("b", texts[20:40])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    preprocess(tmp_path / "a.jsonl", tmp_path / "a", "bpe:400", progress=False)
+    preprocess(tmp_path / "b.jsonl", tmp_path / "b", "bpe:400", progress=False)
+    blend = ["data.source=indexed", f"data.paths=0.5,{tmp_path / 'a'},0.5,{tmp_path / 'b'}", "model.vocab_size=512"]
+    with pytest.raises(ConfigError) as info:
+        check_runnable(load_config(None, blend), 1)
+    assert info.value.key == "data.paths" and "different vocabularies" in str(info.value)
+    assert f"--tokenizer {tmp_path / 'a'}.tokenizer.json" in info.value.fix
+    preprocess(tmp_path / "b.jsonl", tmp_path / "b", str(tmp_path / "a.tokenizer.json"), progress=False,
+               overwrite=True)  # the fix the error names
+    check_runnable(load_config(None, blend), 1)

@@ -15,7 +15,7 @@ pytest.importorskip("tokenizers")  # installed with tessera; a GPU box without n
 
 from tessera.cli import main
 from tessera.data import preprocess as pre
-from tessera.data.indexed import IndexedDataset
+from tessera.data.indexed import IndexedDataset, IndexedDatasetWriter
 from tessera.data.preprocess import PreprocessError, preprocess
 
 TEXTS = [
@@ -115,8 +115,9 @@ def test_blank_lines_are_skipped_and_vocab_size_picks_dtype(tmp_path):
 @pytest.mark.parametrize("lines,message", [
     ('{"text": "ok"}\n{"text": "ok"}\nnot json\n', r"in\.jsonl:3: not valid JSON"),
     ('{"text": "ok"}\n{"body": "x"}\n', r"in\.jsonl:2: no key 'text' \(found keys \['body'\]\)"),
-    ('{"text": 5}\n', r"in\.jsonl:1: 'text' is a int, expected a string"),
-    ('[1, 2]\n', r"in\.jsonl:1: no key 'text' \(found list\)"),
+    ('{"text": 5}\n', r"in\.jsonl:1: 'text' is an int, expected a string"),
+    ('[1, 2]\n', r"in\.jsonl:1: an array, not an object; the input is JSON Lines"),
+    ('"just text"\n', r"in\.jsonl:1: a string, not an object"),
 ])
 def test_bad_lines_name_file_and_line(tmp_path, lines, message):
     (tmp_path / "in.jsonl").write_text(lines)
@@ -238,11 +239,18 @@ def test_cli_preprocess_and_inspect(tmp_path, capsys):
                  "--output-prefix", prefix, "--workers", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert f"{len(TEXTS)} documents" in out and "uint16" in out and "ds.tokenizer.json" in out
+    eod = int(out.split("eod ")[1].split(")")[0])
 
-    assert main(["data", "inspect", prefix]) == 0
+    assert main(["data", "inspect", prefix]) == 0  # (with the id data.eod_id needs for packing)
     ds = IndexedDataset(prefix)
     assert capsys.readouterr().out.strip() == (f"{prefix}: documents {len(TEXTS)}, sequences {len(TEXTS)}, "
-                                               f"tokens {ds.num_tokens}, dtype uint16")
+                                               f"tokens {ds.num_tokens}, dtype uint16, eod {eod} "
+                                               "(every document sampled ends with it)")
+    with IndexedDatasetWriter(tmp_path / "plain", np.uint16) as w:  # documents without a common end
+        w.add_document([5, 6])
+        w.add_document([6, 5])
+    assert main(["data", "inspect", str(tmp_path / "plain")]) == 0
+    assert capsys.readouterr().out.strip().endswith("tokens 4, dtype uint16")
     assert main(["data", "inspect", prefix, "--show", "1"]) == 0
     assert json.loads(capsys.readouterr().out) == ds[1].tolist()
 

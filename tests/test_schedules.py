@@ -279,6 +279,7 @@ def test_cli_refuses_in_one_line(argv, capsys, tmp_path, monkeypatch):
     (["--cost-b", "nan"], "argument --cost-b: must be a finite number > 0, got nan"),
     (["--cost-f", "inf", "--out", "t.svg"], "argument --cost-f: must be a finite number > 0, got inf"),
     (["--cost-w", "0"], "argument --cost-w: must be a finite number > 0, got 0"),
+    (["--pp", "0"], "argument --pp: must be an integer > 0, got 0"),
 ])
 def test_cli_refuses_costs_that_are_not_times(argv, problem, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

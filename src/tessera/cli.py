@@ -23,7 +23,9 @@ from tessera.config import ConfigError, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tessera", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="tessera", description=(
+        "Train transformer language models with tensor, sequence, pipeline and data parallelism "
+        "(tessera COMMAND --help for each command)."))
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (under torchrun for several processes)")
     train.add_argument("--config", help="TOML file with [model], [parallel], [train], ... sections")
@@ -32,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc-per-node", type=_positive(int), default=0, metavar="N",
                        help="check the config for N processes, then launch them with torchrun")
     sub.add_parser("config", help="print the configuration reference (every key, default and meaning)")
-    schedule = sub.add_parser("schedule", help="simulate a pipeline schedule: step time, bubble, picture")
+    schedule = sub.add_parser("schedule", help="simulate a pipeline schedule: step time, bubble (idle / busy time), picture")
     schedule.add_argument("--kind", default="1f1b", help="none, gpipe, 1f1b, interleaved, zb-h1, zb-h2 or interleaved-zb")
     schedule.add_argument("--pp", type=_positive(int), default=4, help="pipeline ranks")
     schedule.add_argument("--vpp", type=_positive(int), default=1, help="model chunks per rank (interleaved, interleaved-zb)")
@@ -57,7 +59,8 @@ def _positive(kind: type, zero_ok: bool = False):
     def parse(text: str):
         value = kind(text)
         if not ((0 <= value) if zero_ok else (0 < value)) or not value < math.inf:  # (NaN too)
-            raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if zero_ok else '>'} 0, got {text}")
+            what = "an integer" if kind is int else "a finite number"
+            raise argparse.ArgumentTypeError(f"must be {what} {'>=' if zero_ok else '>'} 0, got {text}")
         return value
     return parse
 
@@ -102,9 +105,13 @@ def _schedule(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     """Check the configuration for the launch, then hand over to torchrun (which relaunches us)."""
+    from tessera.training.launch import check_device
+    from tessera.training.metrics import check_out_dir_free
     from tessera.training.trainer import check_runnable
 
-    check_runnable(load_config(args.config, args.overrides), args.nproc_per_node)
+    cfg = check_runnable(load_config(args.config, args.overrides), args.nproc_per_node)
+    check_device(cfg.train.device)  # (what the ranks would each find: said here once, in one line)
+    check_out_dir_free(cfg.train.out_dir)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
                "-m", "tessera", "train"]
     command += ["--config", args.config] if args.config else []
@@ -113,24 +120,36 @@ def _launch(args: argparse.Namespace) -> int:
     return run_forwarding_signals(command)
 
 
+STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
 def run_forwarding_signals(command: list[str]) -> int:
-    """Run ``command`` and return its exit status, passing SIGTERM and SIGHUP on to it: a job
-    manager that stops only the launcher (a container's PID 1, ``kill``) would otherwise leave
-    torchrun and its workers running on the GPUs. (SIGINT from a terminal reaches both already.)"""
+    """Run ``command`` in a session of its own and return its exit status (128 + N where signal N
+    ended it), passing on the signals that stop a job (SIGINT, SIGTERM, SIGHUP, SIGQUIT), each
+    once. A job manager or ``kill`` that signals only the launcher would otherwise leave torchrun
+    and its workers running on the GPUs. The session of its own keeps a terminal's Ctrl-C from
+    reaching torchrun twice, directly and forwarded: a second signal interrupts torchrun's own
+    shutdown of its workers. A signal this process ignores (``nohup``'s SIGHUP) is not passed on."""
     child, early = None, []
 
     def forward(signum, _frame):
+        if signum == signal.SIGINT:
+            print("tessera: interrupted: stopping the workers", file=sys.stderr, flush=True)
         if child is None:  # (before the child exists: sent to it once it does)
             early.append(signum)
             return
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(signum)
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, forward) for sig in STOPPING_SIGNALS
+                if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
-        child = subprocess.Popen(command)
+        # (torchrun sets OMP_NUM_THREADS=1 where it is unset, and prints a banner saying so)
+        env = os.environ | ({} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"})
+        child = subprocess.Popen(command, start_new_session=True, env=env)
         for signum in early:
             child.send_signal(signum)
-        return child.wait()
+        status = child.wait()
+        return status if status >= 0 else 128 - status
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -151,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_data_command(args)
     from tessera.training.launch import shutdown, world_from_env
 
-    rank = world_from_env()[0]
+    rank, _, world = world_from_env()
+    who = f"rank {rank}: " if world > 1 else ""
+    interrupted = False
     try:
         if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
             return _launch(args)
@@ -161,14 +182,19 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg)
     except ConfigError as e:
         if e.rank_local:  # found in this rank's own share (of the data): only this rank knows
-            print(f"tessera: rank {rank}: {e}", file=sys.stderr, flush=True)
+            print(f"tessera: {who}{e}", file=sys.stderr, flush=True)
         elif rank == 0:
             print(f"tessera: {e}", file=sys.stderr, flush=True)
         else:  # every rank finds the error; torchrun stops the others once one exits, so the
             time.sleep(3)  # rest leave rank 0 time to say it (seen lost on a loaded 2-core CI box)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever the step was
+        interrupted = True
+        print(f"tessera: {who}interrupted", file=sys.stderr, flush=True)
+        return 130
     finally:
-        shutdown()
+        if not interrupted:  # (after an interrupt, a collective may be half done: tearing the
+            shutdown()       # process group down could wait for it; the process ends anyway)
     return 0
 
 

@@ -441,11 +441,13 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(self.source != "indexed" or bool(self.paths), "data.paths", "data.source=indexed needs datasets",
-               'give data.paths, e.g. ["my-corpus_text_document"]')
+               "give data.paths, e.g. --set data.paths=my-corpus_text_document "
+               '(in a TOML file: paths = ["my-corpus_text_document"])')
         packing = self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
         _check(not packing or self.eod_id >= 0, "data.eod_id",
                "reset_position_ids / reset_attention_mask / eod_mask_loss need the end-of-document id",
-               "set data.eod_id (the id your preprocessing appended, see `tessera data inspect`)")
+               "set data.eod_id (the id your preprocessing appended: `tessera preprocess` and "
+               "`tessera data inspect PREFIX` print it)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -458,9 +460,9 @@ class CheckpointConfig:
     """Reserved with checkpoint.dir; any value but 0 is refused."""
 
     def __post_init__(self) -> None:
-        _check(not self.dir and self.save_every == 0, "checkpoint.dir",
-               "distributed checkpointing is not implemented yet",
-               "leave the checkpoint section empty")
+        for key, unset in (("dir", not self.dir), ("save_every", self.save_every == 0)):
+            _check(unset, f"checkpoint.{key}", "distributed checkpointing is not implemented yet",
+                   "leave the checkpoint section empty")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -487,10 +489,21 @@ def _all_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 
 
-def _unknown(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, _all_keys(), n=1)
-    fix = f"did you mean '{close[0]}'?" if close else "see docs/configuration.md for the keys"
-    return ConfigError(key, "unknown key", fix)
+def _unknown(key: str, keys_under: list[str] = ()) -> ConfigError:
+    """An unknown ``section.key``, or section (with the ``keys_under`` it was given): the closest
+    known name, where one is close."""
+    if "." in key:
+        close = difflib.get_close_matches(key, _all_keys(), n=1)
+    else:
+        section = difflib.get_close_matches(key, list(SECTIONS), n=1)
+        close = [f"{section[0]}.{k}" for k in keys_under if f"{section[0]}.{k}" in _all_keys()][:1] or section \
+            if section else []
+    fix = f"did you mean '{close[0]}'?" if close else "`tessera config` lists every key"
+    return ConfigError(key, "unknown section" if "." not in key else "unknown key", fix)
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
@@ -498,7 +511,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if typing.get_origin(hint) is list:  # list[str]: a TOML list, or "a,b,c" from --set
         items = [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
-            raise ConfigError(key, f"{value!r} is not a list of strings", 'give a list, e.g. ["0.5", "a", "0.5", "b"]')
+            raise ConfigError(key, f"{value!r} is not a list of strings",
+                              'give a list, e.g. ["0.5", "a", "0.5", "b"] in a TOML file, 0.5,a,0.5,b with --set')
         return items
     choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
     base = type(choices[0]) if choices else hint
@@ -519,13 +533,13 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             elif base is float:
                 value = float(text)
         except ValueError:
-            raise ConfigError(key, f"'{value}' is not a {base.__name__}",
-                              f"give a {base.__name__} value") from None
+            raise ConfigError(key, f"'{value}' is not {_a(base.__name__)}",
+                              f"give {_a(base.__name__)} value") from None
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, base) or (base is int and isinstance(value, bool)):
         raise ConfigError(key, f"{value!r} has type {type(value).__name__}, expected {base.__name__}",
-                          f"give a {base.__name__} value")
+                          f"give {_a(base.__name__)} value")
     if base is float and not math.isfinite(value):  # no setting means anything at inf or nan
         raise ConfigError(key, f"{value} is not a finite number", "give a finite value")
     if choices and value not in choices:
@@ -539,7 +553,7 @@ def build_config(values: dict[str, dict[str, Any]]) -> Config:
     sections = {}
     for name, table in values.items():
         if name not in SECTIONS:
-            raise _unknown(name)
+            raise _unknown(name, list(table) if isinstance(table, dict) else [])
         if not isinstance(table, dict):
             raise ConfigError(name, "is not a table", f"write it as [{name}] with keys under it")
     for name, cls in SECTIONS.items():

@@ -5,8 +5,9 @@
 the tokenizer as ``P.tokenizer.json`` (SPEC: a tokenizer.json, a folder holding one, or ``bpe:V``
 to train a byte-level BPE on the input).
 
-``tessera data inspect P [--show N]`` prints the pair's counts and dtype, and with ``--show N``
-document N's token ids as a JSON list.
+``tessera data inspect P [--show N]`` prints the pair's counts and dtype (and the end-of-document
+id, where every document sampled ends with the same one), and with ``--show N`` document N's token
+ids as a JSON list.
 
 Kept apart from ``cli.py`` so the trainer's command line does not import the tokenizers library,
 and this module imports nothing heavy until a command runs.
@@ -22,15 +23,16 @@ import sys
 def add_data_commands(sub) -> None:
     """Register ``preprocess`` and ``data inspect`` on the ``tessera`` subparsers."""
     pre = sub.add_parser("preprocess", help="tokenize JSON lines into a Megatron .bin/.idx pair")
-    pre.add_argument("--input", required=True, help="a .jsonl or .jsonl.gz file, or a directory of them")
-    pre.add_argument("--key", default="text", help="the JSON key holding each document's text")
+    pre.add_argument("--input", required=True,
+                     help="JSON Lines (one object per line): a .jsonl or .jsonl.gz file, or a directory of them")
+    pre.add_argument("--key", default="text", help="the JSON key holding each document's text (default: text)")
     pre.add_argument("--tokenizer", required=True, metavar="SPEC",
                      help="tokenizer.json, a folder containing one, or bpe:V to train a byte-level BPE of V ids")
     pre.add_argument("--output-prefix", required=True, metavar="P", help="writes P.bin, P.idx and P.tokenizer.json")
     pre.add_argument("--workers", type=int, default=1, help="processes that parse and encode")
     pre.add_argument("--vocab-size", type=int, metavar="V",
-                     help="vocabulary size for the token dtype (default: the tokenizer's); with --tokenizer bpe, "
-                          "the size to train")
+                     help="vocabulary size for the token dtype, at least the tokenizer's (default: the "
+                          "tokenizer's); with --tokenizer bpe (no :V), also the size to train")
     pre.add_argument("--eod-token", metavar="TOKEN",
                      help="the end-of-document token (default: <|endoftext|>, </s>, ... whichever exists)")
     pre.add_argument("--overwrite", action="store_true", help="replace P.bin, P.idx and P.tokenizer.json if they exist")
@@ -81,5 +83,17 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps(ds.document(args.show).tolist()))
         return 0
     print(f"{args.prefix}: documents {ds.num_documents}, sequences {len(ds)}, tokens {ds.num_tokens}, "
-          f"dtype {ds.dtype}")
+          f"dtype {ds.dtype}{_end_of_document(ds)}")
     return 0
+
+
+def _end_of_document(ds, samples: int = 1000) -> str:
+    """", eod N" where every one of up to ``samples`` documents (spread over the corpus) ends with
+    id N, the end-of-document token ``tessera preprocess`` appends (data.eod_id for packing);
+    else nothing."""
+    import numpy as np
+
+    n = ds.num_documents
+    picks = sorted({int(i) for i in np.linspace(0, n - 1, min(n, samples))}) if n else []
+    ends = {int(doc[-1]) for doc in (ds.document(i) for i in picks) if len(doc)}
+    return f", eod {ends.pop()} (every document sampled ends with it)" if len(ends) == 1 else ""

@@ -107,13 +107,20 @@ def parse_text(line: bytes, key: str, path: str, lineno: int) -> str | None:
     try:  # decoded strictly: json.loads(bytes) would let surrogate bytes (CESU-8) through
         record = json.loads(line.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PreprocessError(f"{path}:{lineno}: not valid JSON ({e})") from None
-    if not isinstance(record, dict) or key not in record:
-        found = f"keys {sorted(record)[:10]}" if isinstance(record, dict) else type(record).__name__
-        raise PreprocessError(f"{path}:{lineno}: no key {key!r} (found {found}); choose one with --key")
+        raise PreprocessError(f"{path}:{lineno}: not valid JSON ({e}); the input is JSON Lines, "
+                              "one object per line such as {\"text\": \"...\"}") from None
+    if not isinstance(record, dict):
+        kind = {list: "an array", str: "a string"}.get(type(record), f"a {type(record).__name__}")
+        raise PreprocessError(f"{path}:{lineno}: {kind}, not an object; the input is JSON Lines, one object per "
+                              "line such as {\"text\": \"...\"} (a whole JSON array is not read)")
+    if key not in record:
+        raise PreprocessError(f"{path}:{lineno}: no key {key!r} (found keys {sorted(record)[:10]}); "
+                              "choose one with --key")
     text = record[key]
     if not isinstance(text, str):
-        raise PreprocessError(f"{path}:{lineno}: {key!r} is a {type(text).__name__}, expected a string")
+        kind = type(text).__name__
+        raise PreprocessError(f"{path}:{lineno}: {key!r} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, "
+                              "expected a string")
     if b"\\u" in line:  # only an escape can make a lone surrogate, which no tokenizer encodes
         try:
             text.encode("utf-8")

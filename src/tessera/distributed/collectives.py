@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from tessera.tensor_parallel.mappings import all_gather_single, reduce_scatter_single
+
 
 class Pending:
     """A launched collective; ``wait()`` finishes it (once)."""
@@ -58,9 +60,9 @@ def reduce_scatter(grad: Tensor, out: Tensor, group: dist.ProcessGroup, *, accum
         return Pending(work, add_in_fp32)
     mine = shard(grad, rank, size)
     if not accumulate and out.data_ptr() == mine.data_ptr():  # in place: out is this rank's piece
-        return Pending(dist.reduce_scatter_tensor(out, grad, group=group, async_op=async_op))
+        return Pending(reduce_scatter_single(out, grad, group=group, async_op=async_op))
     tmp = torch.empty_like(mine)
-    work = dist.reduce_scatter_tensor(tmp, grad, group=group, async_op=async_op)
+    work = reduce_scatter_single(tmp, grad, group=group, async_op=async_op)
     return Pending(work, lambda: out.add_(tmp) if accumulate else out.copy_(tmp))
 
 
@@ -78,11 +80,11 @@ def all_reduce(grad: Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Pen
     def gather() -> None:
         first.wait()
         mine.copy_(summed)
-        dist.all_gather_into_tensor(grad, mine, group=group)
+        all_gather_single(grad, mine, group=group)
     return Pending(None, gather)
 
 
 def all_gather(flat: Tensor, group: dist.ProcessGroup, *, async_op: bool) -> Pending:
     """Fill every rank's shard of ``flat`` (1-D) from its owner, in place."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    return Pending(dist.all_gather_into_tensor(flat, shard(flat, rank, size), group=group, async_op=async_op))
+    return Pending(all_gather_single(flat, shard(flat, rank, size), group=group, async_op=async_op))

@@ -22,10 +22,15 @@ def world_from_env() -> tuple[int, int, int]:
             int(os.environ.get("WORLD_SIZE", 1)))
 
 
-def pick_device(choice: str, local_rank: int) -> torch.device:
+def check_device(choice: str) -> None:
+    """Refuse train.device=cuda where there is no CUDA device (also the launcher's early check)."""
     if choice == "cuda" and not torch.cuda.is_available():  # on every rank alike: said once, by rank 0
         raise ConfigError("train.device", "cuda, but this machine has no CUDA device available",
                           "set train.device=auto or cpu")
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    check_device(choice)
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         # One visible GPU: this process's own (a launcher such as SLURM's may give each process
         # one through CUDA_VISIBLE_DEVICES). Several: the local rank's, never wrapped onto another

@@ -6,14 +6,58 @@ others get a :class:`NullLogger`.
 A run never appends to an earlier run's file: a ``metrics.jsonl`` already in ``out_dir`` is
 renamed ``metrics.N.jsonl`` (the first free N) and said so. Non-finite values (a NaN loss, a
 skipped fp16 step's gradient norm) are written as ``null``, which every JSON reader accepts.
+
+A run holds ``out_dir/.tessera.lock`` (an exclusive ``flock``, released when the logger closes
+or the process ends) while it writes there: a second run into the same ``out_dir`` is refused
+while the first runs (it would rename the first's file, and their lines would interleave). The
+file stays open for the whole run, so nothing that renames it moves the run's later lines.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
+import socket
 import sys
 from pathlib import Path
+from typing import IO
+
+from tessera.config import ConfigError
+
+LOCK_NAME = ".tessera.lock"
+
+
+def lock_out_dir(out_dir: str | Path) -> IO[str]:
+    """Take ``out_dir``'s run lock (creating the folder); the open lock file, to close when done.
+    Held by another run: a ConfigError naming it (its host and pid). A file system without
+    ``flock`` (some network mounts) runs unlocked."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    f = open(out_dir / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise ConfigError("train.out_dir", f"{out_dir} is in use by another run{f' ({holder})' if holder else ''}",
+                          "wait for it to end, or choose another train.out_dir", rank_local=True) from None
+    except OSError:
+        return f
+    f.seek(0)
+    f.truncate()
+    f.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def check_out_dir_free(out_dir: str | Path) -> None:
+    """Refuse an ``out_dir`` another run holds (the launcher's early check; the run itself then
+    takes the lock)."""
+    if (Path(out_dir) / LOCK_NAME).exists():
+        lock_out_dir(out_dir).close()
 
 
 class NullLogger:
@@ -23,29 +67,74 @@ class NullLogger:
     def print(self, text: str) -> None:
         pass
 
+    def print_last(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def config_toml(sections: dict[str, dict]) -> str:
+    """A resolved configuration (``config.to_dict``) as TOML that ``--config`` reads back: its
+    values are strings, numbers, booleans and lists of strings, whose JSON spelling is TOML's."""
+    return "".join(f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in table.items()) + "\n"
+                   for name, table in sections.items())
+
 
 class JsonlLogger:
-    def __init__(self, out_dir: str | Path, log_every: int, stream=sys.stdout):
+    """Writes ``out_dir/metrics.jsonl`` (and, given ``config``, the run's resolved configuration
+    as ``out_dir/config.toml``, which ``--config`` reads back); an earlier run's pair is kept
+    aside as ``metrics.N.jsonl`` and ``config.N.toml``."""
+
+    def __init__(self, out_dir: str | Path, log_every: int, stream=sys.stdout, config: dict | None = None):
         self.path = Path(out_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.log_every, self.stream = log_every, stream
-        if self.path.exists() and self.path.stat().st_size:
-            n = 1
-            while (aside := self.path.with_name(f"metrics.{n}.jsonl")).exists():
-                n += 1
-            self.path.rename(aside)
-            self.print(f"tessera: {self.path} held an earlier run's metrics: kept as {aside}")
+        self._lock = lock_out_dir(out_dir)
+        try:
+            settings = self.path.with_name("config.toml")
+            if (self.path.exists() and self.path.stat().st_size) or settings.exists():
+                n = 1
+                while (self.path.with_name(f"metrics.{n}.jsonl").exists()
+                       or self.path.with_name(f"config.{n}.toml").exists()):
+                    n += 1
+                if self.path.exists() and self.path.stat().st_size:
+                    aside = self.path.with_name(f"metrics.{n}.jsonl")
+                    self.path.rename(aside)
+                    self.print(f"tessera: {self.path} held an earlier run's metrics: kept as {aside}")
+                if settings.exists():
+                    settings.rename(settings.with_name(f"config.{n}.toml"))
+            if config is not None:
+                scratch = settings.with_name(f".config.toml.{os.getpid()}")
+                scratch.write_text(config_toml(config))
+                os.replace(scratch, settings)  # (whole or absent)
+            self._file = self.path.open("a", buffering=1)  # line-buffered: each step's line written at once
+        except BaseException:
+            self._lock.close()
+            raise
+        self._last: dict | None = None  # the last step's metrics, and whether its line was printed
+        self._last_printed = False
 
     def log(self, metrics: dict) -> None:
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(finite, allow_nan=False) + "\n")
+        self._file.write(json.dumps(finite, allow_nan=False) + "\n")
         step = metrics["step"]
-        if step % self.log_every == 0 or step == 1:
+        self._last, self._last_printed = metrics, step % self.log_every == 0 or step == 1
+        if self._last_printed:
             self.print(format_line(metrics))
+
+    def print_last(self) -> None:
+        """The last step's line, where train.log_every skipped it (a run's end is worth a line)."""
+        if self._last is not None and not self._last_printed:
+            self.print(format_line(self._last))
+            self._last_printed = True
 
     def print(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Close the file and give the out_dir's lock back."""
+        self._file.close()
+        self._lock.close()
 
 
 def format_line(m: dict) -> str:

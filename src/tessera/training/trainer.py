@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 
 import torch
@@ -20,7 +21,7 @@ from torch import nn
 from tessera.config import Config, ConfigError, can_graph_layers, to_dict, validate
 from tessera.data import ByteTokenizer, microbatch_counts, sample_tokenizer
 from tessera.inference.generate import generate
-from tessera.models import TPContext
+from tessera.models import GPTModel, TPContext
 from tessera.distributed.data_parallel import DataParallel
 from tessera.distributed.fsdp import FullyShardedDataParallel
 from tessera.distributed.memory import memory_report
@@ -70,13 +71,45 @@ def check_datasets(data) -> None:
         blend = parse_blend(data.paths)
         split_documents(1000, data.split)
     except ValueError as e:
-        key = "data.split" if "split" in str(e) else "data.paths"
-        raise ConfigError(key, str(e), 'e.g. data.paths=["0.7", "prefixA", "0.3", "prefixB"], data.split="969,30,1"') from None
+        if "split" in str(e):
+            raise ConfigError("data.split", str(e), "give train, valid and test weights, e.g. data.split=969,30,1") from None
+        raise ConfigError("data.paths", str(e), "give one prefix, or weights and prefixes, "
+                          "e.g. data.paths=0.7,prefixA,0.3,prefixB") from None
     for _, prefix in blend:
         try:
-            IndexedDataset(prefix)
+            lengths = IndexedDataset(prefix).sequence_lengths
         except IndexedDatasetError as e:
             raise ConfigError("data.paths", str(e), "preprocess the data with `tessera preprocess`, or fix the path") from None
+        train = split_documents(len(lengths), data.split)[0]  # (the split training reads)
+        if int(lengths[train.start:train.stop].sum(dtype="int64")) < 2:
+            raise ConfigError("data.split", f"{data.split} leaves {prefix}'s training part documents {train.start} to "
+                              f"{train.stop} of {len(lengths)}, with too few tokens for a sample",
+                              "give the training part more weight, e.g. data.split=969,30,1")
+    check_one_vocabulary([prefix for _, prefix in blend])
+
+
+def check_one_vocabulary(prefixes: list[str]) -> None:
+    """Refuse a blend of datasets tokenized with different vocabularies, where their
+    ``PREFIX.tokenizer.json`` (written by ``tessera preprocess``) says so: the same id would mean
+    other text in each. Datasets without one (made elsewhere) are not checked."""
+    seen: dict[str, object] = {}
+    for prefix in prefixes:
+        path = f"{prefix}.tokenizer.json"
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                spec = json.load(f)
+            vocabulary = (spec["model"].get("vocab"), sorted((t["id"], t["content"]) for t in spec.get("added_tokens", [])))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError("data.paths", f"{path}: not a readable tokenizer ({e})",
+                              "preprocess the dataset again, or remove the broken file") from None
+        for other, theirs in seen.items():
+            if theirs != vocabulary:
+                raise ConfigError("data.paths", f"the blend's datasets have different vocabularies: {other}.tokenizer.json "
+                                  f"and {path} differ (an id would mean other text in each)",
+                                  f"preprocess them with one tokenizer, e.g. --tokenizer {other}.tokenizer.json")
+        seen[prefix] = vocabulary
 
 
 def step_microbatch_counts(cfg: Config) -> list[int]:
@@ -305,14 +338,25 @@ def train(cfg: Config) -> list[dict]:
     p, t = cfg.parallel, cfg.train
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device,
                           timeout=datetime.timedelta(seconds=t.timeout_s))
+    logs = topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0
+    logger = JsonlLogger(t.out_dir, t.log_every, config=to_dict(cfg)) if logs else NullLogger()  # (takes out_dir's lock)
+    try:
+        return _build_and_run(cfg, topo, device, logger, logs, world)
+    finally:
+        logger.close()
+
+
+def _build_and_run(cfg: Config, topo: Topology, device: torch.device, logger, logs: bool, world: int) -> list[dict]:
+    p, t = cfg.parallel, cfg.train
     rng = RNGTracker.for_rank(t.seed, topo.tp_rank, topo.pp_rank, device)
     stage = Stage(cfg, topo, rng)
     model = stage.model
     data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
-    logs = topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0
-    logger = JsonlLogger(t.out_dir, t.log_every) if logs else NullLogger()
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.print(f"tessera: {cfg.model.family} with {n_params:,} parameters on this rank, "
+    n_params, whole = sum(p.numel() for p in model.parameters()), 0
+    if logs:
+        with torch.device("meta"):  # the whole model's count (no memory: meta tensors)
+            whole = sum(p.numel() for p in GPTModel(cfg.model).parameters())
+    logger.print(f"tessera: {cfg.model.family} with {whole:,} parameters, {n_params:,} on this rank, "
                  f"{topo!r}, schedule {stage.schedule}"
                  f"{f' (layers per stage {stage.layout}, pp_layout={p.pp_layout})' if p.pp > 1 else ''}, zero={p.zero}, "
                  f"device {device}, {t.dtype}, "
@@ -398,6 +442,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
         watchdog.tick()
         if pending is not None:
             log(*pending)
+    logger.print_last()
 
     data_parallel.wait_param_gather()
     if device.type == "cuda" and world > 1:
