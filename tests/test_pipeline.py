@@ -503,9 +503,13 @@ def _failed_step_worker(rank: int, world: int, fail: bool) -> str:
         assert "injected" in str(e)
     handle.remove()
     try:
-        return f"step 2: loss {float(executor.run(batches, global_tokens(batches))):.6f}"
+        message = f"step 2: loss {float(executor.run(batches, global_tokens(batches))):.6f}"
     except RuntimeError as e:
-        return str(e)
+        message = str(e)
+    # (a rank that returned at once could end its process before a message it posted in step 1
+    # reached its peer, whose wait would then fail with "connection closed" instead)
+    dist.barrier()
+    return message
 
 
 @pytest.mark.timeout(120)
