@@ -153,7 +153,11 @@ class MainParamOptimizer(_AdamW):
             for i, main in (mains or {}).items():
                 self.mains[int(i)].copy_(main)
         self._copy_to_model()
+        # Waited for here: left running, it would land whenever the peers get there, over a model
+        # state loaded after this one (an fp32 model's main parameters are its own storage, so
+        # the gather sends what each rank's shard holds at that moment).
         self.dp.start_param_gather()
+        self.dp.wait_param_gather()
 
     def main_param_bytes(self) -> int:
         """Bytes of fp32 main parameters that are copies (not the model's own storage)."""
