@@ -6,7 +6,7 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# The next 2-GPU session's calls (sessions 23 and 24 were lent one GPU only: the one-GPU tests and
+# The next 2-GPU session's calls (sessions 23, 24 and 25 were lent one GPU only: the one-GPU tests and
 # the pairs' streams and graphs on one GPU passed; session 22 ran s22B: bf16 gradient buffers do
 # not lift dp=2, BENCHMARKS.md). 30 device minutes; kind
 # nvidia-h200-x2 (or -h100-x2); send the next call at once: the machine is given back 30 s after
