@@ -30,11 +30,16 @@ def _start(ignore_hangup: bool = False):
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by whoever adopted it, counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # (no /proc: the kill above said it exists)
+        return True
 
 
 @pytest.mark.timeout(60)
@@ -55,6 +60,22 @@ def test_a_signal_to_the_launcher_stops_what_it_launched(sig):
         for pid in (child, launcher.pid):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_launcher_killed_outright_still_stops_what_it_launched():
+    launcher, child = _start()
+    try:
+        launcher.kill()  # SIGKILL (an out-of-memory kill, kill -9): nothing can be passed on
+        launcher.wait(timeout=20)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "the launched command outlived its launcher"
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
 
 
 @pytest.mark.timeout(60)

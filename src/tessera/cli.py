@@ -123,13 +123,27 @@ def _launch(args: argparse.Namespace) -> int:
 STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
+def _parent_death_signal():
+    """A ``preexec_fn`` that asks Linux to send the child SIGTERM when its parent dies
+    (``prctl(PR_SET_PDEATHSIG)``), or None elsewhere. libc is looked up here, before the fork."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+
+
 def run_forwarding_signals(command: list[str]) -> int:
     """Run ``command`` in a session of its own and return its exit status (128 + N where signal N
     ended it), passing on the signals that stop a job (SIGINT, SIGTERM, SIGHUP, SIGQUIT), each
     once. A job manager or ``kill`` that signals only the launcher would otherwise leave torchrun
     and its workers running on the GPUs. The session of its own keeps a terminal's Ctrl-C from
     reaching torchrun twice, directly and forwarded: a second signal interrupts torchrun's own
-    shutdown of its workers. A signal this process ignores (``nohup``'s SIGHUP) is not passed on."""
+    shutdown of its workers. A signal this process ignores (``nohup``'s SIGHUP) is not passed on.
+    On Linux the command also gets a SIGTERM when this process dies without passing anything on
+    (SIGKILL, an out-of-memory kill): its parent-death signal."""
     child, early = None, []
 
     def forward(signum, _frame):
@@ -145,7 +159,7 @@ def run_forwarding_signals(command: list[str]) -> int:
     try:
         # (torchrun sets OMP_NUM_THREADS=1 where it is unset, and prints a banner saying so)
         env = os.environ | ({} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"})
-        child = subprocess.Popen(command, start_new_session=True, env=env)
+        child = subprocess.Popen(command, start_new_session=True, env=env, preexec_fn=_parent_death_signal())
         for signum in early:
             child.send_signal(signum)
         status = child.wait()
