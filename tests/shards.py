@@ -3,6 +3,9 @@ with a tolerance scaled to the tensor (fp32 rounding grows with the values)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from tessera.models import GPTModel
@@ -57,3 +60,16 @@ def compare_to_full(kind: str, sizes: list[int] | None, shards: list[torch.Tenso
         full, expected = full[:vocab], expected[:vocab]
     assert full.shape == expected.shape, f"{where}: gathered {tuple(full.shape)} vs {tuple(expected.shape)}"
     check(full, expected, f"{where} ({kind})")
+
+
+def shared_result(store: dict, key: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()`` once per ``key`` for the tests that share it (one multi-rank call each); a
+    failure is remembered and raised again, so that a hang costs one deadline, not one per test."""
+    if key not in store:
+        try:
+            store[key] = compute()
+        except Exception as e:
+            store[key] = e
+    if isinstance(store[key], BaseException):
+        raise store[key]
+    return store[key]

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import test_data_parallel as tdp
-from shards import assert_close, compare_to_full, param_kind
+from shards import assert_close, compare_to_full, param_kind, shared_result
 from tessera.config import load_config
 from tessera.models import GPTModel
 from tessera.models.packed import document_fields
@@ -176,15 +176,8 @@ def results(key: int | str) -> list[dict]:
     """One run_ranks call per set of RUNS (the key: its world size, or "2-..."), shared by the
     tests (each takes ~5 s on 2 cores); a failed one is remembered too, so that a hang costs one
     deadline, not one per test."""
-    if key not in _RESULTS:
-        world = key if isinstance(key, int) else int(key.split("-")[0])
-        try:
-            _RESULTS[key] = run_ranks(_worker, world, RUNS[key], timeout=120)
-        except Exception as e:
-            _RESULTS[key] = e
-    if isinstance(_RESULTS[key], BaseException):
-        raise _RESULTS[key]
-    return _RESULTS[key]
+    world = key if isinstance(key, int) else int(key.split("-")[0])
+    return shared_result(_RESULTS, key, lambda: run_ranks(_worker, world, RUNS[key], timeout=120))
 
 
 def ref(name: str) -> dict:

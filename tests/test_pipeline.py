@@ -36,7 +36,7 @@ from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
-from shards import assert_close, compare_to_full, param_kind
+from shards import assert_close, compare_to_full, param_kind, shared_result
 
 SEED = 1234
 VOCAB, HIDDEN, SEQ, BATCH = 50, 32, 8, 2
@@ -266,14 +266,7 @@ def results(world_size: int) -> dict:
 
     One run per world size, shared by the tests; a failed run is remembered too, so that a hang
     costs one deadline, not one per test."""
-    if world_size not in _RESULTS:
-        try:
-            _RESULTS[world_size] = _results(world_size)
-        except Exception as e:
-            _RESULTS[world_size] = e
-    if isinstance(_RESULTS[world_size], BaseException):
-        raise _RESULTS[world_size]
-    return _RESULTS[world_size]
+    return shared_result(_RESULTS, world_size, lambda: _results(world_size))
 
 
 def _results(world_size: int) -> dict:

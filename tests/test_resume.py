@@ -32,6 +32,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from shards import shared_result
 from tessera.config import ModelConfig, load_config, validate
 from tessera.inference.generate import generate
 from tessera.models.transformer import TPContext
@@ -206,15 +207,8 @@ _RESULTS: dict[int, list[dict] | BaseException] = {}
 
 def results(world: int) -> list[dict]:
     """One run per world size, shared by its tests; a failure is remembered (one deadline, not one per test)."""
-    if world not in _RESULTS:
-        try:
-            _RESULTS[world] = (run_ranks(_resume_worker, world, RUNS[world], timeout=150) if world > 1
-                               else [_resume_worker(0, 1, RUNS[1])])
-        except Exception as e:
-            _RESULTS[world] = e
-    if isinstance(_RESULTS[world], BaseException):
-        raise _RESULTS[world]
-    return _RESULTS[world]
+    return shared_result(_RESULTS, world, lambda: run_ranks(_resume_worker, world, RUNS[world], timeout=150)
+                         if world > 1 else [_resume_worker(0, 1, RUNS[1])])
 
 
 @pytest.mark.timeout(300)
