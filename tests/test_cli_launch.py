@@ -130,3 +130,12 @@ def test_the_launcher_refuses_an_out_dir_a_running_run_holds(tmp_path):
         held.close()
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"tessera: config error: train.out_dir: {tmp_path} is in use by another run (host ")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a CPU machine's refusal")
+def test_the_launcher_refuses_cuda_graphs_on_a_cpu_machine_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2", "--set",
+                           "train.cuda_graphs=true", "--set", f"train.out_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=60)  # (it was found by each worker, after the launch)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("tessera: config error: train.cuda_graphs: CUDA graphs need a CUDA device")

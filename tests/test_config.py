@@ -77,8 +77,10 @@ BAD = [
     (["data.eod_id=256", "model.vocab_size=256"], 1, "data.eod_id", "outside model.vocab_size=256"),
     (["optim.lr=inf"], 1, "optim.lr", "inf is not a finite number"),
     (["optim.eps=nan"], 1, "optim.eps", "nan is not a finite number"),
-    (["optim.eps=-1e-8"], 1, "optim.eps", "is negative"),
-    (["train.timeout_s=1e13"], 1, "train.timeout_s", "not in (0, 1e9]"),
+    (["optim.eps=-1e-8"], 1, "optim.eps", "-1e-08 is not > 0"),
+    (["train.timeout_s=1e13"], 1, "train.timeout_s", "not in [1, 1e9]"),
+    (["train.timeout_s=0.1"], 1, "train.timeout_s", "not in [1, 1e9]"),
+    (["optim.eps=0"], 1, "optim.eps", "0.0 is not > 0"),
     (["model.family=llama", "model.hidden=36", "model.heads=4"], 1, "model.hidden", "= 9 is odd; RoPE"),
     # accepted once, then NaN losses from the first step (eps, theta) or a torch error deep in init (std)
     (["model.norm_eps=-1e-5"], 1, "model.norm_eps", "is not positive"),

@@ -115,3 +115,12 @@ def test_the_runs_configuration_is_kept_beside_its_metrics(tmp_path):
     assert load_config(str(tmp_path / "config.toml"), []) == second
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
         "config.1.toml", "config.toml", "metrics.1.jsonl", "metrics.jsonl"]
+
+
+def test_a_cache_dir_that_cannot_be_a_directory_is_refused(tmp_path):
+    from tessera.training.trainer import check_runnable
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="data.cache_dir: .*afile is a file"):  # (a traceback where it was made)
+        check_runnable(load_config(None, [f"data.cache_dir={tmp_path / 'afile' / 'cache'}"]), 1)
+    check_runnable(load_config(None, [f"data.cache_dir={tmp_path / 'cache'}"]), 1)

@@ -211,3 +211,20 @@ def test_sequence_parallel_sums_of_16_bit_gradients_run_in_fp32(monkeypatch):
     finalize._all_reduce_coalesced([g16, g32], group=object())
     assert seen == [torch.float32, torch.float32]
     assert g16.tolist() == [1 + 2.0 ** -6] * 3 and g32.tolist() == [1 + 3 * 2.0 ** -8] * 2
+
+
+def test_a_global_batch_without_loss_tokens_gives_loss_zero_not_nan():
+    """Every target masked (e.g. all end-of-document under data.eod_mask_loss): 0/0 made the loss
+    and, through the update, every weight NaN for good."""
+    cfg = ModelConfig(hidden=32, heads=4, layers=2, seq_len=8, vocab_size=40)
+    model = GPTModel(cfg)
+    model.init_weights(3)
+    topo = Topology.build(device="cpu")
+    dp = DataParallel([model], topo, zero=0)
+    optimizer = MainParamOptimizer(dp, OptimConfig(lr=1e-2))
+    tokens = torch.randint(0, 40, (2, 8))
+    batch = {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": torch.zeros(2, 8)}
+    executor = PipelineExecutor([model], build_schedule("none", 1, 1, 1, 0), None, 1, 0)
+    result = train_step(optimizer, [batch], topo, executor, dp, clip_grad=1.0)
+    assert result.loss == 0.0 and result.grad_norm == 0.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())

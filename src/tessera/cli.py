@@ -110,7 +110,7 @@ def _launch(args: argparse.Namespace) -> int:
     from tessera.training.trainer import check_runnable
 
     cfg = check_runnable(load_config(args.config, args.overrides), args.nproc_per_node)
-    check_device(cfg.train.device)  # (what the ranks would each find: said here once, in one line)
+    check_device(cfg.train.device, cfg.train.cuda_graphs)  # (what the ranks would each find: said here once)
     check_out_dir_free(cfg.train.out_dir)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
                "-m", "tessera", "train"]

@@ -332,8 +332,8 @@ class TrainConfig:
         for name in ("micro_batch", "global_batch", "steps", "log_every"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1", "give a value >= 1")
         _check(self.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", "use 0 for no sample")
-        _check(0 < self.timeout_s <= 1e9, "train.timeout_s", f"{self.timeout_s} is not in (0, 1e9] seconds",
-               "give seconds, e.g. 300")
+        _check(1 <= self.timeout_s <= 1e9, "train.timeout_s", f"{self.timeout_s} is not in [1, 1e9] seconds "
+               "(the process group's setup waits for every rank that long)", "give seconds, e.g. 300")
         _check(0 <= self.seed < 2**62, "train.seed", f"{self.seed} is outside [0, 2**62)",
                "give a non-negative seed (numpy's data order takes no negative one; torch's, none of 2**64 or more)")
         _check(self.gc_interval >= 0, "train.gc_interval", f"{self.gc_interval} is below 0",
@@ -414,7 +414,8 @@ class OptimConfig:
         _check(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0", "use 0 to disable clipping")
         _check(0 <= self.beta1 < 1, "optim.beta1", "must be in [0, 1)", "the usual value is 0.9")
         _check(0 <= self.beta2 < 1, "optim.beta2", "must be in [0, 1)", "the usual value is 0.95")
-        _check(self.eps >= 0, "optim.eps", f"{self.eps} is negative", "the usual value is 1e-8")
+        _check(self.eps > 0, "optim.eps", f"{self.eps} is not > 0 (Adam divides by sqrt(v) + eps, and v is 0 "
+               "where a gradient has always been 0)", "the usual value is 1e-8")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -135,7 +135,9 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
     scalars = topo.group("dp_scalars") or topo.group("dp")
     global_tokens = _sum_over(local_tokens.clone(), scalars)
     data_parallel.start_step(len(micro_batches))
-    loss_sum = executor.run(micro_batches, global_tokens, loss_scale=scaler.scale if scaler is not None else 1.0,
+    # (a global batch without a token the loss counts, e.g. all end-of-document under
+    # data.eod_mask_loss, gives loss 0 and zero gradients, not 0/0)
+    loss_sum = executor.run(micro_batches, global_tokens.clamp(min=1), loss_scale=scaler.scale if scaler is not None else 1.0,
                             after_comm=getattr(data_parallel, "pipeline_comm_done", None))
     data_parallel.finish_grad_sync()
     grads = optimizer.grads()

@@ -40,7 +40,7 @@ from tessera.training.flops import flops_per_token, peak_flops
 from tessera.training.gc_control import GarbageCollection
 from tessera.training.concurrent import PairedExecutor, graph_pairs
 from tessera.training.cuda_graphs import graph_stage, release_all, step_stream
-from tessera.training.launch import init_distributed, pick_device, world_from_env
+from tessera.training.launch import check_device, init_distributed, pick_device, world_from_env
 from tessera.training.metrics import JsonlLogger, NullLogger
 from tessera.training.step import DTYPES, StepClock, train_step
 from tessera.training.watchdog import StepWatchdog
@@ -63,8 +63,9 @@ def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int =
     return min(kinds, key=lambda k: simulate(build_all(k, pp, 1, microbatches)).step_time)
 
 
-def check_datasets(data) -> None:
-    """data.paths and data.split parse, and every dataset opens (its files are whole)."""
+def check_datasets(data, vocab_size: int | None = None) -> None:
+    """data.paths and data.split parse, every dataset opens (its files are whole), its training
+    split holds a sample, the blend has one vocabulary, which fits ``vocab_size``."""
     from tessera.data import IndexedDataset, IndexedDatasetError, parse_blend, split_documents
 
     try:
@@ -86,6 +87,15 @@ def check_datasets(data) -> None:
                               f"{train.stop} of {len(lengths)}, with too few tokens for a sample",
                               "give the training part more weight, e.g. data.split=969,30,1")
     check_one_vocabulary([prefix for _, prefix in blend])
+    if vocab_size is not None:
+        for _, prefix in blend:
+            if os.path.isfile(f"{prefix}.tokenizer.json"):
+                from tokenizers import Tokenizer
+
+                size = Tokenizer.from_file(f"{prefix}.tokenizer.json").get_vocab_size(with_added_tokens=True)
+                if size > vocab_size:  # (found otherwise only when a rank reads such an id)
+                    raise ConfigError("model.vocab_size", f"{vocab_size} is smaller than the {size} ids of "
+                                      f"{prefix}.tokenizer.json, the data's tokenizer", f"set model.vocab_size >= {size}")
 
 
 def check_one_vocabulary(prefixes: list[str]) -> None:
@@ -143,20 +153,28 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
                           " / train.batch_rampup") from None
     LRScheduler(cfg.optim, t.steps)  # refuses a wsd decay longer than the steps after warmup
     if cfg.data.source == "indexed":
-        check_datasets(cfg.data)
+        check_datasets(cfg.data, m.vocab_size)
+    if cfg.data.cache_dir and cfg.data.source != "synthetic":
+        _check_writable_dir(cfg.data.cache_dir, "data.cache_dir")
     if cfg.data.source == "builtin" and m.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the byte "
                           f"tokenizer's {ByteTokenizer.vocab_size} ids of the builtin corpus",
                           "set model.vocab_size >= 256")
     if t.sample_tokens:
         sample_tokenizer(t.sample_tokenizer, cfg.data, m.vocab_size, t.sample_prompt)
-    existing = os.path.abspath(t.out_dir)  # it, or the nearest folder above it that exists
+    _check_writable_dir(t.out_dir, "train.out_dir")
+    return cfg
+
+
+def _check_writable_dir(path: str, key: str) -> None:
+    """``path``, or the nearest folder above it that exists, is a directory this process may write."""
+    existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise ConfigError("train.out_dir", f"{existing} is a file, not a directory (train.out_dir={t.out_dir})",
-                          "give a directory")
-    return cfg
+        raise ConfigError(key, f"{existing} is a file, not a directory ({key}={path})", "give a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(key, f"{existing} is not writable ({key}={path})", "give a directory you can write")
 
 
 def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, bool, bool]:
@@ -330,10 +348,8 @@ def train(cfg: Config) -> list[dict]:
     logged on this rank (empty on ranks that do not log)."""
     rank, local_rank, world = world_from_env()
     check_runnable(cfg, world)
+    check_device(cfg.train.device, cfg.train.cuda_graphs)
     device = pick_device(cfg.train.device, local_rank)
-    if cfg.train.cuda_graphs == "true" and device.type != "cuda":
-        raise ConfigError("train.cuda_graphs", f"CUDA graphs need a CUDA device, this run is on {device}",
-                          "set train.cuda_graphs=false on CPU")
     init_distributed(device, cfg.train.timeout_s)
     p, t = cfg.parallel, cfg.train
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device,
