@@ -194,6 +194,10 @@ PIPELINE_BAD = [
     (["parallel.pp=2", "model.layers=5"], 2, "parallel.pp", "cannot be split into vpp=1 equal chunks"),
     (["parallel.pp=2", "parallel.pp_layout=1,2", "model.layers=4"], 2, "parallel.pp_layout", "sum to model.layers = 4"),
     (["parallel.pp=2", "parallel.pp_layout=2,2,0", "model.layers=4"], 2, "parallel.pp_layout", "3 entries"),
+    (["parallel.pp=2", "parallel.pp_layout=1,2", "model.layers=4"], 2, "parallel.pp_layout",
+     "-> give 2 layer counts (one per virtual stage, pp*vpp) that sum to model.layers=4"),
+    (["optim.decay_style=wsd", "optim.warmup=20", "optim.wsd_decay_steps=5", "train.steps=20"], 1, "optim.warmup",
+     "20 warmup steps leave no steps to decay"),
     (["parallel.pp=2", "parallel.pp_layout=a,b"], 2, "parallel.pp_layout", "not a comma-separated list"),
     (["parallel.pp=2", "parallel.schedule=none"], 2, "parallel.schedule", "needs pp=1"),
     (["parallel.pp=2", "parallel.schedule=1f1b", "parallel.vpp=2"], 2, "parallel.schedule", "use 'interleaved'"),
@@ -612,3 +616,11 @@ def test_cuda_device_without_cuda_is_a_config_error(monkeypatch, capsys):
     assert main(["train", "--set", "train.device=cuda", "--set", "data.source=synthetic"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tessera: config error: train.device: ") and len(err.splitlines()) == 1
+
+
+def test_a_choice_of_the_wrong_toml_type_lists_the_choices(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\ncompile = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), [])
+    assert info.value.key == "train.compile" and info.value.fix == "choose one of auto, true, false"

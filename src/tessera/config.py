@@ -540,7 +540,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         value = float(value)
     if not isinstance(value, base) or (base is int and isinstance(value, bool)):
         raise ConfigError(key, f"{value!r} has type {type(value).__name__}, expected {base.__name__}",
-                          f"give {_a(base.__name__)} value")
+                          f"choose one of {', '.join(map(str, choices))}" if choices else f"give {_a(base.__name__)} value")
     if base is float and not math.isfinite(value):  # no setting means anything at inf or nan
         raise ConfigError(key, f"{value} is not a finite number", "give a finite value")
     if choices and value not in choices:

@@ -41,6 +41,10 @@ class LRScheduler:
         span = max(self.decay_end - cfg.warmup, 0)
         self.wsd_steps = cfg.wsd_decay_steps or max(1, round(0.1 * span))
         if cfg.decay_style == "wsd" and cfg.wsd_decay_steps > span:
+            if span == 0:
+                raise ConfigError("optim.warmup", f"{cfg.warmup} warmup steps leave no steps to decay before the "
+                                  f"decay end {self.decay_end} (optim.decay_steps, or train.steps)",
+                                  f"use fewer than {self.decay_end} warmup steps")
             raise ConfigError("optim.wsd_decay_steps",
                               f"{cfg.wsd_decay_steps} exceeds the {span} steps between warmup and the decay end",
                               f"choose at most {span}, or 0 for 10% of them")

@@ -135,9 +135,12 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
         stage_layer_ranges(m.layers, p.pp, p.vpp, parse_layout(p.pp_layout, m, p.pp, p.vpp))
     except LayoutError as e:
         named = p.pp_layout.strip().lower() in NAMED
-        fix = ("change parallel.pp / parallel.vpp, or set parallel.pp_layout=balanced or a list"
-               if p.pp * p.vpp <= m.layers else  # (no layout gives more virtual stages than layers)
-               f"use at most model.layers={m.layers} virtual stages: lower parallel.pp / parallel.vpp")
+        stages = p.pp * p.vpp
+        fix = ("change parallel.pp / parallel.vpp, or set parallel.pp_layout=balanced or a list" if named else
+               f"give {stages} layer counts (one per virtual stage, pp*vpp) that sum to model.layers={m.layers}, "
+               "or set parallel.pp_layout=balanced")
+        if named and stages > m.layers:  # (no named layout gives more virtual stages than layers)
+            fix = f"use at most model.layers={m.layers} virtual stages: lower parallel.pp / parallel.vpp"
         raise ConfigError("parallel.pp_layout" if not named else "parallel.vpp" if p.vpp > 1 else "parallel.pp",
                           str(e), fix) from None
     microbatches = t.global_batch // (t.micro_batch * p.dp)
