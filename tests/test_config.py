@@ -85,6 +85,7 @@ BAD = [
     # accepted once, then NaN losses from the first step (eps, theta) or a torch error deep in init (std)
     (["model.norm_eps=-1e-5"], 1, "model.norm_eps", "is not positive"),
     (["model.norm_eps=0"], 1, "model.norm_eps", "is not positive"),
+    (["model.norm_eps=1e-50"], 1, "model.norm_eps", "is not positive in fp32"),
     (["model.family=llama", "model.rope_theta=0"], 1, "model.rope_theta", "is not positive"),
     (["model.family=llama", "model.rope_theta=-10000"], 1, "model.rope_theta", "is not positive"),
     (["model.init_std=-0.02"], 1, "model.init_std", "is negative"),

@@ -93,7 +93,8 @@ class ModelConfig:
                "grouped-query attention is a llama feature", "set model.family='llama' or kv_heads=0")
         # (a negative epsilon or RoPE base gives NaN losses from the first step, silently; a
         # negative std fails deep inside the weights' initialisation)
-        _check(self.norm_eps > 0, "model.norm_eps", f"{self.norm_eps} is not positive",
+        _check(self.norm_eps >= 1.2e-38, "model.norm_eps", f"{self.norm_eps} is not positive in fp32 "
+               "(below 1.2e-38 it rounds to 0 or a subnormal there: 0/0 on an all-zero input)",
                "give a small positive epsilon such as 1e-5")
         _check(self.rope_theta > 0, "model.rope_theta", f"{self.rope_theta} is not positive",
                "give a positive base frequency such as 10000")
