@@ -105,13 +105,11 @@ def _schedule(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     """Check the configuration for the launch, then hand over to torchrun (which relaunches us)."""
-    from tessera.training.launch import check_device
     from tessera.training.metrics import check_out_dir_free
     from tessera.training.trainer import check_runnable
 
     cfg = check_runnable(load_config(args.config, args.overrides), args.nproc_per_node)
-    check_device(cfg.train.device, cfg.train.cuda_graphs)  # (what the ranks would each find: said here once)
-    check_out_dir_free(cfg.train.out_dir)
+    check_out_dir_free(cfg.train.out_dir)  # (the run takes the lock; said here once, before torchrun)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
                "-m", "tessera", "train"]
     command += ["--config", args.config] if args.config else []

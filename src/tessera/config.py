@@ -504,7 +504,8 @@ def _unknown(key: str, keys_under: list[str] = ()) -> ConfigError:
     return ConfigError(key, "unknown section" if "." not in key else "unknown key", fix)
 
 
-def _a(noun: str) -> str:
+def a_or_an(noun: str) -> str:
+    """"a str", "an int": for messages that name a type."""
     return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
@@ -535,13 +536,13 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             elif base is float:
                 value = float(text)
         except ValueError:
-            raise ConfigError(key, f"'{value}' is not {_a(base.__name__)}",
-                              f"give {_a(base.__name__)} value") from None
+            raise ConfigError(key, f"'{value}' is not {a_or_an(base.__name__)}",
+                              f"give {a_or_an(base.__name__)} value") from None
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, base) or (base is int and isinstance(value, bool)):
         raise ConfigError(key, f"{value!r} has type {type(value).__name__}, expected {base.__name__}",
-                          f"choose one of {', '.join(map(str, choices))}" if choices else f"give {_a(base.__name__)} value")
+                          f"choose one of {', '.join(map(str, choices))}" if choices else f"give {a_or_an(base.__name__)} value")
     if base is float and not math.isfinite(value):  # no setting means anything at inf or nan
         raise ConfigError(key, f"{value} is not a finite number", "give a finite value")
     if choices and value not in choices:

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tessera.config import a_or_an
 from tessera.data.indexed import IndexedDatasetWriter, best_dtype, bin_path, idx_path
 
 EOD_TOKEN = "<|endoftext|>"
@@ -118,9 +119,7 @@ def parse_text(line: bytes, key: str, path: str, lineno: int) -> str | None:
                               "choose one with --key")
     text = record[key]
     if not isinstance(text, str):
-        kind = type(text).__name__
-        raise PreprocessError(f"{path}:{lineno}: {key!r} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, "
-                              "expected a string")
+        raise PreprocessError(f"{path}:{lineno}: {key!r} is {a_or_an(type(text).__name__)}, expected a string")
     if b"\\u" in line:  # only an escape can make a lone surrogate, which no tokenizer encodes
         try:
             text.encode("utf-8")

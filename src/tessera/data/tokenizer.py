@@ -35,8 +35,12 @@ class FileTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token and its id, added ones too (two tokenizers agree on ids where these agree)."""
+        return self._tok.get_vocab(with_added_tokens=True)
 
-def _file_tokenizer(path: str, key: str, fix: str) -> FileTokenizer:
+
+def file_tokenizer(path: str, key: str, fix: str) -> FileTokenizer:
     from tessera.data.preprocess import PreprocessError
 
     target = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -56,7 +60,7 @@ def sample_tokenizer(spec: str, data: DataConfig, vocab_size: int, prompt: str):
     nothing."""
     key, fix = "train.sample_tokenizer", "give the tokenizer.json the data was made with, or set train.sample_tokens=0"
     if spec:
-        tokenizer = _file_tokenizer(spec, key, fix)
+        tokenizer = file_tokenizer(spec, key, fix)
     elif data.source == "builtin":
         tokenizer = ByteTokenizer()
     elif data.source == "indexed":
@@ -66,7 +70,7 @@ def sample_tokenizer(spec: str, data: DataConfig, vocab_size: int, prompt: str):
         if not os.path.isfile(beside):
             raise ConfigError(key, f"the sample needs the data's tokenizer: no {beside} (`tessera preprocess` "
                                    "writes it beside the pair)", fix)
-        tokenizer = _file_tokenizer(beside, key, fix)
+        tokenizer = file_tokenizer(beside, key, fix)
     else:
         raise ConfigError(key, f"data.source={data.source} has no text to decode a sample into", fix)
     if tokenizer.vocab_size > vocab_size:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 
 from tessera.config import Config, ConfigError, can_graph_layers, to_dict, validate
 from tessera.data import ByteTokenizer, microbatch_counts, sample_tokenizer
+from tessera.data.tokenizer import file_tokenizer
 from tessera.inference.generate import generate
 from tessera.models import GPTModel, TPContext
 from tessera.distributed.data_parallel import DataParallel
@@ -86,34 +86,24 @@ def check_datasets(data, vocab_size: int | None = None) -> None:
             raise ConfigError("data.split", f"{data.split} leaves {prefix}'s training part documents {train.start} to "
                               f"{train.stop} of {len(lengths)}, with too few tokens for a sample",
                               "give the training part more weight, e.g. data.split=969,30,1")
-    check_one_vocabulary([prefix for _, prefix in blend])
-    if vocab_size is not None:
-        for _, prefix in blend:
-            if os.path.isfile(f"{prefix}.tokenizer.json"):
-                from tokenizers import Tokenizer
-
-                size = Tokenizer.from_file(f"{prefix}.tokenizer.json").get_vocab_size(with_added_tokens=True)
-                if size > vocab_size:  # (found otherwise only when a rank reads such an id)
-                    raise ConfigError("model.vocab_size", f"{vocab_size} is smaller than the {size} ids of "
-                                      f"{prefix}.tokenizer.json, the data's tokenizer", f"set model.vocab_size >= {size}")
+    check_data_tokenizers([prefix for _, prefix in blend], vocab_size)
 
 
-def check_one_vocabulary(prefixes: list[str]) -> None:
-    """Refuse a blend of datasets tokenized with different vocabularies, where their
-    ``PREFIX.tokenizer.json`` (written by ``tessera preprocess``) says so: the same id would mean
-    other text in each. Datasets without one (made elsewhere) are not checked."""
-    seen: dict[str, object] = {}
+def check_data_tokenizers(prefixes: list[str], vocab_size: int | None) -> None:
+    """Where datasets have their ``PREFIX.tokenizer.json`` (written by ``tessera preprocess``;
+    datasets made elsewhere are not checked): ``vocab_size`` holds its ids (found otherwise only
+    when a rank reads such an id), and a blend shares one vocabulary (the same id would mean other
+    text in each)."""
+    seen: dict[str, dict[str, int]] = {}
     for prefix in prefixes:
         path = f"{prefix}.tokenizer.json"
         if not os.path.isfile(path):
             continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                spec = json.load(f)
-            vocabulary = (spec["model"].get("vocab"), sorted((t["id"], t["content"]) for t in spec.get("added_tokens", [])))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError("data.paths", f"{path}: not a readable tokenizer ({e})",
-                              "preprocess the dataset again, or remove the broken file") from None
+        tokenizer = file_tokenizer(path, "data.paths", "preprocess the dataset again, or remove the broken file")
+        if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+            raise ConfigError("model.vocab_size", f"{vocab_size} is smaller than the {tokenizer.vocab_size} ids of "
+                              f"{path}, the data's tokenizer", f"set model.vocab_size >= {tokenizer.vocab_size}")
+        vocabulary = tokenizer.vocabulary()
         for other, theirs in seen.items():
             if theirs != vocabulary:
                 raise ConfigError("data.paths", f"the blend's datasets have different vocabularies: {other}.tokenizer.json "
@@ -166,6 +156,7 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     if t.sample_tokens:
         sample_tokenizer(t.sample_tokenizer, cfg.data, m.vocab_size, t.sample_prompt)
     _check_writable_dir(t.out_dir, "train.out_dir")
+    check_device(t.device, t.cuda_graphs)
     return cfg
 
 
@@ -351,7 +342,6 @@ def train(cfg: Config) -> list[dict]:
     logged on this rank (empty on ranks that do not log)."""
     rank, local_rank, world = world_from_env()
     check_runnable(cfg, world)
-    check_device(cfg.train.device, cfg.train.cuda_graphs)
     device = pick_device(cfg.train.device, local_rank)
     init_distributed(device, cfg.train.timeout_s)
     p, t = cfg.parallel, cfg.train
