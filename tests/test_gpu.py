@@ -577,3 +577,32 @@ def test_rng_tracker_seeds_its_own_device_not_the_current_one():
         drawn = torch.rand(4, device="cuda:1")
     want = torch.rand(4, device="cuda:1", generator=torch.Generator("cuda:1").manual_seed(1234))
     assert torch.equal(drawn, want)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_checkpointed_run_resumes_on_cuda(tmp_path, family):
+    """bf16 with the default fast paths (fused AdamW, its step count on the GPU; fused weight
+    gradients; llama's compiled layers, fused cross entropy): a run resumed from its step-4
+    checkpoint continues as the run that went on (the same kernels on the same numbers; bitwise
+    where the kernels are deterministic)."""
+    base = [f"model.family={family}", "train.dtype=bf16", "train.steps=8", "optim.decay_steps=8", "train.log_every=1"]
+    straight = _train(tmp_path, "straight", 1, base + ["checkpoint.save_every=4", f"checkpoint.dir={tmp_path}/ck"])
+    resumed = _train(tmp_path, "resumed", 1, base + [f"checkpoint.load={tmp_path}/ck/step_00000004"])
+    assert [m["step"] for m in resumed] == [5, 6, 7, 8]
+    for a, b in zip(straight[4:], resumed):
+        assert (b["loss"], b["grad_norm"]) == pytest.approx((a["loss"], a["grad_norm"]), rel=1e-5), a["step"]
+    print("bitwise:", [(a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]) for a, b in zip(straight[4:], resumed)])
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_checkpoint_loads_into_other_layouts(tmp_path):
+    """A tp=2 + SP checkpoint (NCCL, CUDA graphs) trains on at dp=2 under zero 1 and FSDP as the
+    tp=2 run went on."""
+    straight = _train(tmp_path, "tp2", 2, ["parallel.tp=2", "parallel.sequence_parallel=true", "optim.decay_steps=8",
+                                           "checkpoint.save_every=4", f"checkpoint.dir={tmp_path}/ck"])
+    load = [f"checkpoint.load={tmp_path}/ck/step_00000004", "optim.decay_steps=8"]
+    _all_follow(tmp_path, straight[4:], {"dp2-zero1": load + ["parallel.zero=1"],
+                                         "dp2-zero3": load + ["parallel.zero=3"]})

@@ -455,16 +455,24 @@ class DataConfig:
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     dir: str = ""
-    """Reserved: distributed checkpoints are not built yet, and any value is refused. (The
-    model's, optimizer's, scheduler's and data position's state dicts can be saved and loaded
-    directly; a trainer resume does not exist yet.)"""
+    """Folder of this run's checkpoints, each ``step_N`` (complete, or not there at all); a run
+    resumes from its newest by itself. Empty: nothing saved."""
     save_every: int = 0
-    """Reserved with checkpoint.dir; any value but 0 is refused."""
+    """Save every this many steps (0: only at the end); the last step is always saved."""
+    load: str = ""
+    """Start from this checkpoint instead: a ``step_N`` folder, or a folder of them (its
+    newest); on any layout (tp, pp, vpp, dp, zero) and dtype. Empty: checkpoint.dir's newest,
+    if any."""
+    keep: int = 0
+    """Keep only the newest this many checkpoints in checkpoint.dir (0: keep all)."""
 
     def __post_init__(self) -> None:
-        for key, unset in (("dir", not self.dir), ("save_every", self.save_every == 0)):
-            _check(unset, f"checkpoint.{key}", "distributed checkpointing is not implemented yet",
-                   "leave the checkpoint section empty")
+        for key in ("save_every", "keep"):
+            _check(getattr(self, key) >= 0, f"checkpoint.{key}", f"{getattr(self, key)} is negative",
+                   "give 0 or a positive count")
+        for key in ("save_every", "keep"):
+            _check(self.dir or not getattr(self, key), f"checkpoint.{key}", "is set but checkpoint.dir is not",
+                   "set checkpoint.dir, the folder checkpoints are saved in")
 
 
 @dataclass(kw_only=True, slots=True)

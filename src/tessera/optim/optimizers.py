@@ -74,6 +74,14 @@ class _AdamW:
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
 
+    def load_checkpoint(self, moments: dict[Tensor, tuple[Tensor, Tensor]], step: float) -> None:
+        """After a checkpoint's main parameters were read into place: Adam's state from its
+        moments (each optimizer tensor's exp_avg and exp_avg_sq) and step count."""
+        order = [t for group in self.inner.param_groups for t in group["params"]]  # state_dict's numbering
+        state = {i: {"step": torch.tensor(float(step)), "exp_avg": moments[t][0], "exp_avg_sq": moments[t][1]}
+                 for i, t in enumerate(order)}
+        self.inner.load_state_dict({"state": state, "param_groups": self.inner.state_dict()["param_groups"]})
+
 
 class MainParamOptimizer(_AdamW):
     def __init__(self, dp: DataParallel, cfg: OptimConfig):
@@ -152,6 +160,14 @@ class MainParamOptimizer(_AdamW):
         with torch.no_grad():
             for i, main in (mains or {}).items():
                 self.mains[int(i)].copy_(main)
+        self._mains_changed()
+
+    def load_checkpoint(self, moments: dict[Tensor, tuple[Tensor, Tensor]], step: float) -> None:
+        super().load_checkpoint(moments, step)
+        self._mains_changed()
+
+    def _mains_changed(self) -> None:
+        """The model's 16-bit copy of new main parameters, gathered over dp where sharded."""
         self._copy_to_model()
         # Waited for here: left running, it would land whenever the peers get there, over a model
         # state loaded after this one (an fp32 model's main parameters are its own storage, so

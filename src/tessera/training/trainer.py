@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.checkpoint import Checkpointer, check_resume, folder_gib
 from tessera.config import Config, ConfigError, can_graph_layers, to_dict, validate
 from tessera.data import ByteTokenizer, microbatch_counts, sample_tokenizer
 from tessera.data.tokenizer import file_tokenizer
@@ -156,6 +158,9 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     if t.sample_tokens:
         sample_tokenizer(t.sample_tokenizer, cfg.data, m.vocab_size, t.sample_prompt)
     _check_writable_dir(t.out_dir, "train.out_dir")
+    if cfg.checkpoint.dir:
+        _check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
+    check_resume(cfg)
     check_device(t.device, t.cuda_graphs)
     return cfg
 
@@ -383,18 +388,27 @@ def _build_and_run(cfg: Config, topo: Topology, device: torch.device, logger, lo
     with step_stream(device) if stage.graphed else contextlib.nullcontext():
         graphs = stage.capture_graphs(data_parallel)
         try:
-            return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device)
+            checkpointer = Checkpointer(cfg, topo, stage.chunks, data_parallel, optimizer, rng)
+            return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device, checkpointer)
         finally:  # a graph holding NCCL work would hang destroy_process_group
             release_all(graphs)
 
 
 def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, logger, logs: bool, world: int,
-         device: torch.device) -> list[dict]:
-    """The training loop, then the sample."""
+         device: torch.device, checkpointer: Checkpointer) -> list[dict]:
+    """The training loop (from a checkpoint's step, if the run resumes), then the sample."""
     t, model, history = cfg.train, stage.model, []
     scheduler = LRScheduler(cfg.optim, t.steps)
     scaler = DynamicLossScaler() if t.dtype == "fp16" else None
     data = DataFeed(cfg, topo)
+    start = 0
+    resume = check_resume(cfg)  # (checked before the launch already; the same answer on every rank)
+    if resume is not None:
+        began = time.perf_counter()
+        start, streams = checkpointer.load(resume["path"], scheduler, data, scaler)
+        logger.print(f"tessera: resumed from {resume['path']} at step {start} in {time.perf_counter() - began:.1f} s "
+                     f"(saved at {' '.join(f'{k}={v}' for k, v in resume['layout'].items())}; random streams "
+                     f"{'restored' if streams else 'seeded anew: another layout or no dropout streams'})")
     per_token, peak = flops_per_token(cfg.model), peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
     def speed(tokens: int, elapsed: float) -> dict:
@@ -429,7 +443,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
     # leaves the GPU idle between steps; a step's time is where its work ran (StepClock).
     pending, clock, collected = None, StepClock(device), {}
     with GarbageCollection(t.gc_interval) as collector, StepWatchdog(t.timeout_s) as watchdog:
-        for step in range(t.steps):
+        for step in range(start, t.steps):
             watchdog.tick()  # a step that hangs ends the job with every thread's stack (training/watchdog.py)
             try:
                 lr, scale = scheduler.apply(optimizer, step), scaler.scale if scaler is not None else None
@@ -448,6 +462,11 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             ms = collector.step(step)
             if ms is not None:
                 collected[step] = ms
+            every = cfg.checkpoint.save_every
+            if cfg.checkpoint.dir and (step + 1 == t.steps or (every and (step + 1) % every == 0)):
+                began = time.perf_counter()
+                path = checkpointer.save(step + 1, scheduler, data, scaler)  # (counts into this step's time)
+                logger.print(f"tessera: saved {path} ({folder_gib(path):.2f} GiB in {time.perf_counter() - began:.1f} s)")
         watchdog.tick()
         if pending is not None:
             log(*pending)

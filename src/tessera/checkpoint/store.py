@@ -1,0 +1,167 @@
+"""Checkpoints on disk: one folder per saved step, visible only once complete; what a run
+resumes from.
+
+    checkpoint.dir/
+      step_00000200/            a complete checkpoint: renamed into place after every rank wrote
+        .metadata               DCP's index: each tensor's whole shape and the boxes saved
+        __0_0.distcp ...        each rank's boxes (checkpoint/shards.py) and objects
+        tessera.json            the step, the run's config, the scheduler's, batch calculator's
+                                and loss scaler's state, Adam's step count (written last)
+      step_00000300.partial/    a save in progress, or one that died: never read, replaced by
+                                the next save of that step
+
+Saving writes ``step_N.partial``, then rank 0 writes ``tessera.json`` into it and renames it to
+``step_N`` (an atomic rename on a POSIX file system): a crash at any point leaves either the
+whole checkpoint or none, and the older ones untouched. Every rank must see the same file
+system at ``checkpoint.dir`` (a shared one across nodes).
+
+A run starts from ``checkpoint.load`` (a ``step_N`` folder, or a folder of them: its newest),
+or else from the newest checkpoint in ``checkpoint.dir`` (a restarted job resumes by itself),
+or from scratch. :func:`check_resume` refuses, before any process starts, a checkpoint whose
+model differs from the config's, whose batch sizes or learning-rate schedule differ (the
+resumed run would silently change them), or a ``checkpoint.dir`` that holds checkpoints after
+the one loaded (the run would overwrite them). The layout (tp, pp, vpp, dp, zero) and the dtype
+may differ: loading reshards.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import uuid
+
+from tessera.config import Config, ConfigError, ModelConfig
+
+META = "tessera.json"
+FORMAT = 1
+_NAME = re.compile(r"step_(\d+)$")
+# the model settings a checkpoint's tensors depend on (the others, e.g. dropout, may change)
+_MODEL_KEYS = ("family", "vocab_size", "hidden", "layers", "heads", "num_kv_heads", "ffn_size", "tie_embeddings")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, META)) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def checkpoints(root: str) -> list[tuple[int, str]]:
+    """The complete checkpoints in ``root``, (step, folder), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _NAME.match(name)
+        path = os.path.join(root, name)
+        if match and is_checkpoint(path):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(path, META)) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ConfigError("checkpoint.load", f"{path} is in checkpoint format {meta.get('format')!r}, "
+                          f"this tessera reads format {FORMAT}", "load it with the tessera version that saved it")
+    return meta
+
+
+def write_meta(path: str, meta: dict) -> None:
+    """``tessera.json`` in ``path``, whole or not at all (a temporary renamed over it)."""
+    tmp = os.path.join(path, f".{META}.{uuid.uuid4().hex}")
+    with open(tmp, "w") as f:
+        json.dump({"format": FORMAT, "saved": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"), **meta}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, META))
+
+
+def resume_path(cfg: Config) -> str | None:
+    """The checkpoint this run starts from, or None (from scratch)."""
+    c = cfg.checkpoint
+    if c.load:
+        if is_checkpoint(c.load):
+            return c.load
+        found = checkpoints(c.load)
+        if found:
+            return found[-1][1]
+        why = "does not exist" if not os.path.exists(c.load) else "is neither a checkpoint nor a folder holding one"
+        raise ConfigError("checkpoint.load", f"{c.load} {why}",
+                          "give a step_N folder written by a run (checkpoint.dir/step_N), or the checkpoint.dir "
+                          "holding them; leave it empty to resume from checkpoint.dir's newest")
+    found = checkpoints(c.dir) if c.dir else []
+    return found[-1][1] if found else None
+
+
+def check_resume(cfg: Config) -> dict | None:
+    """The checkpoint this run starts from, checked against the config (see the module's
+    docstring); its ``tessera.json``, or None."""
+    from tessera.optim import LRScheduler, MicroBatchCalculator
+
+    path = resume_path(cfg)
+    c = cfg.checkpoint
+    if c.dir and os.path.exists(c.dir) and not os.path.isdir(c.dir):
+        raise ConfigError("checkpoint.dir", f"{c.dir} is a file", "give a folder for the checkpoints")
+    if path is None:
+        return None
+    meta = read_meta(path)
+    saved = ModelConfig(**meta["config"]["model"])
+    for key in _MODEL_KEYS:
+        mine, theirs = getattr(cfg.model, key), getattr(saved, key)
+        if mine != theirs:
+            name = {"num_kv_heads": "kv_heads", "ffn_size": "ffn_hidden"}.get(key, key)
+            raise ConfigError(f"model.{name}", f"the checkpoint {path} was saved with {name} = {theirs}, "
+                              f"this run's model has {mine}", f"set model.{name}={theirs} to load it")
+    if saved.family == "gpt2" and saved.seq_len != cfg.model.seq_len:  # learned positions: one row each
+        raise ConfigError("model.seq_len", f"the checkpoint {path} has {saved.seq_len} learned positions, "
+                          f"this run's model {cfg.model.seq_len}", f"set model.seq_len={saved.seq_len} to load it")
+    step = meta["step"]
+    if cfg.train.steps < step:
+        raise ConfigError("train.steps", f"{cfg.train.steps}, but the checkpoint {path} is at step {step}",
+                          f"set train.steps > {step} to train on from it")
+    MicroBatchCalculator.from_config(cfg.train, cfg.parallel.dp).load_state_dict(meta["batches"])
+    LRScheduler(cfg.optim, cfg.train.steps).load_state_dict(meta["scheduler"])
+    later = [p for s, p in checkpoints(c.dir) if s > step] if c.dir else []
+    if later:
+        raise ConfigError("checkpoint.dir", f"it holds checkpoints after step {step}, which this run loads "
+                          f"({os.path.basename(later[0])}{' ...' if len(later) > 1 else ''}): saving would replace them",
+                          "give another checkpoint.dir, or load the newest")
+    return meta | {"path": path}
+
+
+def folder_gib(path: str) -> float:
+    """The size of a checkpoint's files."""
+    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file()) / 2**30
+
+
+def begin_save(root: str, step: int) -> str:
+    """Rank 0: the empty ``step_N.partial`` folder a save writes into."""
+    partial = step_dir(root, step) + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    return partial
+
+
+def finish_save(partial: str, meta: dict, keep: int) -> str:
+    """Rank 0, after every rank wrote: ``tessera.json``, the rename that makes the checkpoint
+    visible, then the oldest beyond ``keep`` (0: keep all) removed."""
+    write_meta(partial, meta)
+    final = partial.removesuffix(".partial")
+    if os.path.exists(final):  # (check_resume refuses a checkpoint.dir with later steps than the run's)
+        raise FileExistsError(f"{final} exists: a checkpoint is never replaced")
+    os.replace(partial, final)
+    root = os.path.dirname(final)
+    if keep:
+        for _, old in checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+__all__ = ["checkpoints", "check_resume", "folder_gib", "resume_path", "read_meta", "step_dir", "begin_save", "finish_save"]

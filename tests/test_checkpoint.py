@@ -1,0 +1,260 @@
+"""Distributed checkpoints (tessera/checkpoint): a resumed run continues bit for bit on its own
+layout; a checkpoint loads into any other layout as the same whole tensors (resharding is a
+copy); those whole tensors are the single-process model's; a save is visible only once complete;
+bad resumes are refused up front, in words.
+
+Multi-rank runs call the trainer's ``train`` (or its pieces) inside ``run_ranks`` workers (gloo).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tessera.checkpoint import checkpoints, dcp, store
+from tessera.checkpoint.shards import flat_boxes
+from tessera.config import ConfigError, load_config
+from tessera.testing import run_ranks
+
+BASE = ["model.hidden=32", "model.layers=2", "model.heads=4", "model.seq_len=16", "model.vocab_size=100",
+        "train.micro_batch=1", "train.global_batch=12", "train.seed=3", "train.log_every=1",
+        "data.source=synthetic", "optim.lr=1e-2", "optim.warmup=2", "optim.decay_style=cosine",
+        "optim.decay_steps=5", "optim.min_lr=1e-3", "optim.clip_grad=0.5", "parallel.bucket_size=700"]
+LLAMA = ["model.family=llama", "model.kv_heads=2", "model.tie_embeddings=false"]
+
+
+def _train_runs(rank, world, runs):
+    """Each run's metrics on the logging rank (None elsewhere)."""
+    from tessera.training.trainer import train
+
+    out = []
+    for overrides in runs:
+        history = train(load_config(None, BASE + overrides))
+        out.append(history or None)
+    return out
+
+
+def histories(world, runs, timeout=240):
+    by_rank = run_ranks(_train_runs, world, runs, timeout=timeout)
+    return [next(h[i] for h in by_rank if h[i] is not None) for i in range(len(runs))]
+
+
+def curve(history, keys=("loss", "grad_norm", "lr")):
+    return [(m["step"], *(m.get(k) for k in keys)) for m in history]
+
+
+def numbers(history):
+    """Losses and gradient norms, flat (for pytest.approx)."""
+    return [m[k] for m in history for k in ("loss", "grad_norm")]
+
+
+# -- boxes ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(7,), (5, 6), (1, 9), (4, 1)])
+def test_flat_boxes_cover_each_range_once(shape):
+    whole = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    n = whole.numel()
+    for a in range(n + 1):
+        for b in range(a, n + 1):
+            seen = torch.zeros(shape, dtype=torch.long)
+            boxes = flat_boxes(shape, a, whole.reshape(-1)[a:b])
+            assert len(boxes) <= 3
+            for offsets, view in boxes:
+                index = tuple(slice(o, o + s) for o, s in zip(offsets, view.shape))
+                assert torch.equal(whole[index], view)  # the view holds the numbers at its offsets
+                seen[index] += 1
+            assert seen.reshape(-1)[a:b].eq(1).all() and seen.sum() == b - a
+
+
+# -- resume on the same layout: bit for bit ------------------------------------------------------
+LAYOUTS = {
+    "tp2-sp-dp2-zero1-bf16-llama": (4, ["parallel.tp=2", "parallel.dp=2", "parallel.zero=1",
+                                        "parallel.sequence_parallel=true", "train.dtype=bf16", *LLAMA]),
+    "pp2-dp2-zero3-tied": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3"]),
+    "pp2-vpp2-fp16-dropout": (2, ["parallel.pp=2", "parallel.vpp=2", "model.layers=4", "train.dtype=fp16",
+                                  "model.dropout=0.2", "model.tie_embeddings=false"]),
+    "dp2-zero2-bf16-rampup": (2, ["parallel.dp=2", "parallel.zero=2", "train.dtype=bf16",
+                                  "train.batch_rampup=2,2,8"]),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_resumed_run_continues_bit_for_bit(tmp_path, name):
+    world, layout = LAYOUTS[name]
+    straight, resumed = histories(world, [
+        layout + ["train.steps=5", "checkpoint.save_every=2", f"checkpoint.dir={tmp_path}/a",
+                  f"train.out_dir={tmp_path}/out_a"],
+        layout + ["train.steps=5", f"checkpoint.load={tmp_path}/a/step_00000002",
+                  f"checkpoint.dir={tmp_path}/b", f"train.out_dir={tmp_path}/out_b"],
+    ])
+    assert [s for s, _ in checkpoints(f"{tmp_path}/a")] == [2, 4, 5]
+    assert [s for s, _ in checkpoints(f"{tmp_path}/b")] == [5]
+    keys = ("loss", "grad_norm", "lr", "weight_decay", "tokens", "loss_scale", "skipped")
+    assert curve(resumed, keys) == curve(straight, keys)[2:]
+    a, b = dcp.read_whole(f"{tmp_path}/a/step_00000005", ""), dcp.read_whole(f"{tmp_path}/b/step_00000005", "")
+    assert a.keys() == b.keys() and any(k.startswith("optim.exp_avg_sq.") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    meta_a, meta_b = (json.loads(open(f"{tmp_path}/{run}/step_00000005/tessera.json").read()) for run in "ab")
+    for key in ("step", "adam_step", "batches", "scheduler", "scaler", "layout"):
+        assert meta_b[key] == meta_a[key], key  # (the scaler's clean steps count on from the save's)
+    assert meta_b["adam_step"] == 5 and meta_b["batches"]["consumed_samples"] == sum(m["tokens"] for m in straight) // 16
+    assert (meta_b["scaler"] is not None) == ("fp16" in name)
+
+
+# -- another layout: the same whole tensors ------------------------------------------------------
+def _reshard_worker(rank, world, overrides, src, dst):
+    """Load ``src`` into the layout of ``overrides`` and save it again, untrained, into ``dst``."""
+    from tessera.checkpoint import Checkpointer
+    from tessera.optim import LRScheduler
+    from tessera.tensor_parallel import RNGTracker
+    from tessera.topology import Topology
+    from tessera.training.data_feed import DataFeed
+    from tessera.training.trainer import Stage, build_data_parallel
+
+    cfg = load_config(None, BASE + overrides + [f"checkpoint.dir={dst}", "train.steps=5"])
+    p = cfg.parallel
+    topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp)
+    rng = RNGTracker.for_rank(cfg.train.seed, topo.tp_rank, topo.pp_rank)
+    stage = Stage(cfg, topo, rng)
+    data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
+    checkpointer = Checkpointer(cfg, topo, stage.chunks, data_parallel, optimizer, rng)
+    scheduler, data = LRScheduler(cfg.optim, cfg.train.steps), DataFeed(cfg, topo)
+    step, _ = checkpointer.load(src, scheduler, data, None)
+    checkpointer.save(step, scheduler, data, None)
+    return step
+
+
+RESHARD = [
+    (1, []),
+    (2, ["parallel.dp=2", "parallel.zero=1", "train.dtype=bf16"]),  # flat shards, 16-bit model
+    (3, ["parallel.dp=3", "parallel.zero=2"]),  # shards ending mid-row
+    (3, ["parallel.dp=3", "parallel.zero=3"]),  # FSDP's uneven rows (100 / 3)
+    (4, ["parallel.tp=4"]),  # vocabulary rows on 2 of 4 ranks, padding on the others (gpt2: 4 kv heads)
+    (2, ["parallel.pp=2"]),  # a tied embedding's copy on the last stage
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_checkpoint_loads_into_any_layout_as_the_same_whole_tensors(tmp_path, family):
+    model = LLAMA if family == "llama" else []
+    source = ["parallel.tp=2", "parallel.pp=2", *model]
+    straight = histories(4, [source + ["train.steps=5", "checkpoint.save_every=3", f"checkpoint.dir={tmp_path}/tp2pp2",
+                                       f"train.out_dir={tmp_path}/o1"]])[0]
+    # the unsharded model trained alike: the whole tensors are its tensors (layout parity)
+    single = histories(1, [model + ["train.steps=3", f"checkpoint.dir={tmp_path}/single",
+                                    f"train.out_dir={tmp_path}/o2"]])[0]
+    assert numbers(single) == pytest.approx(numbers(straight[:3]), rel=1e-5)
+    src = f"{tmp_path}/tp2pp2/step_00000003"
+    saved = dcp.read_whole(src, "")
+    whole = dcp.read_whole(f"{tmp_path}/single/step_00000003", "")
+    assert saved.keys() == whole.keys()
+    for key in saved:  # (Adam turns rounding differences in tiny gradients into updates of up to
+        a, b = saved[key], whole[key]  # lr: up to ~1e-4 of a tensor's largest entry or norm here)
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max()), msg=key)
+        assert (a - b).norm() <= 1e-3 * b.norm(), key
+    assert saved["model.embedding.weight"].shape == (100, 32)
+    for i, (world, layout) in enumerate(RESHARD):
+        if family == "llama" and "parallel.tp=4" in layout:
+            continue  # (its 2 kv heads do not split 4 ways)
+        assert run_ranks(_reshard_worker, world, model + layout, src, f"{tmp_path}/re{i}", timeout=120) == [3] * world
+        again = dcp.read_whole(f"{tmp_path}/re{i}/step_00000003", "")
+        assert again.keys() == saved.keys(), layout
+        for key in saved:
+            assert torch.equal(again[key], saved[key]), (layout, key)
+    # and trains on from it on one process as the tp=2 x pp=2 run did
+    resumed = histories(1, [model + ["train.steps=5", f"checkpoint.load={src}", f"train.out_dir={tmp_path}/o3"]])[0]
+    assert numbers(resumed) == pytest.approx(numbers(straight[3:]), rel=1e-5)
+
+
+# -- on disk: complete or absent; refusals ----------------------------------------------------------
+def _train_here(tmp_path, name, overrides):
+    from tessera.training.trainer import train
+
+    return train(load_config(None, BASE + overrides + [f"train.out_dir={tmp_path}/{name}"]))
+
+
+@pytest.mark.timeout(120)
+def test_a_save_that_dies_leaves_the_older_checkpoints_and_a_restart_resumes(tmp_path, monkeypatch):
+    straight = _train_here(tmp_path, "straight", ["train.steps=3"])
+    run = ["train.steps=3", "checkpoint.save_every=1", f"checkpoint.dir={tmp_path}/ck"]
+
+    def dies(path, meta):  # every rank has written its boxes; the save dies before it is complete
+        raise OSError("disk full")
+    monkeypatch.setattr(store, "write_meta", dies)
+    with pytest.raises(OSError, match="disk full"):
+        _train_here(tmp_path, "dies", run)
+    assert checkpoints(f"{tmp_path}/ck") == [] and os.listdir(f"{tmp_path}/ck") == ["step_00000001.partial"]
+    monkeypatch.undo()
+    first = _train_here(tmp_path, "first", ["train.steps=2", "checkpoint.save_every=1", f"checkpoint.dir={tmp_path}/ck"])
+    assert [s for s, _ in checkpoints(f"{tmp_path}/ck")] == [1, 2] and curve(first) == curve(straight)[:2]
+    # the same command again, for all 3 steps: it resumes from step 2 by itself
+    again = _train_here(tmp_path, "again", run)
+    assert curve(again) == curve(straight)[2:]
+    assert sorted(os.listdir(f"{tmp_path}/ck")) == ["step_00000001", "step_00000002", "step_00000003"]
+    # checkpoint.keep: the newest ones stay
+    _train_here(tmp_path, "keep", ["train.steps=5", "checkpoint.save_every=1", "checkpoint.keep=2",
+                                   f"checkpoint.dir={tmp_path}/ck"])
+    assert [s for s, _ in checkpoints(f"{tmp_path}/ck")] == [4, 5]
+
+
+def _refusal(overrides):
+    from tessera.training.trainer import check_runnable
+
+    with pytest.raises(ConfigError) as err:
+        check_runnable(load_config(None, BASE + overrides), 1)
+    return err.value.key, str(err.value)
+
+
+@pytest.mark.timeout(120)
+def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
+    _train_here(tmp_path, "out", ["train.steps=4", "checkpoint.save_every=2", f"checkpoint.dir={tmp_path}/ck"])
+    step2 = f"checkpoint.load={tmp_path}/ck/step_00000002"
+    os.makedirs(tmp_path / "empty")
+    cases = [
+        ([f"checkpoint.load={tmp_path}/nowhere"], "checkpoint.load", "does not exist"),
+        ([f"checkpoint.load={tmp_path}/empty"], "checkpoint.load", "neither a checkpoint nor a folder"),
+        ([step2, "model.hidden=64"], "model.hidden", "saved with hidden = 32, this run's model has 64"),
+        ([step2, "model.family=llama", "model.tie_embeddings=false"], "model.family", "saved with family = gpt2"),
+        ([step2, "model.seq_len=32"], "model.seq_len", "16 learned positions"),
+        ([step2, "train.steps=1"], "train.steps", "at step 2"),
+        ([step2, "train.global_batch=16"], "train.batch_rampup", "use the checkpoint's train.global_batch"),
+        ([step2, "optim.lr=0.5"], "optim.lr", "set it back to 0.01"),
+        ([step2, f"checkpoint.dir={tmp_path}/ck"], "checkpoint.dir", "after step 2"),
+        ([f"checkpoint.dir={tmp_path}/ck", "train.steps=3"], "train.steps", "at step 4"),
+    ]
+    for overrides, key, words in cases:
+        got_key, message = _refusal(overrides + ["train.steps=4"] if not any("train.steps" in o for o in overrides)
+                                    else overrides)
+        assert got_key == key and words in message, (overrides, message)
+    (tmp_path / "file").write_text("")
+    assert _refusal([f"checkpoint.dir={tmp_path}/file"])[0] == "checkpoint.dir"
+    # another layout, dtype, dropout or data are no refusal: loading reshards
+    from tessera.training.trainer import check_runnable
+    check_runnable(load_config(None, BASE + [step2, "train.steps=6", "train.dtype=bf16", "model.dropout=0.1",
+                                             "parallel.tp=2", "parallel.zero=1"]), 2)
+
+
+@pytest.mark.timeout(300)
+def test_tessera_train_resumes_through_the_launcher(tmp_path):
+    """Two processes under torchrun (the README's command), the second run from the first's step 2."""
+    def launch(name, extra):
+        sets = [a for item in BASE + ["parallel.dp=2", "parallel.zero=1", "train.steps=4",
+                                      f"train.out_dir={tmp_path}/{name}"] + extra for a in ("--set", item)]
+        proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2", *sets],
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines], proc.stdout
+
+    straight, out = launch("a", ["checkpoint.save_every=2", f"checkpoint.dir={tmp_path}/ck"])
+    assert f"tessera: saved {tmp_path}/ck/step_00000002" in out
+    resumed, out = launch("b", [f"checkpoint.load={tmp_path}/ck/step_00000002"])
+    assert f"resumed from {tmp_path}/ck/step_00000002 at step 2" in out, out
+    assert curve(resumed) == curve(straight)[2:]
