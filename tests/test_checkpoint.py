@@ -74,7 +74,7 @@ def test_flat_boxes_cover_each_range_once(shape):
 LAYOUTS = {
     "tp2-sp-dp2-zero1-bf16-llama": (4, ["parallel.tp=2", "parallel.dp=2", "parallel.zero=1",
                                         "parallel.sequence_parallel=true", "train.dtype=bf16", *LLAMA]),
-    "pp2-dp2-zero3-tied": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3"]),
+    "pp2-dp2-zero3-tied-async": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "checkpoint.async_save=true"]),
     "pp2-vpp2-fp16-dropout": (2, ["parallel.pp=2", "parallel.vpp=2", "model.layers=4", "train.dtype=fp16",
                                   "model.dropout=0.2", "model.tie_embeddings=false"]),
     "dp2-zero2-bf16-rampup": (2, ["parallel.dp=2", "parallel.zero=2", "train.dtype=bf16",
@@ -108,8 +108,8 @@ def test_a_resumed_run_continues_bit_for_bit(tmp_path, name):
 
 
 # -- another layout: the same whole tensors ------------------------------------------------------
-def _reshard_worker(rank, world, overrides, src, dst):
-    """Load ``src`` into the layout of ``overrides`` and save it again, untrained, into ``dst``."""
+def _stack(overrides, dst):
+    """The trainer's pieces for one rank, untrained, with a Checkpointer saving into ``dst``."""
     from tessera.checkpoint import Checkpointer
     from tessera.optim import LRScheduler
     from tessera.tensor_parallel import RNGTracker
@@ -123,8 +123,13 @@ def _reshard_worker(rank, world, overrides, src, dst):
     rng = RNGTracker.for_rank(cfg.train.seed, topo.tp_rank, topo.pp_rank)
     stage = Stage(cfg, topo, rng)
     data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
-    checkpointer = Checkpointer(cfg, topo, stage.chunks, data_parallel, optimizer, rng)
-    scheduler, data = LRScheduler(cfg.optim, cfg.train.steps), DataFeed(cfg, topo)
+    checkpointer = Checkpointer(cfg, topo, stage.chunks, data_parallel, optimizer, rng, log=lambda line: None)
+    return stage, optimizer, checkpointer, LRScheduler(cfg.optim, cfg.train.steps), DataFeed(cfg, topo)
+
+
+def _reshard_worker(rank, world, overrides, src, dst):
+    """Load ``src`` into the layout of ``overrides`` and save it again, untrained, into ``dst``."""
+    _, _, checkpointer, scheduler, data = _stack(overrides, dst)
     step, _ = checkpointer.load(src, scheduler, data, None)
     checkpointer.save(step, scheduler, data, None)
     return step
@@ -253,8 +258,40 @@ def test_tessera_train_resumes_through_the_launcher(tmp_path):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         return [json.loads(line) for line in lines], proc.stdout
 
-    straight, out = launch("a", ["checkpoint.save_every=2", f"checkpoint.dir={tmp_path}/ck"])
+    straight, out = launch("a", ["checkpoint.save_every=2", f"checkpoint.dir={tmp_path}/ck", "checkpoint.async_save=true"])
     assert f"tessera: saved {tmp_path}/ck/step_00000002" in out
     resumed, out = launch("b", [f"checkpoint.load={tmp_path}/ck/step_00000002"])
     assert f"resumed from {tmp_path}/ck/step_00000002 at step 2" in out, out
     assert curve(resumed) == curve(straight)[2:]
+
+
+@pytest.mark.timeout(60)
+def test_a_background_save_writes_the_state_of_its_step(tmp_path, monkeypatch):
+    """checkpoint.async_save: the weights change (training goes on) while the thread writes; the
+    checkpoint holds the values of the step it was taken at. A failed background save raises at
+    the next wait."""
+    stage, optimizer, checkpointer, scheduler, data = _stack(["checkpoint.async_save=true"], tmp_path / "ck")
+    release, real_write = __import__("threading").Event(), dcp.write
+
+    def slow_write(*args):
+        assert release.wait(30)
+        real_write(*args)
+    monkeypatch.setattr(dcp, "write", slow_write)
+    before = {n: p.detach().clone() for n, p in stage.chunks[0].named_parameters()}
+    checkpointer.save(1, scheduler, data, None)
+    with torch.no_grad():
+        for p in stage.chunks[0].parameters():
+            p.add_(1.0)  # "the next steps"
+    release.set()
+    assert checkpointer.wait() == str(tmp_path / "ck" / "step_00000001")
+    saved = dcp.read_whole(str(tmp_path / "ck" / "step_00000001"))
+    assert torch.equal(saved["model.layers.0.mlp.fc1.weight"], before["layers.0.mlp.fc1.weight"])
+    assert torch.equal(saved["model.embedding.weight"], before["embedding.weight"][:100])
+
+    def dies(path, meta):
+        raise OSError("disk full")
+    monkeypatch.setattr(store, "write_meta", dies)
+    checkpointer.save(2, scheduler, data, None)
+    with pytest.raises(RuntimeError, match="background checkpoint save failed: disk full"):
+        checkpointer.wait()
+    assert [s for s, _ in checkpoints(str(tmp_path / "ck"))] == [1]

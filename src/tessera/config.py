@@ -465,6 +465,10 @@ class CheckpointConfig:
     if any."""
     keep: int = 0
     """Keep only the newest this many checkpoints in checkpoint.dir (0: keep all)."""
+    async_save: bool = False
+    """Copy each checkpoint to host memory and write it while training goes on (a thread and a
+    gloo group of its own); the run waits only for the copy. Needs host memory for a copy of
+    each rank's part (~12 bytes per parameter it writes)."""
 
     def __post_init__(self) -> None:
         for key in ("save_every", "keep"):

@@ -15,7 +15,11 @@ after every step. A resumed run on the same layout continues bit for bit (tests/
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import io
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,9 +32,9 @@ from tessera.tensor_parallel import RNGTracker
 from tessera.topology import Topology
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group)
 
 
 def _broadcast(value, src: int = 0):
@@ -43,15 +47,28 @@ def _broadcast(value, src: int = 0):
 
 class Checkpointer:
     """One rank's view of the run's state, for :meth:`save` and :meth:`load` (collectives: every
-    rank calls them alike)."""
+    rank calls them alike).
 
-    def __init__(self, cfg: Config, topo: Topology, chunks, data_parallel, optimizer, rng: RNGTracker | None):
+    ``checkpoint.async_save``: :meth:`save` copies this rank's boxes into host memory (pinned,
+    kept for the next save) and returns; a thread of its own writes them, over a gloo group of
+    its own (the training's collectives go on on theirs), and rank 0 renames the folder into
+    place when every rank has written. The next save, or :meth:`wait`, waits for it first and
+    raises its error. A run that dies meanwhile leaves ``step_N.partial``, never read."""
+
+    def __init__(self, cfg: Config, topo: Topology, chunks, data_parallel, optimizer, rng: RNGTracker | None,
+                 log=print):
         self.cfg, self.topo, self.chunks = cfg, topo, chunks
-        self.data_parallel, self.optimizer, self.rng = data_parallel, optimizer, rng
+        self.data_parallel, self.optimizer, self.rng, self.log = data_parallel, optimizer, rng, log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         # the dp replicas share their streams; a run of another layout draws in another order
         self._rng_key = (f"rng.tp{topo.tp_rank}_of_{topo.tp}.pp{topo.pp_rank}_of_{topo.pp}"
                          f".vpp{cfg.parallel.vpp}.dp{topo.dp}")
+        self.background = cfg.checkpoint.async_save and bool(cfg.checkpoint.dir)
+        self._group = None
+        if self.background and dist.is_initialized():  # (made on every rank alike: the config is the same)
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
+        self._staged: dict[tuple, Tensor] = {}
+        self._pending: tuple[threading.Thread, dict] | None = None
 
     def _shards(self, moments: dict[Tensor, tuple[Tensor, Tensor]], saving: bool):
         t = self.topo
@@ -65,8 +82,10 @@ class Checkpointer:
         return 0.0
 
     def save(self, step: int, scheduler, data_feed, scaler) -> str:
-        """Write the state after ``step`` optimizer steps to ``checkpoint.dir/step_N``; returns
-        that folder."""
+        """Write the state after ``step`` optimizer steps to ``checkpoint.dir/step_N`` (in the
+        background with ``checkpoint.async_save``); returns that folder."""
+        self.wait()
+        began = time.perf_counter()
         self.data_parallel.wait_param_gather()  # (a zero 1/2 gather still writing into the buffers)
         inner = self.optimizer.inner
         moments = {}
@@ -79,11 +98,7 @@ class Checkpointer:
             buf = io.BytesIO()
             torch.save(self.rng.get_states(), buf)
             objects[self._rng_key] = buf.getvalue()
-        partial = store.begin_save(self.cfg.checkpoint.dir, step) if self.rank == 0 else None
-        partial = _broadcast(partial)
-        _barrier()  # (the folder exists before any rank writes into it)
-        dcp.write(partial, self._shards(moments, saving=True), objects)
-        final = None
+        meta = None
         if self.rank == 0:
             p, t = self.cfg.parallel, self.topo
             meta = {"step": step, "adam_step": self._adam_step(), "batches": data_feed.state_dict(),
@@ -91,8 +106,60 @@ class Checkpointer:
                     "layout": {"tp": t.tp, "pp": t.pp, "dp": t.dp, "vpp": p.vpp, "zero": p.zero,
                                "dtype": self.cfg.train.dtype},
                     "config": to_dict(self.cfg)}
-            final = store.finish_save(partial, meta, self.cfg.checkpoint.keep)
-        return _broadcast(final)
+        partial = _broadcast(store.begin_save(self.cfg.checkpoint.dir, step) if self.rank == 0 else None)
+        _barrier()  # (the folder exists before any rank writes into it)
+        shards = self._shards(moments, saving=True)
+        if not self.background:
+            return self._write(partial, shards, objects, meta, began, None)
+        shards = [dataclasses.replace(s, tensor=self._stage(s)) for s in shards]
+        if any(s.tensor.is_pinned() for s in shards):
+            torch.cuda.synchronize()  # (the copies into pinned memory are asynchronous)
+        self.log(f"tessera: saving {partial.removesuffix('.partial')} in the background "
+                 f"(copied to host memory in {time.perf_counter() - began:.1f} s)")
+        result: dict = {}
+        thread = threading.Thread(target=self._write_in_background, daemon=True, name="tessera-checkpoint",
+                                  args=(partial, shards, objects, meta, began, result))
+        thread.start()
+        self._pending = (thread, result)
+        return partial.removesuffix(".partial")
+
+    def _stage(self, shard) -> Tensor:
+        """A host copy of one box, in a buffer kept for the next save."""
+        key = (shard.key, shard.offsets)
+        buf = self._staged.get(key)
+        if buf is None or buf.shape != shard.tensor.shape:
+            buf = torch.empty(shard.tensor.shape, dtype=shard.tensor.dtype,
+                              pin_memory=shard.tensor.is_cuda)
+            self._staged[key] = buf
+        buf.copy_(shard.tensor, non_blocking=shard.tensor.is_cuda)
+        return buf
+
+    def _write(self, partial: str, shards, objects: dict, meta: dict | None, began: float, group) -> str:
+        dcp.write(partial, shards, objects, group)
+        final = partial.removesuffix(".partial")
+        if meta is not None:  # rank 0, once every rank has written (DCP's save ends with a collective)
+            store.finish_save(partial, meta, self.cfg.checkpoint.keep)
+        _barrier(group)  # (renamed before any rank says so)
+        self.log(f"tessera: saved {final} ({store.folder_gib(final):.2f} GiB in {time.perf_counter() - began:.1f} s)")
+        return final
+
+    def _write_in_background(self, partial, shards, objects, meta, began, result: dict) -> None:
+        try:
+            result["path"] = self._write(partial, shards, objects, meta, began, self._group)
+        except BaseException as e:  # raised in the training's thread by wait()
+            result["error"] = e
+
+    def wait(self) -> str | None:
+        """Wait for a background save; returns its folder (None if there was none), or raises
+        what it raised."""
+        if self._pending is None:
+            return None
+        thread, result = self._pending
+        self._pending = None
+        thread.join()
+        if "error" in result:
+            raise RuntimeError(f"the background checkpoint save failed: {result['error']}") from result["error"]
+        return result["path"]
 
     def load(self, path: str, scheduler, data_feed, scaler) -> tuple[int, bool]:
         """Load the checkpoint at ``path`` into this run (any layout); returns (its step, whether

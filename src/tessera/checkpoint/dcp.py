@@ -103,11 +103,13 @@ def _one_process():
         yield
 
 
-def write(path: str, shards: list[Shard], objects: dict) -> None:
+def write(path: str, shards: list[Shard], objects: dict, group=None) -> None:
     """Every rank's ``shards`` and ``objects`` (small picklable values; a key on several ranks
-    is written once) into the folder ``path``. Collective over the default group, if any."""
+    is written once) into the folder ``path``. Collective over ``group`` (default: the default
+    group, if any)."""
     with _one_process():
-        dcp.save(dict(objects), storage_writer=dcp.FileSystemWriter(path), planner=_SavePlanner(shards))
+        dcp.save(dict(objects), storage_writer=dcp.FileSystemWriter(path), planner=_SavePlanner(shards),
+                 process_group=group)
 
 
 def read(path: str, shards: list[Shard], objects: dict) -> dict:

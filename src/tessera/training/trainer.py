@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.checkpoint import Checkpointer, check_resume, folder_gib
+from tessera.checkpoint import Checkpointer, check_resume
 from tessera.config import Config, ConfigError, can_graph_layers, to_dict, validate
 from tessera.data import ByteTokenizer, microbatch_counts, sample_tokenizer
 from tessera.data.tokenizer import file_tokenizer
@@ -388,7 +388,7 @@ def _build_and_run(cfg: Config, topo: Topology, device: torch.device, logger, lo
     with step_stream(device) if stage.graphed else contextlib.nullcontext():
         graphs = stage.capture_graphs(data_parallel)
         try:
-            checkpointer = Checkpointer(cfg, topo, stage.chunks, data_parallel, optimizer, rng)
+            checkpointer = Checkpointer(cfg, topo, stage.chunks, data_parallel, optimizer, rng, logger.print)
             return _run(cfg, topo, stage, data_parallel, optimizer, logger, logs, world, device, checkpointer)
         finally:  # a graph holding NCCL work would hang destroy_process_group
             release_all(graphs)
@@ -464,12 +464,11 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
                 collected[step] = ms
             every = cfg.checkpoint.save_every
             if cfg.checkpoint.dir and (step + 1 == t.steps or (every and (step + 1) % every == 0)):
-                began = time.perf_counter()
-                path = checkpointer.save(step + 1, scheduler, data, scaler)  # (counts into this step's time)
-                logger.print(f"tessera: saved {path} ({folder_gib(path):.2f} GiB in {time.perf_counter() - began:.1f} s)")
+                checkpointer.save(step + 1, scheduler, data, scaler)  # (its time shows in the next step's)
         watchdog.tick()
         if pending is not None:
             log(*pending)
+    checkpointer.wait()  # a background save's last write (not under the step watchdog)
     logger.print_last()
 
     data_parallel.wait_param_gather()
