@@ -231,7 +231,9 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
         ([step2, "train.steps=1"], "train.steps", "at step 2"),
         ([step2, "train.global_batch=16"], "train.batch_rampup", "use the checkpoint's train.global_batch"),
         ([step2, "optim.lr=0.5"], "optim.lr", "set it back to 0.01"),
-        ([step2, f"checkpoint.dir={tmp_path}/ck"], "checkpoint.dir", "after step 2"),
+        ([step2, f"checkpoint.dir={tmp_path}/ck"], "checkpoint.load", "older checkpoint of checkpoint.dir"),
+        ([step2, "train.steps=1"], "train.steps", "checkpoint.finetune=true to start a new run"),
+        (["checkpoint.finetune=true"], "checkpoint.finetune", "checkpoint.load is not"),
         ([f"checkpoint.dir={tmp_path}/ck", "train.steps=3"], "train.steps", "at step 4"),
     ]
     for overrides, key, words in cases:
@@ -244,6 +246,9 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
     from tessera.training.trainer import check_runnable
     check_runnable(load_config(None, BASE + [step2, "train.steps=6", "train.dtype=bf16", "model.dropout=0.1",
                                              "parallel.tp=2", "parallel.zero=1"]), 2)
+    # a fine-tune takes the weights only: other steps, batches and schedule are its own
+    check_runnable(load_config(None, BASE + [step2, "checkpoint.finetune=true", "train.steps=1", "optim.lr=0.5",
+                                             "train.global_batch=24"]), 1)
 
 
 @pytest.mark.timeout(300)
@@ -295,3 +300,32 @@ def test_a_background_save_writes_the_state_of_its_step(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="background checkpoint save failed: disk full"):
         checkpointer.wait()
     assert [s for s, _ in checkpoints(str(tmp_path / "ck"))] == [1]
+
+
+@pytest.mark.timeout(120)
+def test_a_finetune_takes_the_weights_only_and_a_restart_goes_on_from_its_own_checkpoints(tmp_path):
+    _train_here(tmp_path, "pre", ["train.steps=3", f"checkpoint.dir={tmp_path}/pre"])
+    source = f"{tmp_path}/pre/step_00000003"
+    # the weights, nothing else: saved again at once, the parameters are the source's, Adam's
+    # moments zero, the data at its start
+    _, _, checkpointer, scheduler, data = _stack(["checkpoint.finetune=true", f"checkpoint.load={source}"],
+                                                 tmp_path / "again")
+    assert checkpointer.load(source, scheduler, data, None, weights_only=True) == (0, False)
+    checkpointer.save(0, scheduler, data, None)
+    again, pre = dcp.read_whole(f"{tmp_path}/again/step_00000000", ""), dcp.read_whole(source, "")
+    assert all(torch.equal(again[k], pre[k]) for k in pre if k.startswith("model."))
+    assert all(not again[k].any() for k in pre if k.startswith("optim.")) and any(pre[k].any() for k in pre if k.startswith("optim."))
+    meta = json.loads(open(f"{tmp_path}/again/step_00000000/tessera.json").read())
+    assert meta["batches"]["consumed_samples"] == 0 and meta["adam_step"] == 0
+    # a fine-tune run with its own batch size and schedule, then the same command for longer:
+    # it goes on from its own newest checkpoint, not from checkpoint.load again
+    tune = ["checkpoint.finetune=true", f"checkpoint.load={source}", f"checkpoint.dir={tmp_path}/ft",
+            "checkpoint.save_every=1", "train.global_batch=24", "optim.lr=3e-3", "optim.decay_steps=4"]
+    first = _train_here(tmp_path, "ft1", tune + ["train.steps=2"])
+    assert [m["step"] for m in first] == [1, 2]
+    assert json.loads(open(f"{tmp_path}/ft/step_00000001/tessera.json").read())["batches"]["consumed_samples"] == 24
+    straight = _train_here(tmp_path, "ft_straight", tune[:2] + ["train.global_batch=24", "optim.lr=3e-3",
+                                                               "optim.decay_steps=4", "train.steps=4"])
+    assert curve(first) == curve(straight)[:2]
+    later = _train_here(tmp_path, "ft2", tune + ["train.steps=4"])
+    assert curve(later) == curve(straight)[2:]

@@ -463,6 +463,10 @@ class CheckpointConfig:
     """Start from this checkpoint instead: a ``step_N`` folder, or a folder of them (its
     newest); on any layout (tp, pp, vpp, dp, zero) and dtype. Empty: checkpoint.dir's newest,
     if any."""
+    finetune: bool = False
+    """From checkpoint.load take the model's weights only: Adam starts afresh, at step 0, at the
+    data's start, with this run's schedule and batch sizes (a run resuming from checkpoint.dir's
+    own checkpoints takes everything, as always)."""
     keep: int = 0
     """Keep only the newest this many checkpoints in checkpoint.dir (0: keep all)."""
     async_save: bool = False
@@ -477,6 +481,8 @@ class CheckpointConfig:
         for key in ("save_every", "keep"):
             _check(self.dir or not getattr(self, key), f"checkpoint.{key}", "is set but checkpoint.dir is not",
                    "set checkpoint.dir, the folder checkpoints are saved in")
+        _check(self.load or not self.finetune, "checkpoint.finetune", "is set but checkpoint.load is not",
+               "set checkpoint.load, the checkpoint whose weights the run starts from")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -161,14 +161,21 @@ class Checkpointer:
             raise RuntimeError(f"the background checkpoint save failed: {result['error']}") from result["error"]
         return result["path"]
 
-    def load(self, path: str, scheduler, data_feed, scaler) -> tuple[int, bool]:
-        """Load the checkpoint at ``path`` into this run (any layout); returns (its step, whether
-        the random streams were restored)."""
+    def load(self, path: str, scheduler, data_feed, scaler, weights_only: bool = False) -> tuple[int, bool]:
+        """Load the checkpoint at ``path`` into this run (any layout); returns (the step to go on
+        from, whether the random streams were restored). ``weights_only``: the parameters only
+        (a fine-tune): Adam afresh, step 0, the data, schedules and streams as this run starts them."""
         meta = store.read_meta(path)
         moments = {tensor: (torch.zeros_like(tensor), torch.zeros_like(tensor)) for tensor in self.optimizer.tensors}
-        objects = {self._rng_key: b""} if self.rng is not None and self._rng_key in dcp.saved_keys(path) else {}
-        loaded = dcp.read(path, self._shards(moments, saving=False), objects)
-        self.optimizer.load_checkpoint(moments, meta["adam_step"])
+        shards = self._shards(moments, saving=False)
+        if weights_only:
+            shards = [s for s in shards if s.key.startswith("model.")]
+        wanted = not weights_only and self.rng is not None and self._rng_key in dcp.saved_keys(path)
+        objects = {self._rng_key: b""} if wanted else {}
+        loaded = dcp.read(path, shards, objects)
+        self.optimizer.load_checkpoint(moments, 0.0 if weights_only else meta["adam_step"])
+        if weights_only:
+            return 0, False
         scheduler.load_state_dict(meta["scheduler"])
         data_feed.load_state_dict(meta["batches"])
         if scaler is not None and meta.get("scaler") is not None:

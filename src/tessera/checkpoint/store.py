@@ -15,13 +15,14 @@ Saving writes ``step_N.partial``, then rank 0 writes ``tessera.json`` into it an
 whole checkpoint or none, and the older ones untouched. Every rank must see the same file
 system at ``checkpoint.dir`` (a shared one across nodes).
 
-A run starts from ``checkpoint.load`` (a ``step_N`` folder, or a folder of them: its newest),
-or else from the newest checkpoint in ``checkpoint.dir`` (a restarted job resumes by itself),
-or from scratch. :func:`check_resume` refuses, before any process starts, a checkpoint whose
-model differs from the config's, whose batch sizes or learning-rate schedule differ (the
-resumed run would silently change them), or a ``checkpoint.dir`` that holds checkpoints after
-the one loaded (the run would overwrite them). The layout (tp, pp, vpp, dp, zero) and the dtype
-may differ: loading reshards.
+A run starts from the newest checkpoint in ``checkpoint.dir`` (its own progress: a restarted
+job resumes by itself, with the same command), else from ``checkpoint.load`` (a ``step_N``
+folder, or a folder of them: its newest; e.g. a pretrained model a fine-tune starts from), else
+from scratch. :func:`check_resume` refuses, before any process starts, a checkpoint whose model
+differs from the config's, whose batch sizes or learning-rate schedule differ (the resumed run
+would silently change them; not with ``checkpoint.finetune``, which takes the weights only), and a ``checkpoint.load`` naming an older checkpoint of
+``checkpoint.dir`` (a run from it would replace the later ones). The layout (tp, pp, vpp, dp,
+zero) and the dtype may differ: loading reshards.
 """
 
 from __future__ import annotations
@@ -84,20 +85,30 @@ def write_meta(path: str, meta: dict) -> None:
 
 
 def resume_path(cfg: Config) -> str | None:
-    """The checkpoint this run starts from, or None (from scratch)."""
+    """The checkpoint this run starts from, or None (from scratch): checkpoint.dir's newest (the
+    run's own progress: a restarted job goes on from it), else checkpoint.load (where a new run
+    starts: a step folder, or a folder of them and its newest)."""
     c = cfg.checkpoint
-    if c.load:
-        if is_checkpoint(c.load):
-            return c.load
-        found = checkpoints(c.load)
-        if found:
-            return found[-1][1]
-        why = "does not exist" if not os.path.exists(c.load) else "is neither a checkpoint nor a folder holding one"
-        raise ConfigError("checkpoint.load", f"{c.load} {why}",
-                          "give a step_N folder written by a run (checkpoint.dir/step_N), or the checkpoint.dir "
-                          "holding them; leave it empty to resume from checkpoint.dir's newest")
-    found = checkpoints(c.dir) if c.dir else []
-    return found[-1][1] if found else None
+    own = checkpoints(c.dir) if c.dir else []
+    if c.load and own and os.path.realpath(os.path.dirname(os.path.abspath(c.load))) == os.path.realpath(c.dir) \
+            and is_checkpoint(c.load) and os.path.realpath(c.load) != os.path.realpath(own[-1][1]):
+        raise ConfigError("checkpoint.load", f"{c.load} is an older checkpoint of checkpoint.dir, whose newest is "
+                          f"{os.path.basename(own[-1][1])}: a run resumes from the newest (saving from an older one "
+                          "would replace the later ones)",
+                          "to go back to it, move the later step_N folders out of checkpoint.dir, or give another "
+                          "checkpoint.dir")
+    if own:
+        return own[-1][1]
+    if not c.load:
+        return None
+    if is_checkpoint(c.load):
+        return c.load
+    found = checkpoints(c.load)
+    if found:
+        return found[-1][1]
+    why = "does not exist" if not os.path.exists(c.load) else "is neither a checkpoint nor a folder holding one"
+    raise ConfigError("checkpoint.load", f"{c.load} {why}",
+                      "give a step_N folder written by a run (checkpoint.dir/step_N), or a folder holding them")
 
 
 def check_resume(cfg: Config) -> dict | None:
@@ -111,7 +122,9 @@ def check_resume(cfg: Config) -> dict | None:
         raise ConfigError("checkpoint.dir", f"{c.dir} is a file", "give a folder for the checkpoints")
     if path is None:
         return None
-    meta = read_meta(path)
+    meta = read_meta(path) | {"path": path}
+    # weights only: from checkpoint.load (not the run's own checkpoints) with checkpoint.finetune
+    meta["weights_only"] = c.finetune and not (c.dir and checkpoints(c.dir))
     saved = ModelConfig(**meta["config"]["model"])
     for key in _MODEL_KEYS:
         mine, theirs = getattr(cfg.model, key), getattr(saved, key)
@@ -122,18 +135,16 @@ def check_resume(cfg: Config) -> dict | None:
     if saved.family == "gpt2" and saved.seq_len != cfg.model.seq_len:  # learned positions: one row each
         raise ConfigError("model.seq_len", f"the checkpoint {path} has {saved.seq_len} learned positions, "
                           f"this run's model {cfg.model.seq_len}", f"set model.seq_len={saved.seq_len} to load it")
+    if meta["weights_only"]:
+        return meta
     step = meta["step"]
     if cfg.train.steps < step:
         raise ConfigError("train.steps", f"{cfg.train.steps}, but the checkpoint {path} is at step {step}",
-                          f"set train.steps > {step} to train on from it")
+                          f"set train.steps > {step} to train on from it, or checkpoint.finetune=true to start "
+                          "a new run from its weights")
     MicroBatchCalculator.from_config(cfg.train, cfg.parallel.dp).load_state_dict(meta["batches"])
     LRScheduler(cfg.optim, cfg.train.steps).load_state_dict(meta["scheduler"])
-    later = [p for s, p in checkpoints(c.dir) if s > step] if c.dir else []
-    if later:
-        raise ConfigError("checkpoint.dir", f"it holds checkpoints after step {step}, which this run loads "
-                          f"({os.path.basename(later[0])}{' ...' if len(later) > 1 else ''}): saving would replace them",
-                          "give another checkpoint.dir, or load the newest")
-    return meta | {"path": path}
+    return meta
 
 
 def folder_gib(path: str) -> float:

@@ -405,10 +405,15 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
     resume = check_resume(cfg)  # (checked before the launch already; the same answer on every rank)
     if resume is not None:
         began = time.perf_counter()
-        start, streams = checkpointer.load(resume["path"], scheduler, data, scaler)
-        logger.print(f"tessera: resumed from {resume['path']} at step {start} in {time.perf_counter() - began:.1f} s "
-                     f"(saved at {' '.join(f'{k}={v}' for k, v in resume['layout'].items())}; random streams "
-                     f"{'restored' if streams else 'seeded anew: another layout or no dropout streams'})")
+        start, streams = checkpointer.load(resume["path"], scheduler, data, scaler, resume["weights_only"])
+        saved_at = " ".join(f"{k}={v}" for k, v in resume["layout"].items())
+        if resume["weights_only"]:
+            logger.print(f"tessera: starting from the weights of {resume['path']} (saved at {saved_at}; "
+                         f"checkpoint.finetune: Adam, step, data and schedules afresh) in {time.perf_counter() - began:.1f} s")
+        else:
+            logger.print(f"tessera: resumed from {resume['path']} at step {start} in {time.perf_counter() - began:.1f} s "
+                         f"(saved at {saved_at}; random streams "
+                         f"{'restored' if streams else 'seeded anew: another layout or no dropout streams'})")
     per_token, peak = flops_per_token(cfg.model), peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
     def speed(tokens: int, elapsed: float) -> dict:
