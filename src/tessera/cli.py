@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     from tessera.data.commands import add_data_commands
 
     add_data_commands(sub)  # preprocess, data inspect
+    from tessera.checkpoint.commands import add_checkpoint_commands
+
+    add_checkpoint_commands(sub)  # checkpoint inspect
     return parser
 
 
@@ -180,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         from tessera.data.commands import run_data_command
 
         return run_data_command(args)
+    if args.command == "checkpoint":
+        from tessera.checkpoint.commands import run_checkpoint_command
+
+        return run_checkpoint_command(args)
     from tessera.training.launch import shutdown, world_from_env
 
     rank, _, world = world_from_env()
