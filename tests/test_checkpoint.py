@@ -343,3 +343,24 @@ def test_a_finetune_takes_the_weights_only_and_a_restart_goes_on_from_its_own_ch
     assert curve(first) == curve(straight)[:2]
     later = _train_here(tmp_path, "ft2", tune + ["train.steps=4"])
     assert curve(later) == curve(straight)[2:]
+
+
+@pytest.mark.timeout(120)
+def test_one_run_at_a_time_saves_into_a_checkpoint_dir(tmp_path):
+    """Two runs saving into one checkpoint.dir would replace each other's checkpoints: while one
+    holds it (rank 0's lock), another is refused, by the launcher before torchrun too. The same
+    folder may be both out_dir and checkpoint.dir."""
+    from tessera.training.metrics import CHECKPOINT_LOCK_NAME, lock_out_dir
+
+    held = lock_out_dir(tmp_path / "ck", "checkpoint.dir", CHECKPOINT_LOCK_NAME)  # a run saving there now
+    try:
+        with pytest.raises(ConfigError, match="checkpoint.dir: .* is in use by another run"):
+            _train_here(tmp_path, "out", ["train.steps=1", f"checkpoint.dir={tmp_path}/ck"])
+        proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2", "--set",
+                               f"checkpoint.dir={tmp_path}/ck", "--set", f"train.out_dir={tmp_path}/out2"],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "checkpoint.dir" in proc.stderr and "in use by another run" in proc.stderr
+    finally:
+        held.close()
+    _train_here(tmp_path, "both", ["train.steps=1", f"checkpoint.dir={tmp_path}/both"])  # out_dir == checkpoint.dir
+    assert [s for s, _ in checkpoints(f"{tmp_path}/both")] == [1]

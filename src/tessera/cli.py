@@ -108,11 +108,13 @@ def _schedule(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     """Check the configuration for the launch, then hand over to torchrun (which relaunches us)."""
-    from tessera.training.metrics import check_out_dir_free
+    from tessera.training.metrics import CHECKPOINT_LOCK_NAME, check_out_dir_free
     from tessera.training.trainer import check_runnable
 
     cfg = check_runnable(load_config(args.config, args.overrides), args.nproc_per_node)
     check_out_dir_free(cfg.train.out_dir)  # (the run takes the lock; said here once, before torchrun)
+    if cfg.checkpoint.dir:
+        check_out_dir_free(cfg.checkpoint.dir, "checkpoint.dir", CHECKPOINT_LOCK_NAME)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
                "-m", "tessera", "train"]
     command += ["--config", args.config] if args.config else []

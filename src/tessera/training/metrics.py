@@ -27,23 +27,26 @@ from typing import IO
 from tessera.config import ConfigError
 
 LOCK_NAME = ".tessera.lock"
+CHECKPOINT_LOCK_NAME = ".tessera-checkpoints.lock"
 
 
-def lock_out_dir(out_dir: str | Path) -> IO[str]:
+def lock_out_dir(out_dir: str | Path, key: str = "train.out_dir", name: str = LOCK_NAME) -> IO[str]:
     """Take ``out_dir``'s run lock (creating the folder); the open lock file, to close when done.
-    Held by another run: a ConfigError naming it (its host and pid). A file system without
-    ``flock`` (some network mounts) runs unlocked."""
+    Held by another run: a ConfigError naming ``key`` and the holder (its host and pid). A file
+    system without ``flock`` (some network mounts) runs unlocked. (``checkpoint.dir`` has a lock
+    of its own name: the same folder may be both, and two locks of one file in one process
+    would conflict.)"""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    f = open(out_dir / LOCK_NAME, "a+")
+    f = open(out_dir / name, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         holder = f.read().strip()
         f.close()
-        raise ConfigError("train.out_dir", f"{out_dir} is in use by another run{f' ({holder})' if holder else ''}",
-                          "wait for it to end, or choose another train.out_dir", rank_local=True) from None
+        raise ConfigError(key, f"{out_dir} is in use by another run{f' ({holder})' if holder else ''}",
+                          f"wait for it to end, or choose another {key}", rank_local=True) from None
     except OSError:
         return f
     f.seek(0)
@@ -53,11 +56,11 @@ def lock_out_dir(out_dir: str | Path) -> IO[str]:
     return f
 
 
-def check_out_dir_free(out_dir: str | Path) -> None:
+def check_out_dir_free(out_dir: str | Path, key: str = "train.out_dir", name: str = LOCK_NAME) -> None:
     """Refuse an ``out_dir`` another run holds (the launcher's early check; the run itself then
     takes the lock)."""
-    if (Path(out_dir) / LOCK_NAME).exists():
-        lock_out_dir(out_dir).close()
+    if (Path(out_dir) / name).exists():
+        lock_out_dir(out_dir, key, name).close()
 
 
 class NullLogger:

@@ -43,7 +43,7 @@ from tessera.training.gc_control import GarbageCollection
 from tessera.training.concurrent import PairedExecutor, graph_pairs
 from tessera.training.cuda_graphs import graph_stage, release_all, step_stream
 from tessera.training.launch import check_device, init_distributed, pick_device, world_from_env
-from tessera.training.metrics import JsonlLogger, NullLogger
+from tessera.training.metrics import CHECKPOINT_LOCK_NAME, JsonlLogger, NullLogger, lock_out_dir
 from tessera.training.step import DTYPES, StepClock, train_step
 from tessera.training.watchdog import StepWatchdog
 
@@ -353,11 +353,18 @@ def train(cfg: Config) -> list[dict]:
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device,
                           timeout=datetime.timedelta(seconds=t.timeout_s))
     logs = topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0
-    logger = JsonlLogger(t.out_dir, t.log_every, config=to_dict(cfg)) if logs else NullLogger()  # (takes out_dir's lock)
+    # rank 0 holds checkpoint.dir (it renames checkpoints into place), the logging rank out_dir
+    held = lock_out_dir(cfg.checkpoint.dir, "checkpoint.dir", CHECKPOINT_LOCK_NAME) \
+        if cfg.checkpoint.dir and rank == 0 else None
     try:
-        return _build_and_run(cfg, topo, device, logger, logs, world)
+        logger = JsonlLogger(t.out_dir, t.log_every, config=to_dict(cfg)) if logs else NullLogger()  # (takes out_dir's lock)
+        try:
+            return _build_and_run(cfg, topo, device, logger, logs, world)
+        finally:
+            logger.close()
     finally:
-        logger.close()
+        if held is not None:
+            held.close()
 
 
 def _build_and_run(cfg: Config, topo: Topology, device: torch.device, logger, logs: bool, world: int) -> list[dict]:
