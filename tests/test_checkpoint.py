@@ -186,7 +186,7 @@ def _train_here(tmp_path, name, overrides):
 
 
 @pytest.mark.timeout(120)
-def test_a_save_that_dies_leaves_the_older_checkpoints_and_a_restart_resumes(tmp_path, monkeypatch):
+def test_a_save_that_dies_leaves_the_older_checkpoints_and_a_restart_resumes(tmp_path, monkeypatch, capsys):
     straight = _train_here(tmp_path, "straight", ["train.steps=3"])
     run = ["train.steps=3", "checkpoint.save_every=1", f"checkpoint.dir={tmp_path}/ck"]
 
@@ -195,14 +195,19 @@ def test_a_save_that_dies_leaves_the_older_checkpoints_and_a_restart_resumes(tmp
     monkeypatch.setattr(store, "write_meta", dies)
     with pytest.raises(OSError, match="disk full"):
         _train_here(tmp_path, "dies", run)
-    assert checkpoints(f"{tmp_path}/ck") == [] and os.listdir(f"{tmp_path}/ck") == ["step_00000001.partial"]
+    assert checkpoints(f"{tmp_path}/ck") == [] and [p for p in os.listdir(f"{tmp_path}/ck") if p.startswith("step")] == \
+        ["step_00000001.partial"]
     monkeypatch.undo()
     first = _train_here(tmp_path, "first", ["train.steps=2", "checkpoint.save_every=1", f"checkpoint.dir={tmp_path}/ck"])
     assert [s for s, _ in checkpoints(f"{tmp_path}/ck")] == [1, 2] and curve(first) == curve(straight)[:2]
     # the same command again, for all 3 steps: it resumes from step 2 by itself
     again = _train_here(tmp_path, "again", run)
     assert curve(again) == curve(straight)[2:]
-    assert sorted(os.listdir(f"{tmp_path}/ck")) == ["step_00000001", "step_00000002", "step_00000003"]
+    assert sorted(p for p in os.listdir(f"{tmp_path}/ck") if p.startswith("step")) == \
+        ["step_00000001", "step_00000002", "step_00000003"]
+    # once more: the newest checkpoint is at train.steps, so nothing trains (and it says so)
+    capsys.readouterr()
+    assert _train_here(tmp_path, "nothing", run) == [] and "nothing to train" in capsys.readouterr().out
     # checkpoint.keep: the newest ones stay
     _train_here(tmp_path, "keep", ["train.steps=5", "checkpoint.save_every=1", "checkpoint.keep=2",
                                    f"checkpoint.dir={tmp_path}/ck"])

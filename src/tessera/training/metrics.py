@@ -89,7 +89,7 @@ class JsonlLogger:
     as ``out_dir/config.toml``, which ``--config`` reads back); an earlier run's pair is kept
     aside as ``metrics.N.jsonl`` and ``config.N.toml``."""
 
-    def __init__(self, out_dir: str | Path, log_every: int, stream=sys.stdout, config: dict | None = None):
+    def __init__(self, out_dir: str | Path, log_every: int, stream=None, config: dict | None = None):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.log_every, self.stream = log_every, stream
         self._lock = lock_out_dir(out_dir)
@@ -132,7 +132,7 @@ class JsonlLogger:
             self._last_printed = True
 
     def print(self, text: str) -> None:
-        print(text, file=self.stream, flush=True)
+        print(text, file=self.stream or sys.stdout, flush=True)  # (sys.stdout as it is now: it may be replaced)
 
     def close(self) -> None:
         """Close the file and give the out_dir's lock back."""

@@ -421,6 +421,9 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             logger.print(f"tessera: resumed from {resume['path']} at step {start} in {time.perf_counter() - began:.1f} s "
                          f"(saved at {saved_at}; random streams "
                          f"{'restored' if streams else 'seeded anew: another layout or no dropout streams'})")
+        if start == t.steps:
+            logger.print(f"tessera: the checkpoint is at train.steps = {t.steps}: nothing to train "
+                         "(raise train.steps to train on)")
     per_token, peak = flops_per_token(cfg.model), peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
     def speed(tokens: int, elapsed: float) -> dict:
