@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -239,8 +240,21 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
         ([step2, f"checkpoint.dir={tmp_path}/ck"], "checkpoint.load", "older checkpoint of checkpoint.dir"),
         ([step2, "train.steps=1"], "train.steps", "checkpoint.finetune=true to start a new run"),
         (["checkpoint.finetune=true"], "checkpoint.finetune", "checkpoint.load is not"),
-        ([f"checkpoint.dir={tmp_path}/ck", "train.steps=3"], "train.steps", "at step 4"),
+        ([f"checkpoint.dir={tmp_path}/ck", "train.steps=3"], "train.steps", "it is checkpoint.dir's own newest"),
     ]
+    # damaged copies: a data file missing, one cut short, tessera.json unreadable
+    import shutil
+    for name, damage, words in [
+        ("missing", lambda p: os.remove(p / "__0_0.distcp"), "__0_0.distcp is missing"),
+        ("short", lambda p: os.truncate(p / "__0_0.distcp", 100), "__0_0.distcp holds 100 bytes, its index says"),
+        ("json", lambda p: (p / "tessera.json").write_text("{"), "its tessera.json is unreadable"),
+    ]:
+        shutil.copytree(tmp_path / "ck" / "step_00000002", tmp_path / name / "step_00000002")
+        damage(tmp_path / name / "step_00000002")
+        cases.append(([f"checkpoint.load={tmp_path}/{name}"], "checkpoint.load", f"is damaged: {words}"))
+        shown = subprocess.run([sys.executable, "-m", "tessera", "checkpoint", "inspect", f"{tmp_path}/{name}"],
+                               capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 1 and f"damaged: {words}" in shown.stdout, shown.stdout + shown.stderr
     for overrides, key, words in cases:
         got_key, message = _refusal(overrides + ["train.steps=4"] if not any("train.steps" in o for o in overrides)
                                     else overrides)
@@ -369,3 +383,56 @@ def test_one_run_at_a_time_saves_into_a_checkpoint_dir(tmp_path):
         held.close()
     _train_here(tmp_path, "both", ["train.steps=1", f"checkpoint.dir={tmp_path}/both"])  # out_dir == checkpoint.dir
     assert [s for s, _ in checkpoints(f"{tmp_path}/both")] == [1]
+
+
+_SLOW_SAVE = """
+import sys, time
+import tessera.checkpoint.dcp as dcp
+from tessera.config import load_config
+from tessera.training.trainer import train
+real = dcp.write
+def slow(*args):
+    time.sleep(4)  # a large model's save on a slow shared file system, past train.timeout_s
+    real(*args)
+dcp.write = slow
+train(load_config(None, sys.argv[2:]))
+print("finished")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_slow_save_is_not_cut_short_by_the_step_watchdog(tmp_path, mode):
+    """train.timeout_s=2 and a save of 4 s (also the next save's wait for a background one): the
+    watchdog pauses around saves; the run finishes with its checkpoints."""
+    sets = BASE + ["train.steps=4", "checkpoint.save_every=2", "train.timeout_s=2", f"checkpoint.dir={tmp_path}/ck",
+                   f"train.out_dir={tmp_path}/out", f"checkpoint.async_save={mode == 'async'}"]
+    proc = subprocess.run([sys.executable, "-c", _SLOW_SAVE, "-", *sets], capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr[-2000:]
+    assert [s for s, _ in checkpoints(f"{tmp_path}/ck")] == [2, 4]
+
+
+@pytest.mark.timeout(120)
+def test_a_background_save_outlives_a_failing_step(tmp_path, monkeypatch):
+    """checkpoint.async_save: step 4 fails while step 3's checkpoint is being written; the run
+    finishes that write before it stops, so a restart goes on from step 3."""
+    from tessera.training import trainer
+
+    real_write, real_step, calls = dcp.write, trainer.train_step, []
+
+    def slow_write(*args):
+        time.sleep(1.0)
+        real_write(*args)
+
+    def failing_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("step 4 failed")
+        return real_step(*args, **kwargs)
+    monkeypatch.setattr(dcp, "write", slow_write)
+    monkeypatch.setattr(trainer, "train_step", failing_step)
+    with pytest.raises(RuntimeError, match="step 4 failed"):
+        _train_here(tmp_path, "out", ["train.steps=6", "checkpoint.save_every=3", "checkpoint.async_save=true",
+                                      f"checkpoint.dir={tmp_path}/ck"])
+    assert [s for s, _ in checkpoints(f"{tmp_path}/ck")] == [3]

@@ -42,6 +42,24 @@ def test_the_first_step_is_not_timed_and_the_limit_follows_the_slowest_step():
     assert log[-1] == "disarm"
 
 
+def test_a_paused_block_is_not_timed_nor_counted_into_its_step():
+    """A checkpoint's save runs under ``paused()``: the timer is off during it, on again after,
+    and the step's time (the next limit) leaves it out."""
+    dog, log, now = _watchdog(10.0)
+    with dog:
+        dog.tick()
+        now[0] = 1.0
+        dog.tick()  # step 1 starts at 1 s
+        now[0] = 2.0
+        with dog.paused():  # a 500 s save
+            assert log[-1] == "disarm"
+            now[0] = 502.0
+        assert log[-1] == ("arm", 10.0)
+        now[0] = 503.0
+        dog.tick()  # step 1: 2 s of work, the save left out
+        assert dog.slowest == 2.0 and log[-1] == ("arm", 10.0)
+
+
 def test_a_one_step_run_times_only_its_tail_and_a_bad_timeout_is_refused():
     dog, log, _ = _watchdog(7.0)
     with dog:

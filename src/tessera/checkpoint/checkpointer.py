@@ -15,6 +15,7 @@ after every step. A resumed run on the same layout continues bit for bit (tests/
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import io
@@ -148,6 +149,20 @@ class Checkpointer:
             result["path"] = self._write(partial, shards, objects, meta, began, self._group)
         except BaseException as e:  # raised in the training's thread by wait()
             result["error"] = e
+
+    @contextlib.contextmanager
+    def finishing(self):
+        """Around the training loop: where it raises (a later step's error, Ctrl-C), a background
+        save still writing is finished first, so the checkpoint it was taking is not lost with
+        the process (its own error, if any, gives way to the loop's)."""
+        try:
+            yield
+        except BaseException:
+            if self._pending is not None:
+                self.log("tessera: finishing the background checkpoint save before stopping")
+                with contextlib.suppress(Exception):
+                    self.wait()
+            raise
 
     def wait(self) -> str | None:
         """Wait for a background save; returns its folder (None if there was none), or raises

@@ -2,7 +2,9 @@
 
 PATH is a ``step_N`` folder or a folder of them (each one listed). Prints the step, when and on
 which layout it was saved, its size, the model's settings and parameter count, the data position
-and the learning-rate schedule's end; ``--tensors`` lists every tensor's whole shape.
+and the learning-rate schedule's end; ``--tensors`` lists every tensor's whole shape. A damaged
+checkpoint (a data file missing or cut short, an unreadable ``tessera.json``) is named as such
+(exit status 1).
 """
 
 from __future__ import annotations
@@ -28,8 +30,15 @@ def run_checkpoint_command(args) -> int:
         print(f"tessera: {args.path} is neither a checkpoint (step_N with tessera.json and .metadata) nor a "
               "folder holding one", file=sys.stderr)
         return 2
+    status = 0
     for path in paths:
-        meta = store.read_meta(path)
+        try:
+            meta = store.read_meta(path)
+            store.check_files(path)
+        except store.DamagedCheckpoint as e:
+            print(f"{os.path.normpath(path)}: damaged: {e}")
+            status = 1
+            continue
         tensors = dcp.saved_tensors(path)
         model = meta["config"]["model"]
         params = sum(math.prod(md.size) for key, md in tensors.items() if key.startswith("model."))
@@ -44,4 +53,4 @@ def run_checkpoint_command(args) -> int:
         if args.tensors:
             for key in sorted(tensors):
                 print(f"  {key} {list(tensors[key].size)}")
-    return 0
+    return status

@@ -132,6 +132,14 @@ def saved_tensors(path: str) -> dict[str, TensorStorageMetadata]:
     return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
+def storage_extents(path: str) -> dict[str, int]:
+    """Each data file the checkpoint's index names, and the byte its items end at."""
+    ends: dict[str, int] = {}
+    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    return ends
+
+
 def saved_keys(path: str) -> set[str]:
     return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
@@ -146,4 +154,4 @@ def read_whole(path: str, prefix: str = "model.") -> dict[str, torch.Tensor]:
     return state
 
 
-__all__ = ["write", "read", "read_whole", "saved_keys", "saved_tensors", "CheckpointMismatch"]
+__all__ = ["write", "read", "read_whole", "saved_keys", "saved_tensors", "storage_extents", "CheckpointMismatch"]

@@ -64,13 +64,39 @@ def checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+class DamagedCheckpoint(ValueError):
+    """A complete-looking checkpoint whose files are not whole (changed after it was saved)."""
+
+
 def read_meta(path: str) -> dict:
-    with open(os.path.join(path, META)) as f:
-        meta = json.load(f)
+    try:
+        with open(os.path.join(path, META)) as f:
+            meta = json.load(f)
+        for key in ("step", "adam_step", "batches", "scheduler", "layout", "config"):
+            meta[key]  # noqa: B018 -- present, or the file is not one tessera wrote whole
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DamagedCheckpoint(f"its {META} is unreadable ({type(e).__name__}: {e})") from None
     if meta.get("format") != FORMAT:
         raise ConfigError("checkpoint.load", f"{path} is in checkpoint format {meta.get('format')!r}, "
                           f"this tessera reads format {FORMAT}", "load it with the tessera version that saved it")
     return meta
+
+
+def check_files(path: str) -> None:
+    """Every data file DCP's index names exists and is long enough for what it says is in it
+    (a checkpoint copied in part, or cut short, is found here rather than mid-load)."""
+    from tessera.checkpoint.dcp import storage_extents
+
+    try:
+        extents = storage_extents(path)
+    except Exception as e:  # noqa: BLE001 -- whatever DCP raises on a broken index
+        raise DamagedCheckpoint(f"its index .metadata is unreadable ({type(e).__name__}: {e})") from None
+    for name, end in sorted(extents.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise DamagedCheckpoint(f"{name} is missing")
+        if os.path.getsize(file) < end:
+            raise DamagedCheckpoint(f"{name} holds {os.path.getsize(file):,} bytes, its index says {end:,}")
 
 
 def write_meta(path: str, meta: dict) -> None:
@@ -122,9 +148,16 @@ def check_resume(cfg: Config) -> dict | None:
         raise ConfigError("checkpoint.dir", f"{c.dir} is a file", "give a folder for the checkpoints")
     if path is None:
         return None
-    meta = read_meta(path) | {"path": path}
+    own = bool(c.dir and checkpoints(c.dir))  # the run's own progress, which goes before checkpoint.load
+    try:
+        meta = read_meta(path) | {"path": path}
+        check_files(path)
+    except DamagedCheckpoint as e:
+        raise ConfigError("checkpoint.dir" if own else "checkpoint.load", f"the checkpoint {path} is damaged: {e}",
+                          "move it out of the way (a run then starts from the one before), or restore it"
+                          if own else "give a whole checkpoint") from None
     # weights only: from checkpoint.load (not the run's own checkpoints) with checkpoint.finetune
-    meta["weights_only"] = c.finetune and not (c.dir and checkpoints(c.dir))
+    meta["weights_only"] = c.finetune and not own
     saved = ModelConfig(**meta["config"]["model"])
     for key in _MODEL_KEYS:
         mine, theirs = getattr(cfg.model, key), getattr(saved, key)
@@ -139,9 +172,11 @@ def check_resume(cfg: Config) -> dict | None:
         return meta
     step = meta["step"]
     if cfg.train.steps < step:
-        raise ConfigError("train.steps", f"{cfg.train.steps}, but the checkpoint {path} is at step {step}",
-                          f"set train.steps > {step} to train on from it, or checkpoint.finetune=true to start "
-                          "a new run from its weights")
+        fix = f"set train.steps >= {step} to train on from it"
+        fix += (", or checkpoint.finetune=true to start a new run from its weights" if not own else
+                f" (it is checkpoint.dir's own newest, which a run goes on from; to start a new run from its weights, "
+                f"give another checkpoint.dir with checkpoint.load={path} and checkpoint.finetune=true)")
+        raise ConfigError("train.steps", f"{cfg.train.steps}, but the checkpoint {path} is at step {step}", fix)
     MicroBatchCalculator.from_config(cfg.train, cfg.parallel.dp).load_state_dict(meta["batches"])
     LRScheduler(cfg.optim, cfg.train.steps).load_state_dict(meta["scheduler"])
     return meta

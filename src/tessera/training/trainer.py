@@ -457,7 +457,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
     # Step k's figures are read after step k+1 is launched (training/step.py), so the host never
     # leaves the GPU idle between steps; a step's time is where its work ran (StepClock).
     pending, clock, collected = None, StepClock(device), {}
-    with GarbageCollection(t.gc_interval) as collector, StepWatchdog(t.timeout_s) as watchdog:
+    with checkpointer.finishing(), GarbageCollection(t.gc_interval) as collector, StepWatchdog(t.timeout_s) as watchdog:
         for step in range(start, t.steps):
             watchdog.tick()  # a step that hangs ends the job with every thread's stack (training/watchdog.py)
             try:
@@ -479,7 +479,8 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
                 collected[step] = ms
             every = cfg.checkpoint.save_every
             if cfg.checkpoint.dir and (step + 1 == t.steps or (every and (step + 1) % every == 0)):
-                checkpointer.save(step + 1, scheduler, data, scaler)  # (its time shows in the next step's)
+                with watchdog.paused():  # (a large model's save may rightly take minutes)
+                    checkpointer.save(step + 1, scheduler, data, scaler)  # (its time shows in the next step's)
         watchdog.tick()
         if pending is not None:
             log(*pending)

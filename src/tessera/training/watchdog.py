@@ -14,12 +14,13 @@ warms up, is not timed, nor is anything after the loop. The timer is the standar
 ``faulthandler.dump_traceback_later``: a C thread that needs neither the GIL nor a responsive
 main thread, but one per process, so training owns it while the loop runs (a timer set before is
 replaced) and cancels it after. Work added to the loop that may rightly take long (a
-checkpoint's save, an evaluation) counts into the step it runs in and must fit its limit, or
-have the timer paused around it.
+checkpoint's save, an evaluation) runs under ``watchdog.paused()``: not timed, and not counted into
+its step's time (which would raise every later step's limit).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import sys
 import time
@@ -56,6 +57,21 @@ class StepWatchdog:
         self._steps += 1
         if self._steps > 1:
             self._arm(self.limit())
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Run a block without the timer (a checkpoint's save: its time depends on the file
+        system, not on the step); the step's timer starts again after it, its time not counted."""
+        armed, began = self._steps > 1, self._clock()
+        if armed:
+            self._disarm()
+        try:
+            yield
+        finally:
+            if self._started is not None:
+                self._started += self._clock() - began
+            if armed:
+                self._arm(self.limit())
 
     def limit(self) -> float:
         return max(self.timeout_s, self.SLOWEST_FACTOR * self.slowest)
