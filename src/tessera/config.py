@@ -246,6 +246,12 @@ class TrainConfig:
     """Directory for metrics.jsonl and other run outputs."""
     log_every: int = 10
     """Print one console line every this many steps."""
+    eval_every: int = 0
+    """Every this many steps, and after the last, the validation loss: the mean loss per token
+    over the first train.eval_batches global batches of the data's validation split (data.split's
+    second part; synthetic data: a stream of its own). 0: never."""
+    eval_batches: int = 10
+    """Global batches of train.global_batch samples each validation loss is taken over."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: cuda when available (NCCL), else cpu (gloo)."""
     sample_tokens: int = 0
@@ -330,8 +336,10 @@ class TrainConfig:
     a constant global_batch."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "global_batch", "steps", "log_every"):
+        for name in ("micro_batch", "global_batch", "steps", "log_every", "eval_batches"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1", "give a value >= 1")
+        _check(self.eval_every >= 0, "train.eval_every", f"{self.eval_every} is below 0",
+               "give steps between validation losses, or 0 for none")
         _check(self.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", "use 0 for no sample")
         _check(1 <= self.timeout_s <= 1e9, "train.timeout_s", f"{self.timeout_s} is not in [1, 1e9] seconds "
                "(the process group's setup waits for every rank that long)", "give seconds, e.g. 300")

@@ -24,6 +24,7 @@ from tessera.data.indexed_source import builtin_prefix, default_cache_dir, index
 from tessera.models.packed import document_fields
 from tessera.optim import MicroBatchCalculator
 from tessera.tensor_parallel import broadcast_batch
+from tessera.tensor_parallel.random import stable_seed
 from tessera.topology import Topology
 
 
@@ -35,27 +36,37 @@ def total_samples(cfg: Config) -> int:
     return calc.consumed_samples
 
 
-def build_source(cfg: Config):
-    """The sample source: ``source[i]`` is sample i, ``seq_len + 1`` token ids. Every rank calls
-    it (indexed datasets build their sample index on rank 0 while the others wait)."""
+def eval_samples(cfg: Config) -> int:
+    """Samples one validation loss reads."""
+    return cfg.train.eval_batches * cfg.train.global_batch
+
+
+def build_source(cfg: Config, split: int = 0):
+    """The sample source of the training (``split`` 0) or validation (1) data: ``source[i]`` is
+    sample i, ``seq_len + 1`` token ids. Every rank calls it (indexed datasets build their sample
+    index on rank 0 while the others wait)."""
     m, t, d = cfg.model, cfg.train, cfg.data
-    if d.source == "synthetic":
-        return SyntheticTokens(m.seq_len, m.vocab_size, t.seed)
+    if d.source == "synthetic":  # validation: a stream of its own
+        return SyntheticTokens(m.seq_len, m.vocab_size, t.seed if split == 0 else stable_seed(t.seed, "valid"))
     if d.source == "builtin":  # the demo corpus, through the same indexed path
-        d = dataclasses.replace(d, paths=[builtin_prefix(d.cache_dir or default_cache_dir())], split="1,0,0")
-    return indexed_source(d, m.seq_len, total_samples(cfg), t.seed)
+        d = dataclasses.replace(d, paths=[builtin_prefix(d.cache_dir or default_cache_dir())])
+    return indexed_source(d, m.seq_len, total_samples(cfg) if split == 0 else eval_samples(cfg), t.seed, split=split)
 
 
 class DataFeed:
-    def __init__(self, cfg: Config, topo: Topology):
+    """The training data (``split`` 0), or the validation data (1: a constant train.global_batch,
+    no ramp-up)."""
+
+    def __init__(self, cfg: Config, topo: Topology, split: int = 0):
         self.cfg, self.topo = cfg, topo
         d = cfg.data
         self.packing = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
         self.reads = topo.is_first_stage or topo.is_last_stage or self.packing
-        self.batches = MicroBatchCalculator.from_config(cfg.train, topo.dp)
+        self.batches = MicroBatchCalculator.from_config(cfg.train, topo.dp) if split == 0 else \
+            MicroBatchCalculator(cfg.train.global_batch, cfg.train.micro_batch, topo.dp)
         self.loader = None
         self.header = None  # each field's key, per-micro-batch shape and dtype, after the first step
-        source = build_source(cfg)  # on every rank: index building waits for rank 0
+        source = build_source(cfg, split)  # on every rank: index building waits for rank 0
         if self.reads and topo.tp_rank == 0:
             self.loader = MicroBatches(source, batches=self.batches, dp_rank=topo.dp_rank,
                                        vocab_size=cfg.model.vocab_size)

@@ -121,7 +121,7 @@ class JsonlLogger:
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         self._file.write(json.dumps(finite, allow_nan=False) + "\n")
         step = metrics["step"]
-        self._last, self._last_printed = metrics, step % self.log_every == 0 or step == 1
+        self._last, self._last_printed = metrics, step % self.log_every == 0 or step == 1 or "valid_loss" in metrics
         if self._last_printed:
             self.print(format_line(metrics))
 
@@ -147,4 +147,6 @@ def format_line(m: dict) -> str:
         line += f" | scale {m['loss_scale']:g}"
     if m.get("skipped"):
         line += " | step skipped (inf/nan gradients)"
+    if "valid_loss" in m:
+        line += f" | valid loss {m['valid_loss']:.4f}"
     return line

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import time
 
@@ -38,6 +39,7 @@ from tessera.tensor_parallel import RNGTracker
 from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.topology import Topology
 from tessera.training.data_feed import DataFeed
+from tessera.training.evaluate import validation_loss
 from tessera.training.flops import flops_per_token, peak_flops
 from tessera.training.gc_control import GarbageCollection
 from tessera.training.concurrent import PairedExecutor, graph_pairs
@@ -65,9 +67,10 @@ def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int =
     return min(kinds, key=lambda k: simulate(build_all(k, pp, 1, microbatches)).step_time)
 
 
-def check_datasets(data, vocab_size: int | None = None) -> None:
+def check_datasets(data, vocab_size: int | None = None, validates: bool = False) -> None:
     """data.paths and data.split parse, every dataset opens (its files are whole), its training
-    split holds a sample, the blend has one vocabulary, which fits ``vocab_size``."""
+    split (and with ``validates``, its validation split) holds a sample, the blend has one
+    vocabulary, which fits ``vocab_size``."""
     from tessera.data import IndexedDataset, IndexedDatasetError, parse_blend, split_documents
 
     try:
@@ -83,11 +86,14 @@ def check_datasets(data, vocab_size: int | None = None) -> None:
             lengths = IndexedDataset(prefix).sequence_lengths
         except IndexedDatasetError as e:
             raise ConfigError("data.paths", str(e), "preprocess the data with `tessera preprocess`, or fix the path") from None
-        train = split_documents(len(lengths), data.split)[0]  # (the split training reads)
-        if int(lengths[train.start:train.stop].sum(dtype="int64")) < 2:
-            raise ConfigError("data.split", f"{data.split} leaves {prefix}'s training part documents {train.start} to "
-                              f"{train.stop} of {len(lengths)}, with too few tokens for a sample",
-                              "give the training part more weight, e.g. data.split=969,30,1")
+        parts = split_documents(len(lengths), data.split)
+        for part, name in ((0, "training"), (1, "validation"))[:2 if validates else 1]:
+            docs = parts[part]
+            if int(lengths[docs.start:docs.stop].sum(dtype="int64")) < 2:
+                raise ConfigError("data.split", f"{data.split} leaves {prefix}'s {name} part documents {docs.start} to "
+                                  f"{docs.stop} of {len(lengths)}, with too few tokens for a sample",
+                                  f"give the {name} part more weight, e.g. data.split=969,30,1"
+                                  + (", or set train.eval_every=0" if part else ""))
     check_data_tokenizers([prefix for _, prefix in blend], vocab_size)
 
 
@@ -148,7 +154,15 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
                           " / train.batch_rampup") from None
     LRScheduler(cfg.optim, t.steps)  # refuses a wsd decay longer than the steps after warmup
     if cfg.data.source == "indexed":
-        check_datasets(cfg.data, m.vocab_size)
+        check_datasets(cfg.data, m.vocab_size, validates=t.eval_every > 0)
+    if cfg.data.source == "builtin" and t.eval_every:
+        import pydoc_data.topics  # (the demo corpus: one document per topic)
+
+        from tessera.data import split_documents
+        if not split_documents(len(pydoc_data.topics.topics), cfg.data.split)[1]:
+            raise ConfigError("data.split", f"{cfg.data.split} leaves the builtin corpus's "
+                              f"{len(pydoc_data.topics.topics)} documents no validation part",
+                              "give the validation part more weight, e.g. data.split=969,30,1, or set train.eval_every=0")
     if cfg.data.cache_dir and cfg.data.source != "synthetic":
         _check_writable_dir(cfg.data.cache_dir, "data.cache_dir")
     if cfg.data.source == "builtin" and m.vocab_size < ByteTokenizer.vocab_size:
@@ -408,6 +422,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
     scheduler = LRScheduler(cfg.optim, t.steps)
     scaler = DynamicLossScaler() if t.dtype == "fp16" else None
     data = DataFeed(cfg, topo)
+    valid = DataFeed(cfg, topo, split=1) if t.eval_every else None
     start = 0
     resume = check_resume(cfg)  # (checked before the launch already; the same answer on every rank)
     if resume is not None:
@@ -450,13 +465,15 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             metrics.update(loss_scale=scale, skipped=result.skipped)
         if done in collected:  # train.gc_interval: the collection run after this step's launch
             metrics["gc_ms"] = collected.pop(done)
+        if done in validated:  # train.eval_every: the validation loss after this step
+            metrics.update(valid_loss=validated[done], valid_ppl=math.exp(min(validated.pop(done), 700.0)))
         logger.log(metrics)
         if logs:
             history.append(metrics)
 
     # Step k's figures are read after step k+1 is launched (training/step.py), so the host never
     # leaves the GPU idle between steps; a step's time is where its work ran (StepClock).
-    pending, clock, collected = None, StepClock(device), {}
+    pending, clock, collected, validated = None, StepClock(device), {}, {}
     with checkpointer.finishing(), GarbageCollection(t.gc_interval) as collector, StepWatchdog(t.timeout_s) as watchdog:
         for step in range(start, t.steps):
             watchdog.tick()  # a step that hangs ends the job with every thread's stack (training/watchdog.py)
@@ -477,6 +494,12 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             ms = collector.step(step)
             if ms is not None:
                 collected[step] = ms
+            if t.eval_every and (step + 1 == t.steps or (step + 1) % t.eval_every == 0):
+                with watchdog.paused():  # (its time shows in the next step's)
+                    data_parallel.wait_param_gather()  # (zero 1/2: the updated parameters; also where graphs lifted the hooks)
+                    loss = validation_loss(stage.chunks, topo, valid, t.eval_batches, stage.p2p)
+                if loss is not None:
+                    validated[step] = loss
             every = cfg.checkpoint.save_every
             if cfg.checkpoint.dir and (step + 1 == t.steps or (every and (step + 1) % every == 0)):
                 with watchdog.paused():  # (a large model's save may rightly take minutes)
