@@ -606,3 +606,16 @@ def test_nccl_checkpoint_loads_into_other_layouts(tmp_path):
     load = [f"checkpoint.load={tmp_path}/ck/step_00000004", "optim.decay_steps=8"]
     _all_follow(tmp_path, straight[4:], {"dp2-zero1": load + ["parallel.zero=1"],
                                          "dp2-zero3": load + ["parallel.zero=3"]})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_validation_loss_of_compiled_layers_follows_eager_layers(tmp_path):
+    """Llama at tp=1 (compiled layers with fused weight gradients by default, bf16): the
+    validation loss (eval mode: a recompile for it, no backward) follows eager layers'."""
+    base = ["model.family=llama", "train.dtype=bf16", "train.eval_every=4", "train.eval_batches=2"]
+    compiled = _train(tmp_path, "compiled", 1, base)
+    eager = _train(tmp_path, "eager", 1, base + ["train.compile=false", "train.grad_accum_fusion=false"])
+    got, want = ([m["valid_loss"] for m in run if "valid_loss" in m] for run in (compiled, eager))
+    assert len(got) == len(want) == 2
+    assert got == pytest.approx(want, rel=2e-2)
