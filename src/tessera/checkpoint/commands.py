@@ -1,4 +1,8 @@
 """``tessera checkpoint inspect PATH``: what a checkpoint holds, without loading it.
+``tessera checkpoint export PATH --hf OUT``: its weights as a transformers model folder.
+``tessera checkpoint import HF_FOLDER --out DIR``: a transformers GPT-2 or Llama folder as a
+weights-only checkpoint ``DIR/step_00000000``, which a run starts from with
+``checkpoint.load=DIR checkpoint.finetune=true`` and the model settings it prints.
 
 PATH is a ``step_N`` folder or a folder of them (each one listed). Prints the step, when and on
 which layout it was saved, its size, the model's settings and parameter count, the data position
@@ -20,9 +24,61 @@ def add_checkpoint_commands(sub) -> None:
     inspect = ck_sub.add_parser("inspect", help="a checkpoint's step, layout, size, model and data position")
     inspect.add_argument("path", help="a step_N folder, or a checkpoint.dir holding them")
     inspect.add_argument("--tensors", action="store_true", help="list every tensor and its whole shape")
+    export = ck_sub.add_parser("export", help="a checkpoint's weights as a Hugging Face transformers model folder")
+    export.add_argument("path", help="a step_N folder, or a checkpoint.dir (its newest)")
+    export.add_argument("--hf", required=True, metavar="OUT", help="the folder to write config.json and model.safetensors to")
+    export.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="the weights' dtype (default fp32)")
+    imp = ck_sub.add_parser("import", help="a transformers GPT-2 or Llama folder as a weights-only checkpoint")
+    imp.add_argument("folder", help="config.json and model.safetensors (or its index of several files)")
+    imp.add_argument("--out", required=True, metavar="DIR", help="writes DIR/step_00000000")
 
 
 def run_checkpoint_command(args) -> int:
+    try:
+        if args.checkpoint_command == "export":
+            return _export(args)
+        if args.checkpoint_command == "import":
+            return _import(args)
+    except (ValueError, OSError) as e:
+        print(f"tessera: checkpoint {args.checkpoint_command}: {e}", file=sys.stderr)
+        return 2
+    return _inspect(args)
+
+
+def _export(args) -> int:
+    import torch
+
+    from tessera.checkpoint import dcp, hf, store
+    from tessera.config import ModelConfig
+
+    path = args.path if store.is_checkpoint(args.path) else next(iter(p for _, p in store.checkpoints(args.path)[-1:]), None)
+    if path is None:
+        raise ValueError(f"{args.path} is neither a checkpoint nor a folder holding one")
+    store.check_files(path)
+    model = ModelConfig(**store.read_meta(path)["config"]["model"])
+    whole = {k.removeprefix("model."): v for k, v in dcp.read_whole(path).items()}
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    config = hf.hf_config(model) | {"torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]}
+    hf.write_hf_folder(args.hf, config, {k: v.to(dtype) for k, v in hf.to_hf(whole, model).items()})
+    print(f"tessera: wrote {path}'s weights to {args.hf} ({config['architectures'][0]}, {args.dtype})")
+    return 0
+
+
+def _import(args) -> int:
+    from tessera.checkpoint import hf, store
+    from tessera.config import ModelConfig
+
+    config, state = hf.read_hf_folder(args.folder)
+    settings = hf.model_settings(config)
+    whole = hf.from_hf(state, ModelConfig(**settings))
+    path = store.write_weights(args.out, whole, settings)
+    flags = " ".join(f"--set model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
+    print(f"tessera: wrote {path} ({settings['family']}, {sum(t.numel() for t in whole.values()):,} parameters)\n"
+          f"start a run from it with: --set checkpoint.load={args.out} --set checkpoint.finetune=true {flags}")
+    return 0
+
+
+def _inspect(args) -> int:
     from tessera.checkpoint import dcp, store
 
     paths = [args.path] if store.is_checkpoint(args.path) else [p for _, p in store.checkpoints(args.path)]
@@ -47,9 +103,12 @@ def run_checkpoint_command(args) -> int:
               f"{store.folder_gib(path):.2f} GiB")
         print(f"  model: {model['family']}, {params:,} parameters, layers={model['layers']} hidden={model['hidden']} "
               f"heads={model['heads']} vocab_size={model['vocab_size']} seq_len={model['seq_len']}")
-        print(f"  data: {meta['batches']['consumed_samples']:,} samples consumed; schedule decays until step "
-              f"{meta['scheduler']['settings']['decay_end']}; Adam step {meta['adam_step']:g}"
-              + (f"; fp16 loss scale {meta['scaler']['scale']:g}" if meta.get("scaler") else ""))
+        if meta.get("contents") == "weights":
+            print("  weights only (imported): a run starts from it with checkpoint.finetune=true")
+        else:
+            print(f"  data: {meta['batches']['consumed_samples']:,} samples consumed; schedule decays until step "
+                  f"{meta['scheduler']['settings']['decay_end']}; Adam step {meta['adam_step']:g}"
+                  + (f"; fp16 loss scale {meta['scaler']['scale']:g}" if meta.get("scaler") else ""))
         if args.tensors:
             for key in sorted(tensors):
                 print(f"  {key} {list(tensors[key].size)}")

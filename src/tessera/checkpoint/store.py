@@ -158,6 +158,10 @@ def check_resume(cfg: Config) -> dict | None:
                           if own else "give a whole checkpoint") from None
     # weights only: from checkpoint.load (not the run's own checkpoints) with checkpoint.finetune
     meta["weights_only"] = c.finetune and not own
+    if meta.get("contents") == "weights" and not meta["weights_only"]:
+        raise ConfigError("checkpoint.finetune", f"{path} holds a model's weights only (imported), no training state "
+                          "to go on from", "set checkpoint.finetune=true (with it as checkpoint.load) to start a run "
+                          "from its weights")
     saved = ModelConfig(**meta["config"]["model"])
     for key in _MODEL_KEYS:
         mine, theirs = getattr(cfg.model, key), getattr(saved, key)
@@ -180,6 +184,25 @@ def check_resume(cfg: Config) -> dict | None:
     MicroBatchCalculator.from_config(cfg.train, cfg.parallel.dp).load_state_dict(meta["batches"])
     LRScheduler(cfg.optim, cfg.train.steps).load_state_dict(meta["scheduler"])
     return meta
+
+
+def write_weights(root: str, whole: dict, model: dict) -> str:
+    """A weights-only checkpoint ``root/step_00000000`` of the whole tensors ``whole`` (names as
+    a one-process model's, fp32) for a model of the ``model`` settings (one process, e.g. an
+    import from transformers); a run starts from it with ``checkpoint.finetune=true``."""
+    from tessera.checkpoint import dcp
+    from tessera.checkpoint.shards import Shard
+    from tessera.config import Config, to_dict
+
+    partial = begin_save(root, 0)
+    shards = [Shard("model." + name, tuple(t.shape), (0,) * t.ndim, t.float()) for name, t in whole.items()]
+    dcp.write(partial, shards, {})
+    config = to_dict(Config(model=ModelConfig(**model)))
+    return finish_save(partial, {"contents": "weights", "step": 0, "adam_step": 0.0,
+                                 "batches": {"consumed_samples": 0, "batches": []},
+                                 "scheduler": {"settings": {"decay_end": 0}}, "scaler": None,
+                                 "layout": {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "zero": 0, "dtype": "fp32"},
+                                 "config": config}, keep=0)
 
 
 def folder_gib(path: str) -> float:
@@ -210,4 +233,4 @@ def finish_save(partial: str, meta: dict, keep: int) -> str:
     return final
 
 
-__all__ = ["checkpoints", "check_resume", "folder_gib", "resume_path", "read_meta", "step_dir", "begin_save", "finish_save"]
+__all__ = ["checkpoints", "check_resume", "folder_gib", "write_weights", "resume_path", "read_meta", "step_dir", "begin_save", "finish_save"]

@@ -1,0 +1,179 @@
+"""Hugging Face ``transformers`` interchange: a checkpoint's weights as a GPT2LMHeadModel /
+LlamaForCausalLM folder (``config.json`` + ``model.safetensors``), and such a folder as a
+weights-only tessera checkpoint a run starts from with ``checkpoint.finetune=true``.
+
+The mapping is names and layouts only: tessera's whole tensors are the single-process model's
+(checkpoint/shards.py), which computes what transformers' models compute (tests/test_hf.py
+compares their logits):
+
+- GPT-2: ``attn.qkv`` is HF's ``c_attn`` ([q; k; v] rows), ``mlp.fc1`` / ``fc2`` its ``c_fc`` /
+  ``c_proj``; HF's GPT-2 keeps its linear weights as Conv1D, [in, out]: transposed both ways.
+- Llama: ``attn.qkv`` splits into ``q_proj``, ``k_proj``, ``v_proj`` (GQA: kv_heads * head_dim
+  rows each for k and v), ``mlp.fc1`` into ``gate_proj`` and ``up_proj`` (gate first), RoPE as
+  HF's rotate-half convention (both rotate the two halves of each head).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import Tensor
+
+from tessera.config import ModelConfig
+
+_GPT2_LAYER = {"attn_norm": "ln_1", "mlp_norm": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
+               "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+_LLAMA_LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn.proj": "self_attn.o_proj",
+                "mlp.fc2": "mlp.down_proj"}
+
+
+def hf_config(m: ModelConfig) -> dict:
+    """transformers' config.json for a tessera model."""
+    if m.family == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m.vocab_size,
+                "n_embd": m.hidden, "n_layer": m.layers, "n_head": m.heads, "n_inner": m.ffn_size,
+                "n_positions": m.seq_len, "activation_function": "gelu_new", "layer_norm_epsilon": m.norm_eps,
+                "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout,
+                "tie_word_embeddings": m.tie_embeddings, "bos_token_id": None, "eos_token_id": None,
+                "initializer_range": m.init_std, "torch_dtype": "float32"}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
+            "hidden_size": m.hidden, "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
+            "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "intermediate_size": m.ffn_size,
+            "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": m.dropout,
+            "tie_word_embeddings": m.tie_embeddings, "bos_token_id": None, "eos_token_id": None,
+            "initializer_range": m.init_std, "torch_dtype": "float32"}
+
+
+def model_settings(config: dict) -> dict:
+    """The ``model`` section of tessera's config for a transformers config.json."""
+    kind = config.get("model_type")
+    if kind == "gpt2":
+        hidden = config["n_embd"]
+        return {"family": "gpt2", "vocab_size": config["vocab_size"], "hidden": hidden, "layers": config["n_layer"],
+                "heads": config["n_head"], "ffn_hidden": config.get("n_inner") or 4 * hidden,
+                "seq_len": config["n_positions"], "norm_eps": config.get("layer_norm_epsilon", 1e-5),
+                "tie_embeddings": config.get("tie_word_embeddings", True)}
+    if kind == "llama":
+        heads, hidden = config["num_attention_heads"], config["hidden_size"]
+        if config.get("head_dim", hidden // heads) != hidden // heads:
+            raise ValueError(f"head_dim {config['head_dim']} is not hidden_size / num_attention_heads: tessera's "
+                             "attention has hidden / heads channels per head")
+        rope = config.get("rope_parameters") or {}
+        if rope.get("rope_type", config.get("rope_scaling") and config["rope_scaling"].get("rope_type", "default")) \
+                not in ("default", None):
+            raise ValueError(f"RoPE scaling {rope.get('rope_type') or config['rope_scaling']} is not built in tessera")
+        return {"family": "llama", "vocab_size": config["vocab_size"], "hidden": hidden,
+                "layers": config["num_hidden_layers"], "heads": heads,
+                "kv_heads": config.get("num_key_value_heads", heads), "ffn_hidden": config["intermediate_size"],
+                "seq_len": config.get("max_position_embeddings", 2048), "norm_eps": config.get("rms_norm_eps", 1e-6),
+                "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+                "tie_embeddings": config.get("tie_word_embeddings", False)}
+    raise ValueError(f"model_type {kind!r}: tessera reads gpt2 and llama models")
+
+
+def to_hf(whole: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
+    """tessera's whole tensors (names without the ``model.`` prefix) -> transformers' state dict."""
+    out: dict[str, Tensor] = {}
+    gpt2 = m.family == "gpt2"
+    root = "transformer" if gpt2 else "model"
+    for name, t in whole.items():
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            part, leaf = rest.rsplit(".", 1)
+            prefix = f"{root}.h.{i}." if gpt2 else f"{root}.layers.{i}."
+            if gpt2:  # (Conv1D: [in, out])
+                out[prefix + f"{_GPT2_LAYER[part]}.{leaf}"] = t.t().contiguous() if t.ndim == 2 else t
+            elif part == "attn.qkv":
+                q, kv = m.heads * m.head_dim, m.num_kv_heads * m.head_dim
+                for proj, piece in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
+                    out[prefix + f"self_attn.{proj}.{leaf}"] = piece.contiguous()
+            elif part == "mlp.fc1":
+                gate, up = t.chunk(2)
+                out[prefix + f"mlp.gate_proj.{leaf}"], out[prefix + f"mlp.up_proj.{leaf}"] = gate.contiguous(), up.contiguous()
+            else:
+                out[prefix + f"{_LLAMA_LAYER[part]}.{leaf}"] = t
+        elif name == "embedding.weight":
+            out[f"{root}.wte.weight" if gpt2 else f"{root}.embed_tokens.weight"] = t
+        elif name == "pos_embedding.weight":
+            out[f"{root}.wpe.weight"] = t
+        elif name.startswith("final_norm."):
+            out[(f"{root}.ln_f." if gpt2 else f"{root}.norm.") + name.split(".")[-1]] = t
+        elif name == "output.weight":
+            out["lm_head.weight"] = t
+        else:
+            raise ValueError(f"no transformers name for {name}")
+    return out
+
+
+def from_hf(state: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
+    """transformers' state dict -> tessera's whole tensors (names without ``model.``), fp32: for
+    each tensor, :func:`to_hf` on a meta tensor of its shape names the pieces, which are put back
+    together in that order."""
+    out = {}
+    for name, shape in _whole_shapes(m).items():
+        pieces = to_hf({name: torch.empty(shape, device="meta")}, m)
+        for key, want in pieces.items():
+            if key not in state:
+                raise ValueError(f"the transformers weights lack {key} (tessera's {name})")
+            if tuple(state[key].shape) != tuple(want.shape):
+                raise ValueError(f"the transformers weight {key} is {list(state[key].shape)}, the config makes it "
+                                 f"{list(want.shape)}")
+        t = torch.cat([state[key] for key in pieces]) if len(pieces) > 1 else state[next(iter(pieces))]
+        if m.family == "gpt2" and name.startswith("layers.") and t.ndim == 2:
+            t = t.t()
+        out[name] = t.float().contiguous()
+    return out
+
+
+def _meta_model(m: ModelConfig):
+    from tessera.models import GPTModel
+
+    with torch.device("meta"):
+        return GPTModel(m)
+
+
+def _whole_shapes(m: ModelConfig) -> dict[str, tuple]:
+    """One process's parameter shapes with the vocabulary's rows unpadded: a checkpoint's."""
+    local = {n: tuple(p.shape) for n, p in _meta_model(m).named_parameters()}
+    return {n: (m.vocab_size, *s[1:]) if n in ("embedding.weight", "output.weight") else s for n, s in local.items()}
+
+
+def read_hf_folder(folder: str) -> tuple[dict, dict[str, Tensor]]:
+    """(config.json, every tensor) of a transformers model folder (one safetensors file, or an
+    index of several)."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{folder} holds no model.safetensors (nor its index): save it with safe_serialization")
+    model_settings(config)  # (a model tessera does not build is refused before its weights are read)
+    state: dict[str, Tensor] = {}
+    for name in files:
+        try:
+            state.update(load_file(os.path.join(folder, name)))
+        except Exception as e:  # noqa: BLE001 -- safetensors' own error type
+            raise ValueError(f"{os.path.join(folder, name)} is not a readable safetensors file ({e})") from None
+    return config, state
+
+
+def write_hf_folder(folder: str, config: dict, state: dict[str, Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(folder, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+__all__ = ["hf_config", "model_settings", "to_hf", "from_hf", "read_hf_folder", "write_hf_folder"]

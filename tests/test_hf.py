@@ -1,0 +1,126 @@
+"""Hugging Face transformers interchange (checkpoint/hf.py): tessera's GPT-2 and Llama compute what
+transformers' GPT2LMHeadModel and LlamaForCausalLM compute on the same weights, both ways: a
+trained checkpoint exported to a transformers folder, and a transformers folder imported as a
+checkpoint that a run starts from (``checkpoint.finetune``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tessera.checkpoint import dcp, store  # noqa: E402
+from tessera.config import ConfigError, ModelConfig, load_config  # noqa: E402
+from tessera.models import GPTModel  # noqa: E402
+
+MODELS = {
+    "gpt2": ["model.family=gpt2", "model.hidden=32", "model.layers=2", "model.heads=4", "model.seq_len=16",
+             "model.vocab_size=100"],
+    "llama": ["model.family=llama", "model.hidden=32", "model.layers=2", "model.heads=4", "model.kv_heads=2",
+              "model.seq_len=16", "model.vocab_size=100", "model.tie_embeddings=false", "model.norm_eps=1e-6",
+              "model.rope_theta=500000"],
+}
+
+
+def tessera_model(path: str) -> GPTModel:
+    """A one-process GPTModel holding the checkpoint's weights (the vocabulary's padding rows zero)."""
+    cfg = ModelConfig(**store.read_meta(path)["config"]["model"])
+    model = GPTModel(cfg)
+    whole = dcp.read_whole(path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.zero_()
+            p[: whole["model." + name].shape[0]].copy_(whole["model." + name])
+    return model.eval()
+
+
+def same_logits(ours: GPTModel, theirs, vocab: int) -> None:
+    tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = theirs(tokens).logits
+        got = ours.full_logits(tokens)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tessera", "checkpoint", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("family", list(MODELS))
+def test_a_trained_checkpoint_exports_to_transformers(tmp_path, family):
+    from tessera.training.trainer import train
+
+    train(load_config(None, MODELS[family] + ["train.steps=3", "train.micro_batch=2", "train.global_batch=4",
+                                               "data.source=synthetic", f"checkpoint.dir={tmp_path}/ck",
+                                               f"train.out_dir={tmp_path}/out"]))
+    done = cli("export", f"{tmp_path}/ck", "--hf", f"{tmp_path}/hf")
+    assert done.returncode == 0, done.stderr
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp_path}/hf").eval()
+    assert type(theirs).__name__ == ("GPT2LMHeadModel" if family == "gpt2" else "LlamaForCausalLM")
+    same_logits(tessera_model(f"{tmp_path}/ck/step_00000003"), theirs, 100)
+    # bf16: the same weights rounded
+    assert cli("export", f"{tmp_path}/ck", "--hf", f"{tmp_path}/hf16", "--dtype", "bf16").returncode == 0
+    half = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp_path}/hf16", dtype=torch.bfloat16)
+    assert next(half.parameters()).dtype == torch.bfloat16
+
+
+def _hf_model(family: str):
+    torch.manual_seed(1)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=100,
+                                         bos_token_id=None, eos_token_id=None)
+        return transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=64, vocab_size=100, max_position_embeddings=16,
+                                      rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
+                                      eos_token_id=None, pad_token_id=None)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("family", list(MODELS))
+def test_a_transformers_model_imports_and_a_run_starts_from_it(tmp_path, family):
+    from tessera.training.trainer import check_runnable, train
+
+    theirs = _hf_model(family)
+    with torch.no_grad():  # (random biases and norms: a mapping that mixes them up shows)
+        for p in theirs.parameters():
+            if p.ndim == 1:
+                p.normal_(0.0, 0.1).add_(1.0 if p.shape[0] == 32 else 0.0)
+    theirs.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    done = cli("import", f"{tmp_path}/hf", "--out", f"{tmp_path}/ck")
+    assert done.returncode == 0, done.stderr
+    same_logits(tessera_model(f"{tmp_path}/ck/step_00000000"), theirs, 100)
+    # the printed settings start a fine-tune from it; without checkpoint.finetune it is refused
+    flags = done.stdout.split("start a run from it with: ")[1].split()
+    sets = [flags[i + 1] for i in range(0, len(flags), 2)]
+    base = sets + ["train.steps=2", "train.micro_batch=2", "train.global_batch=4", "data.source=synthetic",
+                   f"train.out_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/ft", "train.log_every=1"]
+    with pytest.raises(ConfigError, match="holds a model's weights only"):
+        check_runnable(load_config(None, [s for s in base if s != "checkpoint.finetune=true"]), 1)
+    history = train(load_config(None, base))
+    fresh = train(load_config(None, [s for s in base if not s.startswith("checkpoint.")]
+                              + [f"train.out_dir={tmp_path}/fresh"]))
+    assert history[0]["loss"] != fresh[0]["loss"]  # it started from the imported weights
+    # and its loss is the imported model's on the first batch (transformers' own figure)
+    from tessera.training.data_feed import build_source
+    rows = torch.stack([torch.from_numpy(build_source(load_config(None, base))[i].astype("int64")) for i in range(4)])
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(theirs(rows[:, :-1]).logits.reshape(-1, 100), rows[:, 1:].reshape(-1))
+    assert history[0]["loss"] == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_import_refuses_what_it_cannot_read(tmp_path):
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "bert" / "model.safetensors").write_bytes(b"")
+    done = cli("import", f"{tmp_path}/bert", "--out", f"{tmp_path}/ck")
+    assert done.returncode == 2 and "tessera reads gpt2 and llama models" in done.stderr, done.stderr
+    done = cli("export", f"{tmp_path}/nowhere", "--hf", f"{tmp_path}/hf")
+    assert done.returncode == 2 and "neither a checkpoint" in done.stderr, done.stderr
