@@ -15,6 +15,7 @@ schedules' action lists, whose executor is built around backward.
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from tessera.topology import Topology
 from tessera.training.data_feed import DataFeed
@@ -63,6 +64,9 @@ def validation_loss(chunks, topo: Topology, feed: DataFeed, batches: int, p2p=No
     finally:
         for chunk in chunks:
             chunk.train(was_training)
+            for module in chunk.modules():  # zero=3: FSDP keeps a root unsharded after a forward,
+                if isinstance(module, FSDPModule):  # waiting for a backward that never comes
+                    module.reshard()
     if not topo.is_last_stage:
         return None
     group = topo.group("dp_scalars") or topo.group("dp")

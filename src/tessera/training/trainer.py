@@ -466,7 +466,8 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
         if done in collected:  # train.gc_interval: the collection run after this step's launch
             metrics["gc_ms"] = collected.pop(done)
         if done in validated:  # train.eval_every: the validation loss after this step
-            metrics.update(valid_loss=validated[done], valid_ppl=math.exp(min(validated.pop(done), 700.0)))
+            loss = validated.pop(done)
+            metrics.update(valid_loss=loss, valid_ppl=math.exp(loss) if loss < 700 else float("inf"))
         logger.log(metrics)
         if logs:
             history.append(metrics)
