@@ -234,6 +234,7 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
         ([step2, "model.hidden=64"], "model.hidden", "saved with hidden = 32, this run's model has 64"),
         ([step2, "model.family=llama", "model.tie_embeddings=false"], "model.family", "saved with family = gpt2"),
         ([step2, "model.seq_len=32"], "model.seq_len", "16 learned positions"),
+        ([step2, "model.norm_eps=1e-6"], "model.norm_eps", "saved with norm_eps = 1e-05"),
         ([step2, "train.steps=1"], "train.steps", "at step 2"),
         ([step2, "train.global_batch=16"], "train.batch_rampup", "use the checkpoint's train.global_batch"),
         ([step2, "optim.lr=0.5"], "optim.lr", "set it back to 0.01"),

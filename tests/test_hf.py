@@ -98,7 +98,7 @@ def test_a_transformers_model_imports_and_a_run_starts_from_it(tmp_path, family)
     assert done.returncode == 0, done.stderr
     same_logits(tessera_model(f"{tmp_path}/ck/step_00000000"), theirs, 100)
     # the printed settings start a fine-tune from it; without checkpoint.finetune it is refused
-    flags = done.stdout.split("start a run from it with: ")[1].split()
+    flags = done.stdout.split("start a run from it with: ")[1].splitlines()[0].split()
     sets = [flags[i + 1] for i in range(0, len(flags), 2)]
     base = sets + ["train.steps=2", "train.micro_batch=2", "train.global_batch=4", "data.source=synthetic",
                    f"train.out_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/ft", "train.log_every=1"]
@@ -124,3 +124,35 @@ def test_import_refuses_what_it_cannot_read(tmp_path):
     assert done.returncode == 2 and "tessera reads gpt2 and llama models" in done.stderr, done.stderr
     done = cli("export", f"{tmp_path}/nowhere", "--hf", f"{tmp_path}/hf")
     assert done.returncode == 2 and "neither a checkpoint" in done.stderr, done.stderr
+
+
+def test_import_refuses_models_tessera_does_not_compute(tmp_path):
+    """Settings of another computation, or weights with no place in tessera's model, are refused
+    (never dropped: the logits would be silently wrong); a base model's unprefixed names are read."""
+    from tessera.checkpoint import hf
+
+    cases = {
+        "attention_bias": ({"attention_bias": True}, "attention_bias = True"),
+        "mlp_bias": ({"mlp_bias": True}, "mlp_bias = True"),
+        "gelu": ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+        "old rope scaling": ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "RoPE scaling 'linear'"),
+    }
+    llama = _hf_model("llama").config.to_dict()
+    for name, (change, words) in cases.items():
+        with pytest.raises(ValueError, match=words):
+            hf.model_settings(llama | change)
+    assert hf.model_settings(llama | {"head_dim": None})["hidden"] == 32
+    gpt2 = _hf_model("gpt2").config.to_dict()
+    for change, words in (({"activation_function": "relu"}, "activation_function = 'relu'"),
+                          ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx")):
+        with pytest.raises(ValueError, match=words):
+            hf.model_settings(gpt2 | change)
+    # weights with no place: refused; a base model's names (no "transformer." prefix): read
+    model = _hf_model("gpt2")
+    settings = ModelConfig(**hf.model_settings(model.config.to_dict()))
+    state = model.state_dict()
+    with pytest.raises(ValueError, match="no place for"):
+        hf.from_hf(state | {"transformer.h.0.attn.extra.weight": torch.zeros(1)}, settings)
+    base = {k.removeprefix("transformer."): v for k, v in state.items() if k != "lm_head.weight"}
+    whole = hf.from_hf(base, settings)
+    assert torch.equal(whole["embedding.weight"], state["transformer.wte.weight"])

@@ -72,9 +72,12 @@ def _import(args) -> int:
     settings = hf.model_settings(config)
     whole = hf.from_hf(state, ModelConfig(**settings))
     path = store.write_weights(args.out, whole, settings)
-    flags = " ".join(f"--set model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
+    shown = {k: v for k, v in settings.items() if not (k == "seq_len" and settings["family"] == "llama")}
+    flags = " ".join(f"--set model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in shown.items())
     print(f"tessera: wrote {path} ({settings['family']}, {sum(t.numel() for t in whole.values()):,} parameters)\n"
-          f"start a run from it with: --set checkpoint.load={args.out} --set checkpoint.finetune=true {flags}")
+          f"start a run from it with: --set checkpoint.load={args.out} --set checkpoint.finetune=true {flags}"
+          + ("\n(model.seq_len is the run's own choice: RoPE has no per-position weights; the model was "
+             f"trained with up to {settings['seq_len']} positions)" if settings["family"] == "llama" else ""))
     return 0
 
 

@@ -47,29 +47,45 @@ def hf_config(m: ModelConfig) -> dict:
             "initializer_range": m.init_std, "torch_dtype": "float32"}
 
 
+# settings whose other values compute another model than tessera's: refused, never dropped
+_GPT2_FIXED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
+               "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,)}
+_LLAMA_FIXED = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,)}
+
+
+def _refuse_other(config: dict, fixed: dict) -> None:
+    for key, allowed in fixed.items():
+        if key in config and config[key] not in allowed:
+            raise ValueError(f"{key} = {config[key]!r}: tessera's model computes {allowed[0]!r} only")
+
+
 def model_settings(config: dict) -> dict:
-    """The ``model`` section of tessera's config for a transformers config.json."""
+    """The ``model`` section of tessera's config for a transformers config.json; a setting
+    tessera's model does not compute is refused."""
     kind = config.get("model_type")
     if kind == "gpt2":
+        _refuse_other(config, _GPT2_FIXED)
         hidden = config["n_embd"]
         return {"family": "gpt2", "vocab_size": config["vocab_size"], "hidden": hidden, "layers": config["n_layer"],
                 "heads": config["n_head"], "ffn_hidden": config.get("n_inner") or 4 * hidden,
                 "seq_len": config["n_positions"], "norm_eps": config.get("layer_norm_epsilon", 1e-5),
                 "tie_embeddings": config.get("tie_word_embeddings", True)}
     if kind == "llama":
+        _refuse_other(config, _LLAMA_FIXED)
         heads, hidden = config["num_attention_heads"], config["hidden_size"]
-        if config.get("head_dim", hidden // heads) != hidden // heads:
+        if config.get("head_dim") not in (None, hidden // heads):
             raise ValueError(f"head_dim {config['head_dim']} is not hidden_size / num_attention_heads: tessera's "
                              "attention has hidden / heads channels per head")
         rope = config.get("rope_parameters") or {}
-        if rope.get("rope_type", config.get("rope_scaling") and config["rope_scaling"].get("rope_type", "default")) \
-                not in ("default", None):
-            raise ValueError(f"RoPE scaling {rope.get('rope_type') or config['rope_scaling']} is not built in tessera")
+        scaling = config.get("rope_scaling") or {}
+        kinds = {rope.get("rope_type"), scaling.get("rope_type"), scaling.get("type")} - {None, "default"}
+        if kinds:  # (old config files name it "type", newer "rope_type"; rope_parameters since transformers 5)
+            raise ValueError(f"RoPE scaling {sorted(kinds)[0]!r} ({scaling or rope}) is not built in tessera")
         return {"family": "llama", "vocab_size": config["vocab_size"], "hidden": hidden,
                 "layers": config["num_hidden_layers"], "heads": heads,
-                "kv_heads": config.get("num_key_value_heads", heads), "ffn_hidden": config["intermediate_size"],
-                "seq_len": config.get("max_position_embeddings", 2048), "norm_eps": config.get("rms_norm_eps", 1e-6),
-                "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+                "kv_heads": config.get("num_key_value_heads") or heads, "ffn_hidden": config["intermediate_size"],
+                "seq_len": config.get("max_position_embeddings") or 2048, "norm_eps": config.get("rms_norm_eps", 1e-6),
+                "rope_theta": rope.get("rope_theta") or config.get("rope_theta") or 10000.0,
                 "tie_embeddings": config.get("tie_word_embeddings", False)}
     raise ValueError(f"model_type {kind!r}: tessera reads gpt2 and llama models")
 
@@ -112,9 +128,13 @@ def from_hf(state: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
     """transformers' state dict -> tessera's whole tensors (names without ``model.``), fp32: for
     each tensor, :func:`to_hf` on a meta tensor of its shape names the pieces, which are put back
     together in that order."""
-    out = {}
+    root = "transformer." if m.family == "gpt2" else "model."
+    if not any(k.startswith(root) for k in state):  # saved from the base model (GPT2Model, LlamaModel)
+        state = {(k if k.startswith("lm_head.") else root + k): v for k, v in state.items()}
+    out, used = {}, set()
     for name, shape in _whole_shapes(m).items():
         pieces = to_hf({name: torch.empty(shape, device="meta")}, m)
+        used.update(pieces)
         for key, want in pieces.items():
             if key not in state:
                 raise ValueError(f"the transformers weights lack {key} (tessera's {name})")
@@ -125,6 +145,13 @@ def from_hf(state: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
         if m.family == "gpt2" and name.startswith("layers.") and t.ndim == 2:
             t = t.t()
         out[name] = t.float().contiguous()
+    # buffers transformers may have saved (GPT-2's causal masks, RoPE frequencies) carry no weights
+    unused = [k for k in state if k not in used and not k.endswith((".attn.bias", ".attn.masked_bias", "inv_freq"))]
+    if m.tie_embeddings:
+        unused = [k for k in unused if k != "lm_head.weight"]  # (tied: a copy of the embedding)
+    if unused:
+        raise ValueError(f"the transformers weights hold {unused[:3]}{' ...' if len(unused) > 3 else ''}, which "
+                         "tessera's model has no place for (another architecture, or settings it does not build)")
     return out
 
 

@@ -40,7 +40,8 @@ META = "tessera.json"
 FORMAT = 1
 _NAME = re.compile(r"step_(\d+)$")
 # the model settings a checkpoint's tensors depend on (the others, e.g. dropout, may change)
-_MODEL_KEYS = ("family", "vocab_size", "hidden", "layers", "heads", "num_kv_heads", "ffn_size", "tie_embeddings")
+_MODEL_KEYS = ("family", "vocab_size", "hidden", "layers", "heads", "num_kv_heads", "ffn_size", "tie_embeddings",
+               "norm_eps", "rope_theta")
 
 
 def step_dir(root: str, step: int) -> str:
@@ -164,6 +165,8 @@ def check_resume(cfg: Config) -> dict | None:
                           "from its weights")
     saved = ModelConfig(**meta["config"]["model"])
     for key in _MODEL_KEYS:
+        if key == "rope_theta" and saved.family != "llama":
+            continue  # (GPT-2 has learned positions)
         mine, theirs = getattr(cfg.model, key), getattr(saved, key)
         if mine != theirs:
             name = {"num_kv_heads": "kv_heads", "ffn_size": "ffn_hidden"}.get(key, key)
