@@ -101,3 +101,29 @@ def test_a_validation_split_without_samples_is_refused(tmp_path):
         assert err.value.key in ("data.split", "train.eval_every", "train.eval_batches"), err.value
     with pytest.raises(ConfigError, match="no validation part"):
         check_runnable(load_config(None, BASE + ["data.source=builtin", "model.vocab_size=256", "data.split=1,0,0"]), 1)
+
+
+@pytest.mark.timeout(120)
+def test_the_step_after_a_validation_loss_or_a_save_is_timed_on_its_own(tmp_path, monkeypatch):
+    """tokens/s and MFU of the step after a pause between steps (a validation loss, a checkpoint's
+    save; 1 s each here) are that step's, not the pause's."""
+    import time
+
+    from tessera.checkpoint import dcp
+    from tessera.training import trainer
+
+    real_valid, real_write = trainer.validation_loss, dcp.write
+
+    def slow_valid(*args):
+        time.sleep(1.0)
+        return real_valid(*args)
+
+    def slow_write(*args):
+        time.sleep(1.0)
+        real_write(*args)
+    monkeypatch.setattr(trainer, "validation_loss", slow_valid)
+    monkeypatch.setattr(dcp, "write", slow_write)
+    history = trainer.train(load_config(None, BASE + ["train.steps=5", f"train.out_dir={tmp_path}/out",
+                                                      f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=2"]))
+    times = {m["step"]: m["step_time_s"] for m in history}
+    assert times[3] < 0.5 and times[5] < 0.5, times  # after the 2 s of pauses behind steps 2 and 4

@@ -101,18 +101,33 @@ class StepClock:
 
     def __init__(self, device: torch.device) -> None:
         self.last_time, self.last_event = time.perf_counter(), None
+        self._restart: tuple | None = None  # (the step launched before a pause, the pause's end: event, time)
         if device.type == "cuda":
             self.last_event = torch.cuda.Event(enable_timing=True)
             self.last_event.record()
 
     def lap(self, result: StepResult) -> float:
-        """Seconds from the previous step's end (or the clock's start) to ``result``'s."""
+        """Seconds from the previous step's end (or the clock's start, or the end of work between
+        steps: :meth:`restart`) to ``result``'s."""
         if result.ready is not None and self.last_event is not None:
             result.ready.synchronize()
             elapsed, self.last_event = self.last_event.elapsed_time(result.ready) / 1e3, result.ready
-            return elapsed
-        elapsed, self.last_time = result.finished_at - self.last_time, result.finished_at
+        else:
+            elapsed, self.last_time = result.finished_at - self.last_time, result.finished_at
+        if self._restart is not None and self._restart[0] is result:  # the next step starts after the pause
+            _, event, now = self._restart
+            self.last_event, self.last_time, self._restart = event or self.last_event, now, None
         return elapsed
+
+    def restart(self, after: StepResult) -> None:
+        """Work between steps just ended (a validation loss, a checkpoint's save) after step
+        ``after`` was launched: the next step is timed from now, not from ``after``'s end, so its
+        tokens/s and MFU are the step's own."""
+        event = None
+        if self.last_event is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self._restart = (after, event, time.perf_counter())
 
 
 def _sum_over(x: torch.Tensor, group) -> torch.Tensor:

@@ -496,15 +496,17 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             if ms is not None:
                 collected[step] = ms
             if t.eval_every and (step + 1 == t.steps or (step + 1) % t.eval_every == 0):
-                with watchdog.paused():  # (its time shows in the next step's)
+                with watchdog.paused():
                     data_parallel.wait_param_gather()  # (zero 1/2: the updated parameters; also where graphs lifted the hooks)
                     loss = validation_loss(stage.chunks, topo, valid, t.eval_batches, stage.p2p)
                 if loss is not None:
                     validated[step] = loss
+                clock.restart(after=result)  # (the next step's time is its own)
             every = cfg.checkpoint.save_every
             if cfg.checkpoint.dir and (step + 1 == t.steps or (every and (step + 1) % every == 0)):
                 with watchdog.paused():  # (a large model's save may rightly take minutes)
-                    checkpointer.save(step + 1, scheduler, data, scaler)  # (its time shows in the next step's)
+                    checkpointer.save(step + 1, scheduler, data, scaler)
+                clock.restart(after=result)  # (the next step's time is its own)
         watchdog.tick()
         if pending is not None:
             log(*pending)
