@@ -42,15 +42,18 @@ def _chunk(shard: Shard) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(shard.offsets), sizes=shard.tensor.shape)
 
 
-def _index(shards: list[Shard]) -> dict[tuple[str, tuple[int, ...]], Shard]:
-    return {(s.key, tuple(s.offsets)): s for s in shards}
+class _Boxes:
+    """What both planners share: this rank's boxes, found by a metadata index (key, offsets)."""
 
-
-class _SavePlanner(DefaultSavePlanner):
     def __init__(self, shards: list[Shard]):
         super().__init__()
-        self.shards = _index(shards)
+        self.shards = {(s.key, tuple(s.offsets)): s for s in shards}
 
+    def _box(self, index: MetadataIndex) -> Shard | None:
+        return self.shards.get((index.fqn, tuple(index.offset or ())))
+
+
+class _SavePlanner(_Boxes, DefaultSavePlanner):
     def create_local_plan(self):
         plan = super().create_local_plan()
         items = [WriteItem(index=MetadataIndex(s.key, torch.Size(s.offsets)), type=WriteItemType.SHARD,
@@ -61,17 +64,13 @@ class _SavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item):
-        shard = self.shards.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
+        shard = self._box(write_item.index)
         if shard is not None and write_item.type == WriteItemType.SHARD:
             return shard.tensor.detach().contiguous()
         return super().resolve_data(write_item)
 
 
-class _LoadPlanner(DefaultLoadPlanner):
-    def __init__(self, shards: list[Shard]):
-        super().__init__()
-        self.shards = _index(shards)
-
+class _LoadPlanner(_Boxes, DefaultLoadPlanner):
     def create_local_plan(self):
         plan = super().create_local_plan()
         items = []
@@ -86,7 +85,7 @@ class _LoadPlanner(DefaultLoadPlanner):
         return dataclasses.replace(plan, items=plan.items + items)
 
     def resolve_tensor(self, read_item):
-        shard = self.shards.get((read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ())))
+        shard = self._box(read_item.dest_index)
         if shard is None:
             return super().resolve_tensor(read_item)
         view = shard.tensor

@@ -36,8 +36,8 @@ from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLine
 
 @dataclass(frozen=True)
 class Shard:
-    """One box of one whole tensor: ``tensor`` (a view of live storage, ``sizes`` elements) sits
-    at ``offsets`` in the tensor ``key`` of shape ``shape``."""
+    """One box of one whole tensor: ``tensor`` (a view of live storage; its shape is the box's)
+    sits at ``offsets`` in the tensor ``key`` of shape ``shape``."""
 
     key: str
     shape: tuple[int, ...]

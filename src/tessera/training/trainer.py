@@ -415,6 +415,33 @@ def _build_and_run(cfg: Config, topo: Topology, device: torch.device, logger, lo
             release_all(graphs)
 
 
+def _due(done: int, every: int, steps: int) -> bool:
+    """Whether work done every ``every`` steps (0: never) and after the last is due after step ``done``."""
+    return every > 0 and (done % every == 0 or done == steps)
+
+
+def _resume(cfg: Config, checkpointer: Checkpointer, scheduler, data, scaler, logger) -> int:
+    """Load the checkpoint the run starts from, if any (checked before the launch already; the
+    same answer on every rank); the step to go on from."""
+    resume = check_resume(cfg)
+    if resume is None:
+        return 0
+    began = time.perf_counter()
+    start, streams = checkpointer.load(resume["path"], scheduler, data, scaler, resume["weights_only"])
+    saved_at = " ".join(f"{k}={v}" for k, v in resume["layout"].items())
+    if resume["weights_only"]:
+        logger.print(f"tessera: starting from the weights of {resume['path']} (saved at {saved_at}; "
+                     f"checkpoint.finetune: Adam, step, data and schedules afresh) in {time.perf_counter() - began:.1f} s")
+    else:
+        logger.print(f"tessera: resumed from {resume['path']} at step {start} in {time.perf_counter() - began:.1f} s "
+                     f"(saved at {saved_at}; random streams "
+                     f"{'restored' if streams else 'seeded anew: another layout or no dropout streams'})")
+    if start == cfg.train.steps:
+        logger.print(f"tessera: the checkpoint is at train.steps = {start}: nothing to train "
+                     "(raise train.steps to train on)")
+    return start
+
+
 def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, logger, logs: bool, world: int,
          device: torch.device, checkpointer: Checkpointer) -> list[dict]:
     """The training loop (from a checkpoint's step, if the run resumes), then the sample."""
@@ -423,22 +450,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
     scaler = DynamicLossScaler() if t.dtype == "fp16" else None
     data = DataFeed(cfg, topo)
     valid = DataFeed(cfg, topo, split=1) if t.eval_every else None
-    start = 0
-    resume = check_resume(cfg)  # (checked before the launch already; the same answer on every rank)
-    if resume is not None:
-        began = time.perf_counter()
-        start, streams = checkpointer.load(resume["path"], scheduler, data, scaler, resume["weights_only"])
-        saved_at = " ".join(f"{k}={v}" for k, v in resume["layout"].items())
-        if resume["weights_only"]:
-            logger.print(f"tessera: starting from the weights of {resume['path']} (saved at {saved_at}; "
-                         f"checkpoint.finetune: Adam, step, data and schedules afresh) in {time.perf_counter() - began:.1f} s")
-        else:
-            logger.print(f"tessera: resumed from {resume['path']} at step {start} in {time.perf_counter() - began:.1f} s "
-                         f"(saved at {saved_at}; random streams "
-                         f"{'restored' if streams else 'seeded anew: another layout or no dropout streams'})")
-        if start == t.steps:
-            logger.print(f"tessera: the checkpoint is at train.steps = {t.steps}: nothing to train "
-                         "(raise train.steps to train on)")
+    start = _resume(cfg, checkpointer, scheduler, data, scaler, logger)
     per_token, peak = flops_per_token(cfg.model), peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
     def speed(tokens: int, elapsed: float) -> dict:
@@ -495,15 +507,14 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             ms = collector.step(step)
             if ms is not None:
                 collected[step] = ms
-            if t.eval_every and (step + 1 == t.steps or (step + 1) % t.eval_every == 0):
+            if _due(step + 1, t.eval_every, t.steps):
                 with watchdog.paused():
                     data_parallel.wait_param_gather()  # (zero 1/2: the updated parameters; also where graphs lifted the hooks)
                     loss = validation_loss(stage.chunks, topo, valid, t.eval_batches, stage.p2p)
                 if loss is not None:
                     validated[step] = loss
                 clock.restart(after=result)  # (the next step's time is its own)
-            every = cfg.checkpoint.save_every
-            if cfg.checkpoint.dir and (step + 1 == t.steps or (every and (step + 1) % every == 0)):
+            if cfg.checkpoint.dir and (_due(step + 1, cfg.checkpoint.save_every, t.steps) or step + 1 == t.steps):
                 with watchdog.paused():  # (a large model's save may rightly take minutes)
                     checkpointer.save(step + 1, scheduler, data, scaler)
                 clock.restart(after=result)  # (the next step's time is its own)
