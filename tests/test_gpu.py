@@ -619,3 +619,33 @@ def test_the_validation_loss_of_compiled_layers_follows_eager_layers(tmp_path):
     got, want = ([m["valid_loss"] for m in run if "valid_loss" in m] for run in (compiled, eager))
     assert len(got) == len(want) == 2
     assert got == pytest.approx(want, rel=2e-2)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("layout", ["llama-zero0-1", "gpt2-zero0-1", "gpt2-zero3-2"])
+def test_a_nonfinite_step_changes_nothing_on_cuda(tmp_path, layout):
+    """bf16 on CUDA: a nan injected at step 3 (train.nonfinite=skip) reaches the fused AdamW kernel
+    as its found_inf: step 3's checkpoint holds step 2's weights and moments exactly, and training
+    goes on; under stop, the re-run on the same weights tells the transient fault apart."""
+    from tessera.checkpoint import dcp
+
+    family, zero, gpus = layout.replace("-zero", "-").split("-")
+    if torch.cuda.device_count() < int(gpus):
+        pytest.skip(f"needs {gpus} GPUs")
+    base = [f"model.family={family}", f"parallel.zero={zero}", f"parallel.dp={gpus}", "train.dtype=bf16", "train.steps=5",
+            "train.log_every=1", "train.inject_nonfinite_step=3"]
+    run = _train(tmp_path, "skip", int(gpus), base + ["train.nonfinite=skip", "checkpoint.save_every=1",
+                                              f"checkpoint.dir={tmp_path}/ck"])
+    assert [m["skipped"] for m in run] == [False, False, True, False, False]
+    two, three, four = (dcp.read_whole(f"{tmp_path}/ck/step_0000000{i}", "") for i in (2, 3, 4))
+    assert all(torch.equal(two[k], three[k]) for k in two) and not all(torch.equal(three[k], four[k]) for k in three)
+    sets = ["model.hidden=128", "model.layers=2", "model.heads=4", "model.seq_len=64", "train.micro_batch=2",
+            "train.global_batch=8", "data.source=synthetic", f"train.out_dir={tmp_path}/stop", *base,
+            "train.inject_nonfinite_kind=transient"]
+    launch = ["--nproc-per-node", gpus] if gpus != "1" else []  # (torchrun's own exit status is 1)
+    returncode, out = _run([sys.executable, "-m", "tessera", "train", *launch,
+                            *[a for s in sets for a in ("--set", s)]], "stop", 300)
+    assert returncode == (3 if gpus == "1" else 1) and "so it is not reproducible" in out, out[-3000:]
+    first, again = re.findall(r"loss ([-\w.+]+)", out.split("tessera: step 3: gradient norm")[1])[:2]
+    assert first == again, out[-2000:]

@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_checkpoint_command(args)
     from tessera.training.launch import shutdown, world_from_env
+    from tessera.training.rerun import NonFiniteStop
 
     rank, _, world = world_from_env()
     who = f"rank {rank}: " if world > 1 else ""
@@ -209,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         else:  # every rank finds the error; torchrun stops the others once one exits, so the
             time.sleep(3)  # rest leave rank 0 time to say it (seen lost on a loaded 2-core CI box)
         return 2
+    except NonFiniteStop as e:  # every rank reached the same verdict (training/rerun.py): one says it
+        if rank == 0:
+            print(f"tessera: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(3)
+        return 3
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever the step was
         interrupted = True
         print(f"tessera: {who}interrupted", file=sys.stderr, flush=True)

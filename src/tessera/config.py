@@ -330,6 +330,27 @@ class TrainConfig:
     longer than this and five times the slowest step before it dumps every thread's stack to
     stderr and ends the job (a hang NCCL's watchdog does not see: collectives captured in CUDA
     graphs, a host blocked in a graph replay)."""
+    nonfinite: Literal["stop", "skip"] = "stop"
+    """What a bf16/fp32 step whose gradient norm is inf or nan does (training/rerun.py). Either
+    way the step changes nothing (weights, Adam's moments and step count stay as they were: the
+    fused AdamW kernel skips it on the GPU, with no host wait), so no later checkpoint holds a
+    nan. stop: every step after it is skipped too; the run then re-runs that step's batch on the
+    same weights and random streams, says whether the non-finite value came back (reproducible:
+    the batch, the model or the settings, e.g. the learning rate) or not (transient: suspect the
+    machine, e.g. a GPU's memory) and which samples the batch held, and stops (exit status 3);
+    checkpoints saved before it are kept, and the same command resumes from the last one. skip:
+    the run goes on without that step (its batch is passed over) and stops after
+    train.max_skipped_steps skipped steps in a row. fp16 runs: a step skipped by dynamic loss
+    scaling is not counted (the scale halves and the run goes on)."""
+    max_skipped_steps: int = 10
+    """train.nonfinite=skip: the run stops after this many non-finite steps in a row."""
+    inject_nonfinite_step: int = 0
+    """To try the non-finite guard (as Megatron's error injection): rank 0 adds a nan to one of
+    its gradients at this step (counting from 1; 0: never), every time the step runs
+    (train.inject_nonfinite_kind=persistent) or only the first time (transient: the re-run is
+    clean)."""
+    inject_nonfinite_kind: Literal["persistent", "transient"] = "persistent"
+    """See train.inject_nonfinite_step."""
     batch_rampup: str = ""
     """Global-batch ramp-up as "start,increment,ramp_samples": begin at start samples per step and
     add increment, in equal slices of ramp_samples consumed samples, until global_batch. Empty:
@@ -345,6 +366,10 @@ class TrainConfig:
                "(the process group's setup waits for every rank that long)", "give seconds, e.g. 300")
         _check(0 <= self.seed < 2**62, "train.seed", f"{self.seed} is outside [0, 2**62)",
                "give a non-negative seed (numpy's data order takes no negative one; torch's, none of 2**64 or more)")
+        _check(self.max_skipped_steps >= 1, "train.max_skipped_steps", f"{self.max_skipped_steps} is below 1",
+               "give the skipped steps in a row to stop after, e.g. 10")
+        _check(self.inject_nonfinite_step >= 0, "train.inject_nonfinite_step", f"{self.inject_nonfinite_step} is below 0",
+               "give the step (from 1) to inject a nan at, or 0 for never")
         _check(self.gc_interval >= 0, "train.gc_interval", f"{self.gc_interval} is below 0",
                "give steps between collections, e.g. 50, or 0 for Python's automatic collection")
         rampup = self.rampup

@@ -68,6 +68,21 @@ class _AdamW:
                         for t in s.values() if torch.is_tensor(t) and t.ndim > 0)
         return allocated or 2 * 4 * sum(_local(t).numel() for t in self.tensors)
 
+    def _adam_step(self, skip: Tensor | None) -> None:
+        """AdamW's step, left out where ``skip`` (a bool tensor) is set: the fused kernel (CUDA)
+        reads it on the device as its ``found_inf`` and changes nothing, step count included;
+        the foreach one (CPU) has no such input, so the host reads the flag (no wait off CUDA)."""
+        if skip is None:
+            self.inner.step()
+        elif self.inner.defaults.get("fused"):
+            self.inner.found_inf = skip.float()
+            try:
+                self.inner.step()
+            finally:
+                self.inner.found_inf = None
+        elif not skip.item():
+            self.inner.step()
+
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
@@ -106,15 +121,16 @@ class MainParamOptimizer(_AdamW):
             out.append((tensor.grad, param))
         return out
 
-    def step(self, grad_multiplier: Tensor | None = None) -> None:
+    def step(self, grad_multiplier: Tensor | None = None, skip: Tensor | None = None) -> None:
         """AdamW on the main parameters with every gradient times ``grad_multiplier`` (the
-        clipping factor; applied by the fused kernel on CUDA), then the model's copy updated."""
+        clipping factor; applied by the fused kernel on CUDA), then the model's copy updated;
+        where ``skip`` is set, nothing changes (the copy and gather then carry the same values)."""
         if grad_multiplier is not None and self.inner.defaults.get("fused"):
             self.inner.grad_scale = 1.0 / grad_multiplier  # the fused kernel divides by it
         elif grad_multiplier is not None:
             torch._foreach_mul_([t.grad for t, *_ in self.pieces], grad_multiplier)
         try:
-            self.inner.step()
+            self._adam_step(skip)
             self._copy_to_model()
             self.dp.start_param_gather()
         finally:
@@ -197,10 +213,10 @@ class FSDPOptimizer(_AdamW):
                 p.grad = torch.zeros_like(p)
         return [(p.grad.to_local(), p) for p in self.params]
 
-    def step(self, grad_multiplier: Tensor | None = None) -> None:
+    def step(self, grad_multiplier: Tensor | None = None, skip: Tensor | None = None) -> None:
         if grad_multiplier is not None:
             torch._foreach_mul_([p.grad.to_local() for p in self.params], grad_multiplier)
-        self.inner.step()
+        self._adam_step(skip)
 
     def zero_grad(self) -> None:
         self.inner.zero_grad(set_to_none=True)

@@ -14,7 +14,8 @@ Communication plan of a step:
 4. fp16: unscale and check for inf/nan on every rank (skip the step if any);
 5. the global gradient norm (one all-reduce over tp x pp, and over dp when gradients are
    sharded), the AdamW step on the fp32 main parameters with the clipping factor applied to
-   the gradients (inside the fused kernel on CUDA) (then, zero >= 1, the
+   the gradients (inside the fused kernel on CUDA), skipped on the device where that norm is
+   not finite (bf16/fp32 with a guard: training/rerun.py) (then, zero >= 1, the
    parameter all-gather, overlapped with the next step's forward);
 6. the reported loss: one all-reduce over dp (meaningful on the last pipeline stage), before the
    optimizer step. It and the token count of 1 go over ``dp_scalars``, a second communicator
@@ -43,6 +44,7 @@ from tessera.distributed.finalize import finalize_model_grads
 from tessera.optim import DynamicLossScaler, clip_coefficient, global_grad_norm
 from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.training.concurrent import PairedExecutor
+from tessera.training.rerun import NumericsGuard
 from tessera.topology import Topology
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -58,15 +60,20 @@ class StepResult:
     synchronises the device; later ones reuse the blocks that earlier, read results freed
     (torch's caching host allocator)."""
 
-    values: Tensor  # [loss, grad norm, tokens], float64, on the host (pinned on CUDA)
+    values: Tensor  # [loss, grad norm, tokens(, skipped)], float64, on the host (pinned on CUDA)
     ready: torch.cuda.Event | None = None  # CUDA: recorded behind the step's work (timing on)
-    skipped: bool = False
+    host_skipped: bool = False  # fp16: the loss scaler's verdict (else the device's flag, in values)
     finished_at: float = 0.0  # off CUDA: the host clock when the (synchronous) step returned
     _read: list[float] | None = field(default=None, init=False, repr=False)
 
     @staticmethod
-    def launch(loss: Tensor, grad_norm: Tensor, tokens: Tensor, skipped: bool) -> "StepResult":
-        values = torch.stack([loss.detach().double(), grad_norm.detach().double(), tokens.double()])
+    def launch(loss: Tensor, grad_norm: Tensor, tokens: Tensor, skipped: bool | Tensor) -> "StepResult":
+        """``skipped``: the host's answer, or the device's flag (training/rerun.py), read with the rest."""
+        values = [loss.detach().double(), grad_norm.detach().double(), tokens.double()]
+        if torch.is_tensor(skipped):
+            values.append(skipped.double())
+        values = torch.stack(values)
+        skipped = skipped if isinstance(skipped, bool) else False
         if values.device.type != "cuda":
             return StepResult(values, None, skipped, time.perf_counter())
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -94,6 +101,11 @@ class StepResult:
     def tokens(self) -> int:
         return int(self._values()[2])
 
+    @property
+    def skipped(self) -> bool:
+        """Whether the step left the weights as they were (fp16 overflow, non-finite gradients)."""
+        return self.host_skipped or (len(self.values) > 3 and self._values()[3] != 0)
+
 
 class StepClock:
     """Time per step where the step's work runs: between CUDA events on a GPU (the host runs a
@@ -102,6 +114,7 @@ class StepClock:
     def __init__(self, device: torch.device) -> None:
         self.last_time, self.last_event = time.perf_counter(), None
         self._restart: tuple | None = None  # (the step launched before a pause, the pause's end: event, time)
+        self._lapped: StepResult | None = None  # the step timed last
         if device.type == "cuda":
             self.last_event = torch.cuda.Event(enable_timing=True)
             self.last_event.record()
@@ -114,6 +127,7 @@ class StepClock:
             elapsed, self.last_event = self.last_event.elapsed_time(result.ready) / 1e3, result.ready
         else:
             elapsed, self.last_time = result.finished_at - self.last_time, result.finished_at
+        self._lapped = result
         if self._restart is not None and self._restart[0] is result:  # the next step starts after the pause
             _, event, now = self._restart
             self.last_event, self.last_time, self._restart = event or self.last_event, now, None
@@ -122,12 +136,15 @@ class StepClock:
     def restart(self, after: StepResult) -> None:
         """Work between steps just ended (a validation loss, a checkpoint's save) after step
         ``after`` was launched: the next step is timed from now, not from ``after``'s end, so its
-        tokens/s and MFU are the step's own."""
+        tokens/s and MFU are the step's own (at once where ``after`` was timed already)."""
         event = None
         if self.last_event is not None:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-        self._restart = (after, event, time.perf_counter())
+        if after is self._lapped:
+            self.last_event, self.last_time, self._restart = event or self.last_event, time.perf_counter(), None
+        else:
+            self._restart = (after, event, time.perf_counter())
 
 
 def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
@@ -137,10 +154,12 @@ def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: PipelineExecutor | PairedExecutor,
-               data_parallel, *, clip_grad: float, scaler: DynamicLossScaler | None = None) -> StepResult:
+               data_parallel, *, clip_grad: float, scaler: DynamicLossScaler | None = None,
+               guard: NumericsGuard | None = None) -> StepResult:
     """``micro_batches``: this dp rank's share. ``optimizer``: a MainParamOptimizer or
     FSDPOptimizer over the chunks the executor runs; ``data_parallel`` their DataParallel or
-    FullyShardedDataParallel."""
+    FullyShardedDataParallel. ``guard``: skips a step whose gradient norm is not finite, on the
+    device (training/rerun.py); without one, such a step is applied as it is."""
     device = topo.device
     # (pipeline middle stages hold no loss mask: their count is unused, the loss is on the last stage)
     local_tokens = sum((mb["loss_mask"].sum() for mb in micro_batches if "loss_mask" in mb),
@@ -157,13 +176,16 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
     data_parallel.finish_grad_sync()
     grads = optimizer.grads()
     finalize_model_grads(grads, topo, done=getattr(data_parallel, "tied_reduced", ()))
+    if guard is not None:
+        guard.poison([g for g, _ in grads])
     finite = True
     if scaler is not None:
         finite = scaler.unscale_and_check([g for g, _ in grads], None, device)
         scaler.update(finite)
     grad_norm = global_grad_norm(grads, topo, optimizer.sharded) if finite else torch.tensor(float("nan"), device=device)
+    skip = guard.skip(grad_norm) if guard is not None and finite else None
     loss = _sum_over(loss_sum, scalars)  # before the step starts zero 1/2's parameter all-gather
     if finite:
-        optimizer.step(clip_coefficient(grad_norm, clip_grad))
+        optimizer.step(clip_coefficient(grad_norm, clip_grad), skip=skip)
     optimizer.zero_grad()
-    return StepResult.launch(loss, grad_norm, global_tokens, skipped=not finite)
+    return StepResult.launch(loss, grad_norm, global_tokens, skipped=not finite if skip is None else skip)

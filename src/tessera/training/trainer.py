@@ -46,6 +46,7 @@ from tessera.training.concurrent import PairedExecutor, graph_pairs
 from tessera.training.cuda_graphs import graph_stage, release_all, step_stream
 from tessera.training.launch import check_device, init_distributed, pick_device, world_from_env
 from tessera.training.metrics import CHECKPOINT_LOCK_NAME, JsonlLogger, NullLogger, lock_out_dir
+from tessera.training.rerun import LaunchedStep, NumericsGuard
 from tessera.training.step import DTYPES, StepClock, train_step
 from tessera.training.watchdog import StepWatchdog
 
@@ -271,7 +272,7 @@ class Stage:
 
     def __init__(self, cfg: Config, topo: Topology, rng: RNGTracker | None):
         p = cfg.parallel
-        self.cfg, self.pp, self.pp_rank = cfg, p.pp, topo.pp_rank
+        self.cfg, self.pp, self.pp_rank, self.rng = cfg, p.pp, topo.pp_rank, rng
         self.schedule = choose_schedule(p.schedule, p.pp, p.vpp, self.microbatches(cfg.train.global_batch, topo.dp),
                                         p.zero)
         self.compiled, self.fuse_wgrad, self.graphed = fast_paths(cfg, self.schedule, topo.device)
@@ -451,6 +452,8 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
     data = DataFeed(cfg, topo)
     valid = DataFeed(cfg, topo, split=1) if t.eval_every else None
     start = _resume(cfg, checkpointer, scheduler, data, scaler, logger)
+    guard = NumericsGuard(t, device, dist.get_rank() if dist.is_initialized() else 0, fp16=scaler is not None,
+                          knows_loss=topo.is_last_stage, checkpoints=bool(cfg.checkpoint.dir))
     per_token, peak = flops_per_token(cfg.model), peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
     def speed(tokens: int, elapsed: float) -> dict:
@@ -464,17 +467,27 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         return out
 
-    def log(done: int, lr: float, decay: float, scale: float | None, result, processed: int) -> None:
+    def rerun(launched: LaunchedStep):
+        """Step ``launched`` again, on its batch and random streams (training/rerun.py: the
+        weights are still the ones it ran on)."""
+        if launched.rng_states is not None:
+            stage.rng.set_states(launched.rng_states)
+        guard.launching(launched.step, rerunning=True)
+        return train_step(optimizer, launched.micro_batches, topo, stage.executor(len(launched.micro_batches)),
+                          data_parallel, clip_grad=cfg.optim.clip_grad, scaler=scaler, guard=guard)
+
+    def log(launched: LaunchedStep, lr: float, decay: float, scale: float | None, result, processed: int) -> None:
         """``tokens``: the tokens the loss averaged over (loss mask applied); throughput and
         FLOPs count every token the model processed (``processed``: global batch x seq_len),
-        as Megatron's do."""
+        as Megatron's do. Then the guard's verdict on a non-finite step (it may stop the run)."""
+        done = launched.step
         tokens = result.tokens  # waits for that step's GPU work
         elapsed = clock.lap(result)
         metrics = {"step": done + 1, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
                    "weight_decay": decay, "tokens_per_s": processed / elapsed, "tokens": tokens,
-                   "step_time_s": elapsed, **speed(processed, elapsed)}
+                   "step_time_s": elapsed, **speed(processed, elapsed), "skipped": result.skipped}
         if scaler is not None:
-            metrics.update(loss_scale=scale, skipped=result.skipped)
+            metrics.update(loss_scale=scale)
         if done in collected:  # train.gc_interval: the collection run after this step's launch
             metrics["gc_ms"] = collected.pop(done)
         if done in validated:  # train.eval_every: the validation loss after this step
@@ -483,6 +496,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
         logger.log(metrics)
         if logs:
             history.append(metrics)
+        guard.check(launched, result, rerun, logger.print)
 
     # Step k's figures are read after step k+1 is launched (training/step.py), so the host never
     # leaves the GPU idle between steps; a step's time is where its work ran (StepClock).
@@ -492,10 +506,14 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             watchdog.tick()  # a step that hangs ends the job with every thread's stack (training/watchdog.py)
             try:
                 lr, scale = scheduler.apply(optimizer, step), scaler.scale if scaler is not None else None
-                processed = data.batches.global_batch(data.batches.consumed_samples) * cfg.model.seq_len
+                first = data.batches.consumed_samples
+                processed = data.batches.global_batch(first) * cfg.model.seq_len
                 micro_batches = data.next()
+                launched = LaunchedStep(step, micro_batches, stage.rng.get_states() if stage.rng is not None else None,
+                                        (first, data.batches.consumed_samples))
+                guard.launching(step)
                 result = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)),
-                                    data_parallel, clip_grad=cfg.optim.clip_grad, scaler=scaler)
+                                    data_parallel, clip_grad=cfg.optim.clip_grad, scaler=scaler, guard=guard)
             except BaseException:
                 if pending is not None:  # the last good step's line, if its figures can still be read
                     with contextlib.suppress(Exception):
@@ -503,7 +521,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
                 raise
             if pending is not None:
                 log(*pending)
-            pending = (step, lr, scheduler.weight_decay(step), scale, result, processed)  # the scale the step ran with
+            pending = (launched, lr, scheduler.weight_decay(step), scale, result, processed)  # the scale the step ran with
             ms = collector.step(step)
             if ms is not None:
                 collected[step] = ms
@@ -515,6 +533,8 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
                     validated[step] = loss
                 clock.restart(after=result)  # (the next step's time is its own)
             if cfg.checkpoint.dir and (_due(step + 1, cfg.checkpoint.save_every, t.steps) or step + 1 == t.steps):
+                log(*pending)  # (read first: a non-finite step stops the run before it is saved)
+                pending = None
                 with watchdog.paused():  # (a large model's save may rightly take minutes)
                     checkpointer.save(step + 1, scheduler, data, scaler)
                 clock.restart(after=result)  # (the next step's time is its own)

@@ -1,0 +1,199 @@
+"""Non-finite steps (training/rerun.py): a bf16/fp32 step whose gradient norm is inf/nan changes
+nothing (weights, Adam's moments, its step count); train.nonfinite=stop re-runs it and says
+whether it came back (reproducible) or not (transient), then stops; skip passes it over and stops
+after train.max_skipped_steps in a row. Faults are injected with train.inject_nonfinite_step."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tessera.checkpoint import dcp
+from tessera.config import ConfigError, ModelConfig, OptimConfig, load_config
+from tessera.distributed.data_parallel import DataParallel
+from tessera.models import GPTModel
+from tessera.optim.optimizers import MainParamOptimizer
+from tessera.testing import run_ranks
+from tessera.topology import Topology
+from tessera.training.rerun import NonFiniteStop
+
+BASE = ["model.hidden=32", "model.layers=2", "model.heads=4", "model.seq_len=16", "model.vocab_size=100",
+        "train.micro_batch=2", "train.global_batch=4", "train.seed=3", "train.log_every=1", "train.steps=5",
+        "data.source=synthetic", "optim.lr=1e-2", "optim.clip_grad=1.0"]
+
+
+def _train(overrides):
+    from tessera.training.trainer import train
+
+    return train(load_config(None, BASE + overrides))
+
+
+def _stop(overrides) -> str:
+    with pytest.raises(NonFiniteStop) as e:
+        _train(overrides)
+    return str(e.value)
+
+
+def _optimizer_and_backward(dtype: torch.dtype):
+    """A one-layer model in its data-parallel buffers (dp=1), its optimizer, and a function that
+    runs one backward into the buffers."""
+    model = GPTModel(ModelConfig(hidden=32, layers=1, heads=2, seq_len=8, vocab_size=50))
+    model.init_weights(3)
+    model.to(dtype)
+    dp = DataParallel([model], Topology.build(), param_dtype=dtype)
+    optimizer = MainParamOptimizer(dp, OptimConfig(lr=1e-2))
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def backward():
+        dp.start_step(1)
+        loss = model(tokens[:, :-1], tokens[:, 1:]).float().mean()
+        loss.backward()
+        dp.finish_grad_sync()
+
+    return optimizer, backward
+
+
+def _steps(path):
+    return sorted(name for name in os.listdir(path) if name.startswith("step_"))
+
+
+# -- the optimizers' skip ------------------------------------------------------------------------
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_skipped_step_leaves_weights_moments_and_step_count(monkeypatch, fused, dtype):
+    """The flag reaches AdamW: the fused kernel as found_inf (the CUDA path, run here by torch's
+    fused CPU kernel), the foreach one through the host; an unset flag steps as before."""
+    from tessera.optim import optimizers
+
+    if fused:  # what CUDA runs: AdamW(fused=True), found_inf read on the device
+        monkeypatch.setattr(optimizers, "_adamw", lambda groups, cfg, on_cuda: torch.optim.AdamW(
+            groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True))
+    optimizer, run_backward = _optimizer_and_backward(dtype)
+    assert bool(optimizer.inner.defaults.get("fused")) == fused
+
+    def snapshot():
+        state = [(s["step"].item(), s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in optimizer.inner.state.values()]
+        return [m.clone() for m in optimizer.mains], state
+
+    for skip in (False, False, True, True, False):
+        run_backward()
+        optimizer.grads()
+        before = snapshot()
+        optimizer.step(torch.tensor(0.5), skip=torch.tensor(skip))
+        optimizer.zero_grad()
+        after = snapshot()
+        same = all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+        if skip:
+            assert same and before[1] and [s[0] for s in after[1]] == [s[0] for s in before[1]]
+            assert all(torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) for a, b in zip(before[1], after[1]))
+        else:
+            assert not same
+    assert {s["step"].item() for s in optimizer.inner.state.values()} == {3.0}
+
+
+# -- the policies, one process -------------------------------------------------------------------
+def test_stop_reproducible_fault_stops_before_saving_that_step(tmp_path):
+    history_dir = tmp_path / "out"
+    message = _stop([f"train.out_dir={history_dir}", "train.inject_nonfinite_step=3",
+                     f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=1"])
+    assert message.startswith("step 3: gradient norm nan")
+    assert "samples 8..11 of the training stream" in message  # the third global batch of 4
+    assert "again, so it is reproducible" in message and "resumes from the last one" in message
+    assert _steps(tmp_path / "ck") == ["step_00000001", "step_00000002"]  # not step 3's, nor a later one
+    lines = (history_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and '"skipped": true' in lines[2] and '"grad_norm": null' in lines[2]
+    assert all(torch.isfinite(t).all() for t in dcp.read_whole(f"{tmp_path}/ck/step_00000002", "").values())
+
+
+def test_stop_transient_fault_is_told_apart(tmp_path):
+    message = _stop([f"train.out_dir={tmp_path}", "train.inject_nonfinite_step=2", "train.inject_nonfinite_kind=transient",
+                     "train.dtype=bf16"])
+    assert message.startswith("step 2: gradient norm nan") and "samples 4..7" in message
+    assert "so it is not reproducible: a transient fault" in message
+    # the re-run saw the weights the step ran on (the step launched after it was skipped too)
+    first, again = re.findall(r"loss ([-\w.+]+)", message)
+    assert first == again, message
+    assert "checkpoints" not in message  # none were saved (no checkpoint.dir)
+
+
+def test_skip_passes_the_step_over_and_changes_nothing(tmp_path):
+    history = _train([f"train.out_dir={tmp_path}/out", "train.inject_nonfinite_step=3", "train.nonfinite=skip",
+                      f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=1"])
+    assert [m["skipped"] for m in history] == [False, False, True, False, False]
+    assert all(m["grad_norm"] == m["grad_norm"] for i, m in enumerate(history) if i != 2)
+    two, three, four = (dcp.read_whole(f"{tmp_path}/ck/step_0000000{i}", "") for i in (2, 3, 4))
+    assert two.keys() == three.keys() and any(k.startswith("optim") for k in two)
+    assert all(torch.equal(two[k], three[k]) for k in two)  # weights and moments as step 2 left them
+    assert not all(torch.equal(three[k], four[k]) for k in three)  # and training went on
+
+
+def test_skip_stops_after_max_skipped_steps_in_a_row(tmp_path):
+    """A diverged run (a learning rate of 1e12: the weights' scale overflows fp32) skips step
+    after step; the fourth in a row stops it."""
+    message = _stop([f"train.out_dir={tmp_path}", "train.nonfinite=skip", "train.max_skipped_steps=4",
+                     "optim.lr=1e12", "optim.clip_grad=0", "train.steps=20"])
+    assert "4 non-finite steps in a row (train.max_skipped_steps=4): stopped" in message
+
+
+def test_without_the_guard_a_nan_gradient_is_applied():
+    """Why the guard exists: train_step without one lets a nan norm into every weight (the
+    clipping factor is nan)."""
+    optimizer, run_backward = _optimizer_and_backward(torch.float32)
+    run_backward()
+    grads = optimizer.grads()
+    grads[0][0].view(-1)[0] = float("nan")
+    norm = torch.stack([g.norm() for g, _ in grads]).norm()
+    optimizer.step(torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+    assert all(torch.isnan(t).all() for t, *_ in optimizer.pieces)  # every parameter (not the buffer's padding)
+
+
+def test_bad_settings_are_refused():
+    for key, value in [("train.max_skipped_steps", "0"), ("train.inject_nonfinite_step", "-1"),
+                       ("train.nonfinite", "ignore")]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, BASE + [f"{key}={value}"])
+
+
+def test_the_command_says_it_once_and_exits_3(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in ["src", os.environ.get("PYTHONPATH", "")] if p)}
+    sets = [a for o in BASE + [f"train.out_dir={tmp_path}", "train.inject_nonfinite_step=2"] for a in ("--set", o)]
+    done = subprocess.run([sys.executable, "-m", "tessera", "train", *sets], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.count("step 2: gradient norm nan") == 1 and "Traceback" not in done.stderr
+
+
+# -- many ranks: every rank skips the same steps and reaches the same verdict ---------------------
+def _ranks(rank, world, runs):
+    out = []
+    for overrides in runs:
+        try:
+            history = _train(overrides)
+            out.append(("done", [m["skipped"] for m in history] if history else None))
+        except NonFiniteStop as e:
+            # (the loss is known on the last stage only: said there alone)
+            out.append(("stop", re.sub(r"loss [-\w.+]+; | \(loss [-\w.+]+\)", "", str(e))))
+    return out
+
+
+def test_every_rank_reaches_the_same_verdict(tmp_path):
+    runs = [[f"train.out_dir={tmp_path}/a", "parallel.pp=2", "parallel.dp=2", "parallel.zero=1",
+             "train.inject_nonfinite_step=2", "train.inject_nonfinite_kind=transient"],
+            [f"train.out_dir={tmp_path}/b", "parallel.pp=2", "parallel.dp=2", "parallel.zero=3",
+             "train.inject_nonfinite_step=2"],
+            [f"train.out_dir={tmp_path}/c", "parallel.dp=2", "parallel.zero=3", "train.nonfinite=skip",
+             "train.inject_nonfinite_step=2", f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=1"]]
+    by_rank = run_ranks(_ranks, 4, runs[:2], timeout=300) + run_ranks(_ranks, 2, runs[2:], timeout=300)
+    transient, persistent = [r[0] for r in by_rank[:4]], [r[1] for r in by_rank[:4]]
+    assert all(r == transient[0] for r in transient) and transient[0][0] == "stop"
+    assert "not reproducible" in transient[0][1]
+    assert all(r == persistent[0] for r in persistent) and "again, so it is reproducible" in persistent[0][1]
+    fsdp = [r[0] for r in by_rank[4:]]
+    assert ("done", [False, True, False, False, False]) in fsdp
+    one, two = (dcp.read_whole(f"{tmp_path}/ck/step_0000000{i}", "") for i in (1, 2))
+    assert all(torch.equal(one[k], two[k]) for k in one)  # FSDP's shards and moments untouched
