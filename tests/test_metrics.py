@@ -1,11 +1,14 @@
 """metrics.jsonl: an earlier run's file is kept aside, never appended to; a second run into a
 running run's out_dir is refused; non-finite values are written as JSON null; an out_dir that is a
-file is refused before any work; the last step's line is printed."""
+file is refused before any work; the last step's line is printed; train.tensorboard writes the
+same figures as TensorBoard scalars, a folder per run, and is refused up front without the package."""
 
+import importlib.util
 import io
 import json
 import math
 import os
+import sys
 
 import pytest
 
@@ -124,3 +127,69 @@ def test_a_cache_dir_that_cannot_be_a_directory_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="data.cache_dir: .*afile is a file"):  # (a traceback where it was made)
         check_runnable(load_config(None, [f"data.cache_dir={tmp_path / 'afile' / 'cache'}"]), 1)
     check_runnable(load_config(None, [f"data.cache_dir={tmp_path / 'cache'}"]), 1)
+
+
+TINY = ["train.device=cpu", "data.source=synthetic", "model.layers=1", "model.hidden=32", "model.heads=2",
+        "model.seq_len=16", "model.vocab_size=64", "train.micro_batch=1", "train.global_batch=2",
+        "train.sample_tokens=0", "train.tensorboard=true", "optim.warmup=2"]
+
+
+# a test extra (pyproject.toml): a GPU machine's own python, offline, may lack it
+needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs tensorboard")
+
+
+def _scalars(folder):
+    """{tag: {step: value}} of the TensorBoard event files in ``folder``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+@needs_tensorboard
+@pytest.mark.timeout(120)
+def test_tensorboard_scalars_are_the_runs_metrics_a_folder_per_run(tmp_path):
+    """Each step's figures at that step, equal to metrics.jsonl's (float32 in the event file); a
+    second run into the same out_dir writes a folder of its own, numbered as the first run's
+    metrics.N.jsonl, so the first run's curves stay as they were."""
+    from tessera.training.trainer import train
+
+    out = tmp_path / "out"
+    train(load_config(None, TINY + ["train.steps=3", "train.eval_every=2", "optim.lr=1e-2", f"train.out_dir={out}"]))
+    first = _scalars(out / "tensorboard" / "run-1")
+    train(load_config(None, TINY + ["train.steps=2", "optim.lr=3e-3", f"train.out_dir={out}"]))
+    assert sorted(p.name for p in (out / "tensorboard").iterdir()) == ["run-1", "run-2"]
+    assert _scalars(out / "tensorboard" / "run-1") == first
+    tags = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens": "train/tokens",
+            "valid_loss": "valid/loss"}
+    for run, metrics, validated in (("run-1", "metrics.1.jsonl", [2, 3]), ("run-2", "metrics.jsonl", [])):
+        scalars, logged = _scalars(out / "tensorboard" / run), [json.loads(x) for x in (out / metrics).read_text().splitlines()]
+        assert [m["step"] for m in logged if "valid_loss" in m] == validated
+        for key, tag in tags.items():
+            assert scalars.get(tag, {}) == pytest.approx({m["step"]: m[key] for m in logged if key in m}, rel=1e-6), (run, tag)
+        assert len(set(scalars["train/lr"].values())) > 1 and "train/step" not in scalars  # (warmup: an lr per step)
+
+
+@needs_tensorboard
+def test_tensorboard_writes_booleans_as_0_1_and_leaves_non_finite_values_out(tmp_path):
+    logger = JsonlLogger(tmp_path, 1, stream=io.StringIO(), tensorboard=True)
+    logger.log({**_metrics(1, loss=math.nan, grad_norm=math.inf), "loss_scale": 1024.0, "skipped": True})
+    logger.log({**_metrics(2), "loss_scale": 512.0, "skipped": False, "valid_loss": 2.0, "valid_ppl": math.exp(2.0)})
+    logger.close()
+    scalars = _scalars(tmp_path / "tensorboard" / "run-1")
+    assert scalars["train/loss"] == {2: 1.5} and scalars["train/grad_norm"] == {2: 0.5}
+    assert scalars["train/skipped"] == {1: 1.0, 2: 0.0} and scalars["train/loss_scale"] == {1: 1024.0, 2: 512.0}
+    assert scalars["valid/loss"] == {2: 2.0} and scalars["valid/ppl"] == {2: pytest.approx(math.exp(2.0))}
+
+
+def test_tensorboard_without_the_package_is_refused_before_any_work(tmp_path, monkeypatch):
+    from tessera.training.trainer import train
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # (import tensorboard: ImportError)
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError) as info:
+        train(load_config(None, TINY + ["train.steps=1", f"train.out_dir={out}"]))
+    assert info.value.key == "train.tensorboard" and "pip install tensorboard" in info.value.fix
+    assert not out.exists()

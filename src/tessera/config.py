@@ -246,6 +246,13 @@ class TrainConfig:
     """Directory for metrics.jsonl and other run outputs."""
     log_every: int = 10
     """Print one console line every this many steps."""
+    tensorboard: bool = False
+    """Also write every step's numeric metrics as TensorBoard scalars (train/loss, train/lr, ...;
+    valid/loss, valid/ppl) to out_dir/tensorboard/run-N, a folder per run (N: the number this
+    run's metrics.jsonl and config.toml are kept aside under once a later run starts), each
+    run its own curve; view with `tensorboard --logdir <out_dir>/tensorboard`. Booleans
+    (skipped) are written as 0/1; non-finite values (a NaN loss) are left out (null in
+    metrics.jsonl). Needs the tensorboard package (`pip install tensorboard`)."""
     eval_every: int = 0
     """Every this many steps, and after the last, the validation loss: the mean loss per token
     over the first train.eval_batches global batches of the data's validation split (data.split's

@@ -11,6 +11,9 @@ A run holds ``out_dir/.tessera.lock`` (an exclusive ``flock``, released when the
 or the process ends) while it writes there: a second run into the same ``out_dir`` is refused
 while the first runs (it would rename the first's file, and their lines would interleave). The
 file stays open for the whole run, so nothing that renames it moves the run's later lines.
+
+With ``train.tensorboard`` the same figures also go to TensorBoard (:class:`TensorBoardScalars`),
+one folder per run: ``out_dir/tensorboard/run-N``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tessera.config import ConfigError
 
 LOCK_NAME = ".tessera.lock"
 CHECKPOINT_LOCK_NAME = ".tessera-checkpoints.lock"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def lock_out_dir(out_dir: str | Path, key: str = "train.out_dir", name: str = LOCK_NAME) -> IO[str]:
@@ -84,12 +88,57 @@ def config_toml(sections: dict[str, dict]) -> str:
                    for name, table in sections.items())
 
 
+def check_tensorboard() -> None:
+    """Refuse ``train.tensorboard=true`` where torch's TensorBoard writer cannot load (the
+    ``tensorboard`` package is missing), before any work starts."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError as e:
+        raise ConfigError("train.tensorboard", f"true, but torch.utils.tensorboard cannot load ({e})",
+                          "pip install tensorboard, or set train.tensorboard=false") from None
+
+
+class TensorBoardScalars:
+    """Every numeric metric of a step as a TensorBoard scalar at that step: ``train/loss``,
+    ``train/lr``, ... and the validation figures as ``valid/loss`` and ``valid/ppl``. Booleans
+    (``skipped``) are written as 0/1; None and non-finite values (a NaN loss, an fp16 skipped
+    step's infinite gradient norm) are left out, as metrics.jsonl writes them as null."""
+
+    def __init__(self, folder: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.folder = folder
+        self._writer = SummaryWriter(str(folder))
+
+    def log(self, metrics: dict) -> None:
+        for key, value in metrics.items():
+            if key == "step" or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            tag = "valid/" + key.removeprefix("valid_") if key.startswith("valid_") else "train/" + key
+            self._writer.add_scalar(tag, float(value), metrics["step"])
+
+    def close(self) -> None:
+        self._writer.close()  # (flushes what is pending)
+
+
+def tensorboard_run(out_dir: Path) -> Path:
+    """``out_dir/tensorboard/run-N``, N the first number no earlier run's files hold: the one
+    under which this run's metrics.jsonl and config.toml are kept aside when a later run starts."""
+    n = 1
+    while any(path.exists() for path in (out_dir / f"metrics.{n}.jsonl", out_dir / f"config.{n}.toml",
+                                         out_dir / TENSORBOARD_DIR / f"run-{n}")):
+        n += 1
+    return out_dir / TENSORBOARD_DIR / f"run-{n}"
+
+
 class JsonlLogger:
     """Writes ``out_dir/metrics.jsonl`` (and, given ``config``, the run's resolved configuration
     as ``out_dir/config.toml``, which ``--config`` reads back); an earlier run's pair is kept
-    aside as ``metrics.N.jsonl`` and ``config.N.toml``."""
+    aside as ``metrics.N.jsonl`` and ``config.N.toml``. ``tensorboard``: also every step's
+    figures as TensorBoard scalars, in a folder of this run's own (:func:`tensorboard_run`)."""
 
-    def __init__(self, out_dir: str | Path, log_every: int, stream=None, config: dict | None = None):
+    def __init__(self, out_dir: str | Path, log_every: int, stream=None, config: dict | None = None,
+                 tensorboard: bool = False):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.log_every, self.stream = log_every, stream
         self._lock = lock_out_dir(out_dir)
@@ -111,6 +160,10 @@ class JsonlLogger:
                 scratch.write_text(config_toml(config))
                 os.replace(scratch, settings)  # (whole or absent)
             self._file = self.path.open("a", buffering=1)  # line-buffered: each step's line written at once
+            self._tensorboard = TensorBoardScalars(tensorboard_run(self.path.parent)) if tensorboard else None
+            if self._tensorboard is not None:
+                self.print(f"tessera: TensorBoard scalars in {self._tensorboard.folder} "
+                           f"(view: tensorboard --logdir {self._tensorboard.folder.parent})")
         except BaseException:
             self._lock.close()
             raise
@@ -120,6 +173,8 @@ class JsonlLogger:
     def log(self, metrics: dict) -> None:
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         self._file.write(json.dumps(finite, allow_nan=False) + "\n")
+        if self._tensorboard is not None:
+            self._tensorboard.log(metrics)
         step = metrics["step"]
         self._last, self._last_printed = metrics, step % self.log_every == 0 or step == 1 or "valid_loss" in metrics
         if self._last_printed:
@@ -135,9 +190,13 @@ class JsonlLogger:
         print(text, file=self.stream or sys.stdout, flush=True)  # (sys.stdout as it is now: it may be replaced)
 
     def close(self) -> None:
-        """Close the file and give the out_dir's lock back."""
-        self._file.close()
-        self._lock.close()
+        """Close the file (and flush TensorBoard's) and give the out_dir's lock back."""
+        try:
+            if self._tensorboard is not None:
+                self._tensorboard.close()
+        finally:
+            self._file.close()
+            self._lock.close()
 
 
 def format_line(m: dict) -> str:

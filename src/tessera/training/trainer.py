@@ -45,7 +45,7 @@ from tessera.training.gc_control import GarbageCollection
 from tessera.training.concurrent import PairedExecutor, graph_pairs
 from tessera.training.cuda_graphs import graph_stage, release_all, step_stream
 from tessera.training.launch import check_device, init_distributed, pick_device, world_from_env
-from tessera.training.metrics import CHECKPOINT_LOCK_NAME, JsonlLogger, NullLogger, lock_out_dir
+from tessera.training.metrics import CHECKPOINT_LOCK_NAME, JsonlLogger, NullLogger, check_tensorboard, lock_out_dir
 from tessera.training.rerun import LaunchedStep, NumericsGuard
 from tessera.training.step import DTYPES, StepClock, train_step
 from tessera.training.watchdog import StepWatchdog
@@ -173,6 +173,8 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     if t.sample_tokens:
         sample_tokenizer(t.sample_tokenizer, cfg.data, m.vocab_size, t.sample_prompt)
     _check_writable_dir(t.out_dir, "train.out_dir")
+    if t.tensorboard:
+        check_tensorboard()
     if cfg.checkpoint.dir:
         _check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
     check_resume(cfg)
@@ -372,7 +374,8 @@ def train(cfg: Config) -> list[dict]:
     held = lock_out_dir(cfg.checkpoint.dir, "checkpoint.dir", CHECKPOINT_LOCK_NAME) \
         if cfg.checkpoint.dir and rank == 0 else None
     try:
-        logger = JsonlLogger(t.out_dir, t.log_every, config=to_dict(cfg)) if logs else NullLogger()  # (takes out_dir's lock)
+        logger = JsonlLogger(t.out_dir, t.log_every, config=to_dict(cfg), tensorboard=t.tensorboard) \
+            if logs else NullLogger()  # (takes out_dir's lock)
         try:
             return _build_and_run(cfg, topo, device, logger, logs, world)
         finally:
