@@ -634,7 +634,7 @@ def test_a_nonfinite_step_changes_nothing_on_cuda(tmp_path, layout):
     if torch.cuda.device_count() < int(gpus):
         pytest.skip(f"needs {gpus} GPUs")
     base = [f"model.family={family}", f"parallel.zero={zero}", f"parallel.dp={gpus}", "train.dtype=bf16", "train.steps=5",
-            "train.log_every=1", "train.inject_nonfinite_step=3"]
+            "train.log_every=1", "train.inject_fault_step=3"]
     run = _train(tmp_path, "skip", int(gpus), base + ["train.nonfinite=skip", "checkpoint.save_every=1",
                                               f"checkpoint.dir={tmp_path}/ck"])
     assert [m["skipped"] for m in run] == [False, False, True, False, False]
@@ -642,10 +642,20 @@ def test_a_nonfinite_step_changes_nothing_on_cuda(tmp_path, layout):
     assert all(torch.equal(two[k], three[k]) for k in two) and not all(torch.equal(three[k], four[k]) for k in three)
     sets = ["model.hidden=128", "model.layers=2", "model.heads=4", "model.seq_len=64", "train.micro_batch=2",
             "train.global_batch=8", "data.source=synthetic", f"train.out_dir={tmp_path}/stop", *base,
-            "train.inject_nonfinite_kind=transient"]
+            "train.inject_fault=nan_once"]
     launch = ["--nproc-per-node", gpus] if gpus != "1" else []  # (torchrun's own exit status is 1)
     returncode, out = _run([sys.executable, "-m", "tessera", "train", *launch,
                             *[a for s in sets for a in ("--set", s)]], "stop", 300)
     assert returncode == (3 if gpus == "1" else 1) and "so it is not reproducible" in out, out[-3000:]
     first, again = re.findall(r"loss ([-\w.+]+)", out.split("tessera: step 3: gradient norm")[1])[:2]
     assert first == again, out[-2000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_gradient_spike_is_passed_over_on_cuda(tmp_path):
+    """train.skip_spikes on CUDA (the window on the device, bf16): step 6's gradient times 1e4 is
+    passed over, the other steps are applied."""
+    run = _train(tmp_path, "spike", 1, ["train.dtype=bf16", "train.skip_spikes=6", "train.spike_window=4",
+                                        "train.inject_fault=spike", "train.inject_fault_step=6", "train.log_every=1"])
+    assert [m["skipped"] for m in run] == [False] * 5 + [True, False, False]

@@ -1,7 +1,7 @@
 """Non-finite steps (training/rerun.py): a bf16/fp32 step whose gradient norm is inf/nan changes
 nothing (weights, Adam's moments, its step count); train.nonfinite=stop re-runs it and says
 whether it came back (reproducible) or not (transient), then stops; skip passes it over and stops
-after train.max_skipped_steps in a row. Faults are injected with train.inject_nonfinite_step."""
+after train.max_skipped_steps in a row. Faults are injected with train.inject_fault_step."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def test_a_skipped_step_leaves_weights_moments_and_step_count(monkeypatch, fused
 # -- the policies, one process -------------------------------------------------------------------
 def test_stop_reproducible_fault_stops_before_saving_that_step(tmp_path):
     history_dir = tmp_path / "out"
-    message = _stop([f"train.out_dir={history_dir}", "train.inject_nonfinite_step=3",
+    message = _stop([f"train.out_dir={history_dir}", "train.inject_fault_step=3",
                      f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=1"])
     assert message.startswith("step 3: gradient norm nan")
     assert "samples 8..11 of the training stream" in message  # the third global batch of 4
@@ -111,7 +111,7 @@ def test_stop_reproducible_fault_stops_before_saving_that_step(tmp_path):
 
 
 def test_stop_transient_fault_is_told_apart(tmp_path):
-    message = _stop([f"train.out_dir={tmp_path}", "train.inject_nonfinite_step=2", "train.inject_nonfinite_kind=transient",
+    message = _stop([f"train.out_dir={tmp_path}", "train.inject_fault_step=2", "train.inject_fault=nan_once",
                      "train.dtype=bf16"])
     assert message.startswith("step 2: gradient norm nan") and "samples 4..7" in message
     assert "so it is not reproducible: a transient fault" in message
@@ -122,7 +122,7 @@ def test_stop_transient_fault_is_told_apart(tmp_path):
 
 
 def test_skip_passes_the_step_over_and_changes_nothing(tmp_path):
-    history = _train([f"train.out_dir={tmp_path}/out", "train.inject_nonfinite_step=3", "train.nonfinite=skip",
+    history = _train([f"train.out_dir={tmp_path}/out", "train.inject_fault_step=3", "train.nonfinite=skip",
                       f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=1"])
     assert [m["skipped"] for m in history] == [False, False, True, False, False]
     assert all(m["grad_norm"] == m["grad_norm"] for i, m in enumerate(history) if i != 2)
@@ -137,7 +137,7 @@ def test_skip_stops_after_max_skipped_steps_in_a_row(tmp_path):
     after step; the fourth in a row stops it."""
     message = _stop([f"train.out_dir={tmp_path}", "train.nonfinite=skip", "train.max_skipped_steps=4",
                      "optim.lr=1e12", "optim.clip_grad=0", "train.steps=20"])
-    assert "4 non-finite steps in a row (train.max_skipped_steps=4): stopped" in message
+    assert "4 skipped steps in a row (train.max_skipped_steps=4): stopped" in message
 
 
 def test_without_the_guard_a_nan_gradient_is_applied():
@@ -153,7 +153,7 @@ def test_without_the_guard_a_nan_gradient_is_applied():
 
 
 def test_bad_settings_are_refused():
-    for key, value in [("train.max_skipped_steps", "0"), ("train.inject_nonfinite_step", "-1"),
+    for key, value in [("train.max_skipped_steps", "0"), ("train.inject_fault_step", "-1"),
                        ("train.nonfinite", "ignore")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, BASE + [f"{key}={value}"])
@@ -161,7 +161,7 @@ def test_bad_settings_are_refused():
 
 def test_the_command_says_it_once_and_exits_3(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in ["src", os.environ.get("PYTHONPATH", "")] if p)}
-    sets = [a for o in BASE + [f"train.out_dir={tmp_path}", "train.inject_nonfinite_step=2"] for a in ("--set", o)]
+    sets = [a for o in BASE + [f"train.out_dir={tmp_path}", "train.inject_fault_step=2"] for a in ("--set", o)]
     done = subprocess.run([sys.executable, "-m", "tessera", "train", *sets], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode == 3, done.stderr
@@ -183,11 +183,11 @@ def _ranks(rank, world, runs):
 
 def test_every_rank_reaches_the_same_verdict(tmp_path):
     runs = [[f"train.out_dir={tmp_path}/a", "parallel.pp=2", "parallel.dp=2", "parallel.zero=1",
-             "train.inject_nonfinite_step=2", "train.inject_nonfinite_kind=transient"],
+             "train.inject_fault_step=2", "train.inject_fault=nan_once"],
             [f"train.out_dir={tmp_path}/b", "parallel.pp=2", "parallel.dp=2", "parallel.zero=3",
-             "train.inject_nonfinite_step=2"],
+             "train.inject_fault_step=2"],
             [f"train.out_dir={tmp_path}/c", "parallel.dp=2", "parallel.zero=3", "train.nonfinite=skip",
-             "train.inject_nonfinite_step=2", f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=1"]]
+             "train.inject_fault_step=2", f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=1"]]
     by_rank = run_ranks(_ranks, 4, runs[:2], timeout=300) + run_ranks(_ranks, 2, runs[2:], timeout=300)
     transient, persistent = [r[0] for r in by_rank[:4]], [r[1] for r in by_rank[:4]]
     assert all(r == transient[0] for r in transient) and transient[0][0] == "stop"
@@ -197,3 +197,42 @@ def test_every_rank_reaches_the_same_verdict(tmp_path):
     assert ("done", [False, True, False, False, False]) in fsdp
     one, two = (dcp.read_whole(f"{tmp_path}/ck/step_0000000{i}", "") for i in (1, 2))
     assert all(torch.equal(one[k], two[k]) for k in one)  # FSDP's shards and moments untouched
+
+
+# -- gradient-norm spikes (train.skip_spikes) ----------------------------------------------------
+def test_the_spike_window_flags_only_outliers_once_full_and_keeps_them_out():
+    from tessera.training.rerun import SpikeWindow
+
+    window = SpikeWindow(4, 3.0, torch.device("cpu"))
+    flags = []
+    for norm in [1.0, 50.0, 0.9, 1.1, 1.0, 1.05, 10.0, 1.2]:  # 50 comes before the window is full
+        norm = torch.tensor(norm)
+        spike = window.is_spike(norm)
+        window.record(norm, ~spike)
+        flags.append(bool(spike))
+    assert flags == [False, False, False, False, False, False, True, False]
+    assert int(window.count) == 7  # every step but the spike
+    assert torch.equal(window.norms, torch.tensor([1.0, 1.05, 1.2, 1.1]))  # a ring of the last 4 applied
+    again = SpikeWindow(4, 3.0, torch.device("cpu"))
+    again.load_state_dict(window.state_dict())
+    assert torch.equal(again.norms, window.norms) and int(again.count) == 7
+
+
+SPIKES = ["train.skip_spikes=6", "train.spike_window=4", "train.inject_fault=spike", "train.inject_fault_step=6",
+          "train.steps=8", "optim.decay_steps=8"]
+
+
+def test_a_spike_is_passed_over_and_a_resumed_run_skips_it_too(tmp_path):
+    """Step 6's gradient times 1e4: passed over (under the default nonfinite=stop too), nothing
+    changed; a run resumed from step 4 has the window back and does the same, to the bit."""
+    straight = _train([f"train.out_dir={tmp_path}/a", f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=1",
+                       *SPIKES])
+    assert [m["skipped"] for m in straight] == [False] * 5 + [True, False, False]
+    assert straight[5]["grad_norm"] > 50
+    five, six = (dcp.read_whole(f"{tmp_path}/ck/step_0000000{i}", "") for i in (5, 6))
+    assert all(torch.equal(five[k], six[k]) for k in five)
+    resumed = _train([f"train.out_dir={tmp_path}/b", f"checkpoint.load={tmp_path}/ck/step_00000004", *SPIKES])
+    keys = ("step", "loss", "grad_norm", "skipped")
+    assert [[m[k] for k in keys] for m in resumed] == [[m[k] for k in keys] for m in straight[4:]]
+    off = _train([f"train.out_dir={tmp_path}/c", *SPIKES, "train.skip_spikes=0"])
+    assert not any(m["skipped"] for m in off)  # off: the spike is applied (clipped)

@@ -346,18 +346,26 @@ class TrainConfig:
     the batch, the model or the settings, e.g. the learning rate) or not (transient: suspect the
     machine, e.g. a GPU's memory) and which samples the batch held, and stops (exit status 3);
     checkpoints saved before it are kept, and the same command resumes from the last one. skip:
-    the run goes on without that step (its batch is passed over) and stops after
+    the run goes on without that step (its batch is passed over). Either way the run stops after
     train.max_skipped_steps skipped steps in a row. fp16 runs: a step skipped by dynamic loss
     scaling is not counted (the scale halves and the run goes on)."""
+    skip_spikes: float = 0.0
+    """Pass over a step whose gradient norm lies more than this many standard deviations above
+    the mean of the last train.spike_window applied steps' norms, as a non-finite one under
+    train.nonfinite=skip (nothing changes; the batch is passed over), once that window is full;
+    decided on the GPU, no host wait (OLMo 2's loss-spike remedy, there with 6 sigma over 128
+    steps). The norm is the global one every rank holds (the loss is known on the last pipeline
+    stage only). 0: off."""
+    spike_window: int = 128
+    """Applied steps whose gradient norms train.skip_spikes compares a step with."""
     max_skipped_steps: int = 10
-    """train.nonfinite=skip: the run stops after this many non-finite steps in a row."""
-    inject_nonfinite_step: int = 0
-    """To try the non-finite guard (as Megatron's error injection): rank 0 adds a nan to one of
-    its gradients at this step (counting from 1; 0: never), every time the step runs
-    (train.inject_nonfinite_kind=persistent) or only the first time (transient: the re-run is
-    clean)."""
-    inject_nonfinite_kind: Literal["persistent", "transient"] = "persistent"
-    """See train.inject_nonfinite_step."""
+    """The run stops after this many skipped steps in a row (non-finite or spikes)."""
+    inject_fault_step: int = 0
+    """To try the guards (as Megatron's error injection): at this step (counting from 1; 0: never)
+    rank 0 corrupts one of its gradients as train.inject_fault says."""
+    inject_fault: Literal["nan", "nan_once", "spike"] = "nan"
+    """nan: a nan every time the step runs (a reproducible fault); nan_once: only the first time
+    (transient: the re-run is clean); spike: the gradient times 1e4 (a finite spike)."""
     batch_rampup: str = ""
     """Global-batch ramp-up as "start,increment,ramp_samples": begin at start samples per step and
     add increment, in equal slices of ramp_samples consumed samples, until global_batch. Empty:
@@ -375,8 +383,12 @@ class TrainConfig:
                "give a non-negative seed (numpy's data order takes no negative one; torch's, none of 2**64 or more)")
         _check(self.max_skipped_steps >= 1, "train.max_skipped_steps", f"{self.max_skipped_steps} is below 1",
                "give the skipped steps in a row to stop after, e.g. 10")
-        _check(self.inject_nonfinite_step >= 0, "train.inject_nonfinite_step", f"{self.inject_nonfinite_step} is below 0",
-               "give the step (from 1) to inject a nan at, or 0 for never")
+        _check(self.inject_fault_step >= 0, "train.inject_fault_step", f"{self.inject_fault_step} is below 0",
+               "give the step (from 1) to inject a fault at, or 0 for never")
+        _check(math.isfinite(self.skip_spikes) and self.skip_spikes >= 0, "train.skip_spikes",
+               f"{self.skip_spikes} is not a number of standard deviations >= 0", "give e.g. 6, or 0 for off")
+        _check(self.spike_window >= 2, "train.spike_window", f"{self.spike_window} steps give no standard deviation",
+               "give the applied steps to compare with, >= 2 (e.g. 128)")
         _check(self.gc_interval >= 0, "train.gc_interval", f"{self.gc_interval} is below 0",
                "give steps between collections, e.g. 50, or 0 for Python's automatic collection")
         rampup = self.rampup

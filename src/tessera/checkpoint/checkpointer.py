@@ -82,9 +82,10 @@ class Checkpointer:
                 return float(state["step"])
         return 0.0
 
-    def save(self, step: int, scheduler, data_feed, scaler) -> str:
+    def save(self, step: int, scheduler, data_feed, scaler, guard=None) -> str:
         """Write the state after ``step`` optimizer steps to ``checkpoint.dir/step_N`` (in the
-        background with ``checkpoint.async_save``); returns that folder."""
+        background with ``checkpoint.async_save``); returns that folder. ``guard``: the
+        NumericsGuard, whose state (the spike window) goes along."""
         self.wait()
         began = time.perf_counter()
         self.data_parallel.wait_param_gather()  # (a zero 1/2 gather still writing into the buffers)
@@ -104,6 +105,7 @@ class Checkpointer:
             p, t = self.cfg.parallel, self.topo
             meta = {"step": step, "adam_step": self._adam_step(), "batches": data_feed.state_dict(),
                     "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
+                    "numerics": guard.state_dict() if guard is not None else None,
                     "layout": {"tp": t.tp, "pp": t.pp, "dp": t.dp, "vpp": p.vpp, "zero": p.zero,
                                "dtype": self.cfg.train.dtype},
                     "config": to_dict(self.cfg)}
@@ -176,7 +178,7 @@ class Checkpointer:
             raise RuntimeError(f"the background checkpoint save failed: {result['error']}") from result["error"]
         return result["path"]
 
-    def load(self, path: str, scheduler, data_feed, scaler, weights_only: bool = False) -> tuple[int, bool]:
+    def load(self, path: str, scheduler, data_feed, scaler, weights_only: bool = False, guard=None) -> tuple[int, bool]:
         """Load the checkpoint at ``path`` into this run (any layout); returns (the step to go on
         from, whether the random streams were restored). ``weights_only``: the parameters only
         (a fine-tune): Adam afresh, step 0, the data, schedules and streams as this run starts them."""
@@ -195,6 +197,8 @@ class Checkpointer:
         data_feed.load_state_dict(meta["batches"])
         if scaler is not None and meta.get("scaler") is not None:
             scaler.load_state_dict(meta["scaler"])
+        if guard is not None:
+            guard.load_state_dict(meta.get("numerics"))  # (none in a checkpoint of session 26's)
         if objects:
             self.rng.set_states(torch.load(io.BytesIO(loaded[self._rng_key]), weights_only=True))
         return meta["step"], bool(objects)

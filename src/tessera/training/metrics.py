@@ -205,7 +205,8 @@ def format_line(m: dict) -> str:
     if "loss_scale" in m:
         line += f" | scale {m['loss_scale']:g}"
     if m.get("skipped"):
-        line += " | step skipped (inf/nan gradients)"
+        finite = isinstance(m["grad_norm"], float) and math.isfinite(m["grad_norm"])
+        line += f" | step skipped ({'gradient norm spike' if finite else 'inf/nan gradients'})"
     if "valid_loss" in m:
         line += f" | valid loss {m['valid_loss']:.4f}"
     return line

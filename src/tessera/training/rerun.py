@@ -17,12 +17,17 @@ training loop asks :meth:`NumericsGuard.check` what to do:
   to do.
 - ``"skip"``: the step is passed over; the run stops after ``train.max_skipped_steps`` in a row.
 
+With ``train.skip_spikes = K`` a finite step is skipped the same way (and passed over) when its
+gradient norm lies more than K standard deviations above the mean of the last
+``train.spike_window`` applied steps' norms (:class:`SpikeWindow`, kept on the device; OLMo 2's
+remedy for loss spikes). Either policy stops after ``train.max_skipped_steps`` skips in a row.
+
 The flag comes from the global gradient norm, which every rank holds after its all-reduce, so
 every rank skips the same steps and raises the same error. fp16 runs skip overflowing steps by
 dynamic loss scaling (optim/loss_scale.py); the guard leaves them to it.
 
-``train.inject_nonfinite_step`` puts a nan into one of rank 0's gradients at that step, always or
-only on the first run of it, to try all of this on purpose.
+``train.inject_fault_step`` corrupts one of rank 0's gradients at that step (a nan always or only
+on the first run of it, or a finite spike), to try all of this on purpose.
 """
 
 from __future__ import annotations
@@ -52,6 +57,36 @@ class LaunchedStep:
     samples: tuple[int, int]  # [first, end) of the global sample stream
 
 
+class SpikeWindow:
+    """The gradient norms of the last ``size`` applied steps, on the device: a step is a spike
+    when the window is full and its norm exceeds the window's mean by more than ``sigma``
+    standard deviations. Nothing here waits for the GPU."""
+
+    def __init__(self, size: int, sigma: float, device: torch.device):
+        self.size, self.sigma = size, sigma
+        self.norms = torch.zeros(size, dtype=torch.float32, device=device)
+        self.count = torch.zeros((), dtype=torch.long, device=device)  # applied steps recorded
+
+    def is_spike(self, norm: Tensor) -> Tensor:
+        limit = self.norms.mean() + self.sigma * self.norms.std()
+        return (self.count >= self.size) & (norm.float() > limit)
+
+    def record(self, norm: Tensor, applied: Tensor) -> None:
+        """``norm`` into the window where ``applied``; the window as it was elsewhere."""
+        at = (self.count % self.size).view(1)
+        self.norms.index_put_((at,), torch.where(applied, norm.float(), self.norms[at]))
+        self.count += applied.long()
+
+    def state_dict(self) -> dict:
+        return {"norms": self.norms.tolist(), "count": int(self.count)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["norms"]) != self.size:  # (train.spike_window changed: start the window afresh)
+            return
+        self.norms.copy_(torch.tensor(state["norms"], dtype=torch.float32))
+        self.count.fill_(state["count"])
+
+
 class NumericsGuard:
     def __init__(self, cfg: TrainConfig, device: torch.device, rank: int, fp16: bool = False,
                  knows_loss: bool = True, checkpoints: bool = False):
@@ -59,7 +94,9 @@ class NumericsGuard:
         run saves checkpoints (the stop message says what became of them)."""
         self.policy, self.max_in_a_row, self.fp16 = cfg.nonfinite, cfg.max_skipped_steps, fp16
         self.knows_loss, self.checkpoints = knows_loss, checkpoints
-        self.inject_step, self.inject_kind, self.rank = cfg.inject_nonfinite_step, cfg.inject_nonfinite_kind, rank
+        self.inject_step, self.inject, self.rank = cfg.inject_fault_step, cfg.inject_fault, rank
+        self.spikes = SpikeWindow(cfg.spike_window, cfg.skip_spikes, device) if cfg.skip_spikes > 0 and not fp16 else None
+        self.sigma = cfg.skip_spikes
         self.stopped = torch.zeros((), dtype=torch.bool, device=device)  # "stop": set by the first bad step
         self.in_a_row = 0
         self.step: int | None = None  # the step being launched (from 0), for the injection
@@ -69,14 +106,17 @@ class NumericsGuard:
         self.step, self.rerunning = step, rerunning
 
     def poison(self, grads: list[Tensor]) -> None:
-        """train.inject_nonfinite_step: a nan in this rank's first non-empty gradient (rank 0)."""
+        """train.inject_fault_step: corrupt this rank's first non-empty gradient (rank 0)."""
         if self.step is None or self.step + 1 != self.inject_step or self.rank != 0:
             return
-        if self.rerunning and self.inject_kind == "transient":
+        if self.rerunning and self.inject == "nan_once":
             return
         for g in grads:
             if g.numel():
-                g.view(-1)[0] = float("nan")
+                if self.inject == "spike":
+                    g.mul_(1e4)
+                else:
+                    g.view(-1)[0] = float("nan")
                 return
 
     def skip(self, grad_norm: Tensor) -> Tensor | None:
@@ -85,10 +125,24 @@ class NumericsGuard:
         if self.fp16:
             return None
         bad = ~torch.isfinite(grad_norm)
-        if self.policy == "skip":
-            return bad
-        self.stopped |= bad
-        return self.stopped.clone()
+        if self.policy == "stop":
+            self.stopped |= bad
+            bad = self.stopped.clone()
+        if self.spikes is not None and not self.rerunning:
+            bad = bad | self.spikes.is_spike(grad_norm)
+            self.spikes.record(grad_norm, ~bad)
+        return bad
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (a resumed run skips the steps the whole run would have)."""
+        return {"in_a_row": self.in_a_row, "spikes": self.spikes.state_dict() if self.spikes is not None else None}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if not state:
+            return
+        self.in_a_row = state["in_a_row"]
+        if self.spikes is not None and state.get("spikes"):
+            self.spikes.load_state_dict(state["spikes"])
 
     def check(self, launched: LaunchedStep, result, rerun: Callable[[LaunchedStep], object],
               say: Callable[[str], None]) -> None:
@@ -100,13 +154,16 @@ class NumericsGuard:
         self.in_a_row += 1
         first, end = launched.samples
         loss = f"loss {result.loss:g}; " if self.knows_loss else ""
-        found = (f"step {launched.step + 1}: gradient norm {result.grad_norm:g} ({loss}the batch: samples "
-                 f"{first}..{end - 1} of the training stream); the step changed nothing")
-        if self.policy == "skip":
+        spike = math.isfinite(result.grad_norm)
+        found = (f"step {launched.step + 1}: gradient norm {result.grad_norm:g}"
+                 f"{f', a spike (over {self.sigma:g} standard deviations above the last steps, train.skip_spikes)' if spike else ''}"
+                 f" ({loss}the batch: samples {first}..{end - 1} of the training stream); the step changed nothing")
+        if spike or self.policy == "skip":
             if self.in_a_row < self.max_in_a_row:
-                say(f"tessera: {found} (train.nonfinite=skip: passed over, {self.in_a_row} in a row)")
+                say(f"tessera: {found} ({'train.skip_spikes' if spike else 'train.nonfinite=skip'}: passed over, "
+                    f"{self.in_a_row} in a row)")
                 return
-            raise NonFiniteStop(f"{found}; {self.in_a_row} non-finite steps in a row "
+            raise NonFiniteStop(f"{found}; {self.in_a_row} skipped steps in a row "
                                 f"(train.max_skipped_steps={self.max_in_a_row}): stopped. Lower optim.lr or "
                                 "raise optim.warmup, check the data, or resume from the last checkpoint")
         again = rerun(launched)
@@ -125,4 +182,4 @@ class NumericsGuard:
         raise NonFiniteStop(f"{found}; {verdict}. Stopped (train.nonfinite=stop){kept}")
 
 
-__all__ = ["NumericsGuard", "LaunchedStep", "NonFiniteStop"]
+__all__ = ["NumericsGuard", "SpikeWindow", "LaunchedStep", "NonFiniteStop"]

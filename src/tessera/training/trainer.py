@@ -424,14 +424,14 @@ def _due(done: int, every: int, steps: int) -> bool:
     return every > 0 and (done % every == 0 or done == steps)
 
 
-def _resume(cfg: Config, checkpointer: Checkpointer, scheduler, data, scaler, logger) -> int:
+def _resume(cfg: Config, checkpointer: Checkpointer, scheduler, data, scaler, logger, guard) -> int:
     """Load the checkpoint the run starts from, if any (checked before the launch already; the
     same answer on every rank); the step to go on from."""
     resume = check_resume(cfg)
     if resume is None:
         return 0
     began = time.perf_counter()
-    start, streams = checkpointer.load(resume["path"], scheduler, data, scaler, resume["weights_only"])
+    start, streams = checkpointer.load(resume["path"], scheduler, data, scaler, resume["weights_only"], guard)
     saved_at = " ".join(f"{k}={v}" for k, v in resume["layout"].items())
     if resume["weights_only"]:
         logger.print(f"tessera: starting from the weights of {resume['path']} (saved at {saved_at}; "
@@ -454,9 +454,9 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
     scaler = DynamicLossScaler() if t.dtype == "fp16" else None
     data = DataFeed(cfg, topo)
     valid = DataFeed(cfg, topo, split=1) if t.eval_every else None
-    start = _resume(cfg, checkpointer, scheduler, data, scaler, logger)
     guard = NumericsGuard(t, device, dist.get_rank() if dist.is_initialized() else 0, fp16=scaler is not None,
                           knows_loss=topo.is_last_stage, checkpoints=bool(cfg.checkpoint.dir))
+    start = _resume(cfg, checkpointer, scheduler, data, scaler, logger, guard)
     per_token, peak = flops_per_token(cfg.model), peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
     def speed(tokens: int, elapsed: float) -> dict:
@@ -539,7 +539,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
                 log(*pending)  # (read first: a non-finite step stops the run before it is saved)
                 pending = None
                 with watchdog.paused():  # (a large model's save may rightly take minutes)
-                    checkpointer.save(step + 1, scheduler, data, scaler)
+                    checkpointer.save(step + 1, scheduler, data, scaler, guard)
                 clock.restart(after=result)  # (the next step's time is its own)
         watchdog.tick()
         if pending is not None:
