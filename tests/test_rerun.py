@@ -188,12 +188,16 @@ def test_every_rank_reaches_the_same_verdict(tmp_path):
              "train.inject_fault_step=2"],
             [f"train.out_dir={tmp_path}/c", "parallel.dp=2", "parallel.zero=3", "train.nonfinite=skip",
              "train.inject_fault_step=2", f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=1"]]
-    by_rank = run_ranks(_ranks, 4, runs[:2], timeout=300) + run_ranks(_ranks, 2, runs[2:], timeout=300)
+    zero0 = [f"train.out_dir={tmp_path}/d", "parallel.dp=2", "train.inject_fault_step=2"]
+    by_rank = run_ranks(_ranks, 4, runs[:2], timeout=300) + run_ranks(_ranks, 2, runs[2:] + [zero0], timeout=300)
+    # zero=0: rank 0's nan comes after the dp all-reduce and the norm is not reduced over dp:
+    # the loss's all-reduce tells rank 1, which stops too (it went on alone before, and hung)
+    assert by_rank[4][1] == by_rank[5][1] and "again, so it is reproducible" in by_rank[4][1][1]
     transient, persistent = [r[0] for r in by_rank[:4]], [r[1] for r in by_rank[:4]]
     assert all(r == transient[0] for r in transient) and transient[0][0] == "stop"
     assert "not reproducible" in transient[0][1]
     assert all(r == persistent[0] for r in persistent) and "again, so it is reproducible" in persistent[0][1]
-    fsdp = [r[0] for r in by_rank[4:]]
+    fsdp = [r[0] for r in by_rank[4:6]]
     assert ("done", [False, True, False, False, False]) in fsdp
     one, two = (dcp.read_whole(f"{tmp_path}/ck/step_0000000{i}", "") for i in (1, 2))
     assert all(torch.equal(one[k], two[k]) for k in one)  # FSDP's shards and moments untouched
@@ -236,3 +240,37 @@ def test_a_spike_is_passed_over_and_a_resumed_run_skips_it_too(tmp_path):
     assert [[m[k] for k in keys] for m in resumed] == [[m[k] for k in keys] for m in straight[4:]]
     off = _train([f"train.out_dir={tmp_path}/c", *SPIKES, "train.skip_spikes=0"])
     assert not any(m["skipped"] for m in off)  # off: the spike is applied (clipped)
+
+
+def test_a_nonfinite_gradient_the_norm_leaves_out_is_counted():
+    """A copy the norm does not count (a tied embedding's on the last stage, a tp rank > 0's
+    replicated one) still counts as non-finite: its nan would reach that rank's weights alone."""
+    from tessera.optim.clip import grad_norm_and_nonfinite
+
+    counted, copy = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    copy.shared_embedding = True
+    grads = [(torch.full((3,), 2.0), counted), (torch.tensor([1.0, float("nan")]), copy)]
+    norm, bad = grad_norm_and_nonfinite(grads, Topology.build(), count_nonfinite=True)
+    assert norm.item() == pytest.approx(12 ** 0.5) and bad.item() == 1
+    assert grad_norm_and_nonfinite(grads, Topology.build())[1] is None
+
+
+def test_another_error_ends_the_run_without_a_rerun(tmp_path, monkeypatch):
+    """Step 3's launch fails (Ctrl-C, a dead peer) while step 2, non-finite, is still unread:
+    its line is written, but it is not re-run there (on many ranks the re-run's collectives
+    would wait for ranks that already left)."""
+    from tessera.training import trainer
+
+    calls, real = [], trainer.train_step
+
+    def step(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(trainer, "train_step", step)
+    with pytest.raises(KeyboardInterrupt):
+        _train([f"train.out_dir={tmp_path}", "train.inject_fault_step=2"])
+    assert len(calls) == 3
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2

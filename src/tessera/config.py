@@ -344,11 +344,14 @@ class TrainConfig:
     nan. stop: every step after it is skipped too; the run then re-runs that step's batch on the
     same weights and random streams, says whether the non-finite value came back (reproducible:
     the batch, the model or the settings, e.g. the learning rate) or not (transient: suspect the
-    machine, e.g. a GPU's memory) and which samples the batch held, and stops (exit status 3);
-    checkpoints saved before it are kept, and the same command resumes from the last one. skip:
-    the run goes on without that step (its batch is passed over). Either way the run stops after
-    train.max_skipped_steps skipped steps in a row. fp16 runs: a step skipped by dynamic loss
-    scaling is not counted (the scale halves and the run goes on)."""
+    machine, e.g. a GPU's memory) and which samples the batch held, and stops (exit status 3 of
+    each worker; torchrun's own is 1); checkpoints saved before it are kept. skip: the run goes
+    on without that step (its batch is passed over). Either way the run stops after
+    train.max_skipped_steps skipped steps in a row, and the learning-rate schedule counts a
+    skipped step as it counts fp16's (by the loop's step). A non-finite gradient anywhere counts,
+    also one the norm leaves out (a copy of a replicated gradient, a dp replica's at zero=0: one
+    more number in the norm's and the loss's all-reduces). fp16 runs: a step skipped by dynamic
+    loss scaling is not counted (the scale halves and the run goes on)."""
     skip_spikes: float = 0.0
     """Pass over a step whose gradient norm lies more than this many standard deviations above
     the mean of the last train.spike_window applied steps' norms, as a non-finite one under
@@ -365,7 +368,8 @@ class TrainConfig:
     rank 0 corrupts one of its gradients as train.inject_fault says."""
     inject_fault: Literal["nan", "nan_once", "spike"] = "nan"
     """nan: a nan every time the step runs (a reproducible fault); nan_once: only the first time
-    (transient: the re-run is clean); spike: the gradient times 1e4 (a finite spike)."""
+    (transient: the re-run is clean); spike: the gradient times 1e4 (a finite spike). bf16 and
+    fp32 runs (fp16's loss scaling takes a nan for an overflow)."""
     batch_rampup: str = ""
     """Global-batch ramp-up as "start,increment,ramp_samples": begin at start samples per step and
     add increment, in equal slices of ramp_samples consumed samples, until global_batch. Empty:

@@ -35,19 +35,34 @@ Grads = list[tuple[torch.Tensor, nn.Parameter]]
 
 
 def global_grad_norm(grads: Grads, topo: Topology, sharded: bool = False) -> torch.Tensor:
-    mine = [g for g, p in grads if counts_once_here(p, topo.tp_rank)]
+    return grad_norm_and_nonfinite(grads, topo, sharded)[0]
+
+
+def grad_norm_and_nonfinite(grads: Grads, topo: Topology, sharded: bool = False,
+                            count_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The global norm and, with ``count_nonfinite``, how many of the local gradients over the
+    same ranks hold an inf or nan, counted or not in the norm (a tp rank > 0's copy of a
+    replicated gradient, the last stage's tied embedding): one more number in the same
+    all-reduce. (At zero=0 dp replicas are not in it: the caller adds theirs.)"""
     device = topo.device
-    if mine:
+    mine = [g for g, p in grads if counts_once_here(p, topo.tp_rank)]
+    others = [g for g, p in grads if not counts_once_here(p, topo.tp_rank)] if count_nonfinite else []
+    sq, bad = torch.zeros((), device=device), torch.zeros((), device=device)
+    for part in (mine, others):
+        if not part:
+            continue
         # in fp32 whatever the gradients' dtype: an fp16 norm overflows past 65504 (inf, so the
         # clipping factor zeroed every gradient) and a bf16 one is off by up to 0.4 %
-        norms = torch._foreach_norm(mine, 2.0, dtype=torch.float32)
-        sq = torch.stack([n.to(device=device) for n in norms]).square().sum()
-    else:
-        sq = torch.zeros((), device=device)
+        norms = torch.stack([n.to(device=device) for n in torch._foreach_norm(part, 2.0, dtype=torch.float32)])
+        if part is mine:
+            sq = norms.square().sum()
+        if count_nonfinite:
+            bad = bad + (~torch.isfinite(norms)).sum()
+    both = torch.stack([sq, bad.float()]) if count_nonfinite else sq
     for axis in ("mp", "dp") if sharded else ("mp",):
         if topo.group(axis) is not None:
-            dist.all_reduce(sq, group=topo.group(axis))
-    return sq.sqrt()
+            dist.all_reduce(both, group=topo.group(axis))
+    return (both[0].sqrt(), both[1]) if count_nonfinite else (both.sqrt(), None)
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:

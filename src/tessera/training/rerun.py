@@ -42,8 +42,14 @@ from torch import Tensor
 from tessera.config import TrainConfig
 
 
+# (a resume keeps the checkpoint's schedule: other settings start anew from its weights)
+OTHER_SETTINGS = ("train on from the last checkpoint's weights with other settings (a lower optim.lr, a longer "
+                  "optim.warmup): checkpoint.load=<it> checkpoint.finetune=true, into a new checkpoint.dir")
+
+
 class NonFiniteStop(RuntimeError):
-    """The run stopped at a non-finite step (train.nonfinite); the message says what was found."""
+    """The run stopped at a non-finite step (train.nonfinite), or after train.max_skipped_steps
+    skipped steps in a row; the message says what was found."""
 
 
 @dataclass
@@ -124,7 +130,7 @@ class NumericsGuard:
         loss scaler decides on the host."""
         if self.fp16:
             return None
-        bad = ~torch.isfinite(grad_norm)
+        bad = ~torch.isfinite(grad_norm)  # (nan where any rank holds a non-finite gradient: training/step.py)
         if self.policy == "stop":
             self.stopped |= bad
             bad = self.stopped.clone()
@@ -164,14 +170,14 @@ class NumericsGuard:
                     f"{self.in_a_row} in a row)")
                 return
             raise NonFiniteStop(f"{found}; {self.in_a_row} skipped steps in a row "
-                                f"(train.max_skipped_steps={self.max_in_a_row}): stopped. Lower optim.lr or "
-                                "raise optim.warmup, check the data, or resume from the last checkpoint")
+                                f"(train.max_skipped_steps={self.max_in_a_row}): stopped. Check the data, or "
+                                f"{OTHER_SETTINGS}")
         again = rerun(launched)
         if not math.isfinite(again.grad_norm):
             verdict = (f"re-run on the same weights and random streams: gradient norm {again.grad_norm:g} again, "
                        "so it is reproducible: the batch, the model or the settings cause it, not the machine. "
-                       "Look at those samples, lower optim.lr or raise optim.warmup, or pass such steps over "
-                       "with train.nonfinite=skip")
+                       "Look at those samples; pass such steps over with train.nonfinite=skip (the same "
+                       f"command then resumes from the last checkpoint), or {OTHER_SETTINGS}")
         else:
             loss = f" (loss {again.loss:g})" if self.knows_loss else ""
             verdict = (f"re-run on the same weights and random streams: gradient norm {again.grad_norm:g}{loss}, "

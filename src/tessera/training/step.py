@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tessera.distributed.finalize import finalize_model_grads
-from tessera.optim import DynamicLossScaler, clip_coefficient, global_grad_norm
+from tessera.optim import DynamicLossScaler, clip_coefficient
+from tessera.optim.clip import grad_norm_and_nonfinite
 from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.training.concurrent import PairedExecutor
 from tessera.training.rerun import NumericsGuard
@@ -182,9 +183,18 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
     if scaler is not None:
         finite = scaler.unscale_and_check([g for g, _ in grads], None, device)
         scaler.update(finite)
-    grad_norm = global_grad_norm(grads, topo, optimizer.sharded) if finite else torch.tensor(float("nan"), device=device)
-    skip = guard.skip(grad_norm) if guard is not None and finite else None
-    loss = _sum_over(loss_sum, scalars)  # before the step starts zero 1/2's parameter all-gather
+    guarded = guard is not None and scaler is None
+    grad_norm, bad = grad_norm_and_nonfinite(grads, topo, optimizer.sharded, count_nonfinite=guarded) if finite \
+        else (torch.tensor(float("nan"), device=device), None)
+    if guarded:
+        # the loss's all-reduce over dp (before the step starts zero 1/2's parameter all-gather)
+        # also sums the non-finite gradients: every rank knows of one anywhere, also where the
+        # norm leaves it out (zero=0's dp replicas, copies it does not count); the norm is then nan
+        loss, bad = _sum_over(torch.stack([loss_sum, bad.to(loss_sum.dtype)]), scalars).unbind()
+        grad_norm = torch.where(bad > 0, torch.full_like(grad_norm, float("nan")), grad_norm)
+    else:
+        loss = _sum_over(loss_sum, scalars)  # before the step starts zero 1/2's parameter all-gather
+    skip = guard.skip(grad_norm) if guarded else None
     if finite:
         optimizer.step(clip_coefficient(grad_norm, clip_grad), skip=skip)
     optimizer.zero_grad()

@@ -479,7 +479,8 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
         return train_step(optimizer, launched.micro_batches, topo, stage.executor(len(launched.micro_batches)),
                           data_parallel, clip_grad=cfg.optim.clip_grad, scaler=scaler, guard=guard)
 
-    def log(launched: LaunchedStep, lr: float, decay: float, scale: float | None, result, processed: int) -> None:
+    def log(launched: LaunchedStep, lr: float, decay: float, scale: float | None, result, processed: int,
+            check: bool = True) -> None:
         """``tokens``: the tokens the loss averaged over (loss mask applied); throughput and
         FLOPs count every token the model processed (``processed``: global batch x seq_len),
         as Megatron's do. Then the guard's verdict on a non-finite step (it may stop the run)."""
@@ -499,7 +500,8 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
         logger.log(metrics)
         if logs:
             history.append(metrics)
-        guard.check(launched, result, rerun, logger.print)
+        if check:  # (not while another error ends the run: the re-run's collectives would wait for ranks that left)
+            guard.check(launched, result, rerun, logger.print)
 
     # Step k's figures are read after step k+1 is launched (training/step.py), so the host never
     # leaves the GPU idle between steps; a step's time is where its work ran (StepClock).
@@ -520,7 +522,7 @@ def _run(cfg: Config, topo: Topology, stage: Stage, data_parallel, optimizer, lo
             except BaseException:
                 if pending is not None:  # the last good step's line, if its figures can still be read
                     with contextlib.suppress(Exception):
-                        log(*pending)
+                        log(*pending, check=False)
                 raise
             if pending is not None:
                 log(*pending)
