@@ -437,3 +437,30 @@ def test_a_background_save_outlives_a_failing_step(tmp_path, monkeypatch):
         _train_here(tmp_path, "out", ["train.steps=6", "checkpoint.save_every=3", "checkpoint.async_save=true",
                                       f"checkpoint.dir={tmp_path}/ck"])
     assert [s for s, _ in checkpoints(f"{tmp_path}/ck")] == [3]
+
+
+@pytest.mark.timeout(120)
+def test_new_schedule_resumes_everything_but_the_schedule(tmp_path):
+    """checkpoint.new_schedule: a halved optim.lr from the resumed step on; the weights, the data's
+    position and Adam's moments are the checkpoint's (step 5's loss and gradient norm are the
+    straight run's; its moments too, which do not depend on the learning rate)."""
+    from tessera.optim import LRScheduler
+
+    run = ["train.steps=6", "checkpoint.save_every=1", "optim.decay_steps=6"]
+    straight = _train_here(tmp_path, "straight", run + [f"checkpoint.dir={tmp_path}/a"])
+    step4 = f"checkpoint.load={tmp_path}/a/step_00000004"
+    assert _refusal([step4, "train.steps=6", "optim.lr=5e-3"])[1].endswith(
+        "or set checkpoint.new_schedule=true to resume with this run's schedule")
+    changed = _train_here(tmp_path, "changed", run + [step4, f"checkpoint.dir={tmp_path}/b", "optim.lr=5e-3",
+                                                      "checkpoint.new_schedule=true"])
+    cfg = load_config(None, BASE + run[::2] + ["optim.lr=5e-3"])
+    assert [m["lr"] for m in changed] == pytest.approx([LRScheduler(cfg.optim, 6).lr(s) for s in (4, 5)])
+    assert [m["lr"] for m in changed] != pytest.approx([m["lr"] for m in straight[4:]])
+    assert (changed[0]["loss"], changed[0]["grad_norm"]) == (straight[4]["loss"], straight[4]["grad_norm"])
+    assert changed[1]["loss"] != straight[5]["loss"]  # (the step-5 update was another)
+    a, b = (dcp.read_whole(f"{tmp_path}/{d}/step_00000005", "") for d in "ab")
+    moments = [k for k in a if "exp_avg" in k]
+    assert moments and all(torch.equal(a[k], b[k]) for k in moments)
+    assert not all(torch.equal(a[k], b[k]) for k in a if k.startswith("model."))
+    with pytest.raises(ConfigError, match="checkpoint.new_schedule"):
+        load_config(None, BASE + [step4, "checkpoint.finetune=true", "checkpoint.new_schedule=true"])

@@ -523,6 +523,13 @@ class CheckpointConfig:
     """From checkpoint.load take the model's weights only: Adam starts afresh, at step 0, at the
     data's start, with this run's schedule and batch sizes (a run resuming from checkpoint.dir's
     own checkpoints takes everything, as always)."""
+    new_schedule: bool = False
+    """Resume everything (weights, Adam's moments and step, the data's position, the random
+    streams) but take the learning-rate and weight-decay schedule from this run's optim settings
+    and train.steps, where a resume otherwise refuses a change (Megatron's
+    --override-opt_param-scheduler): e.g. a lower optim.lr after a loss spike, or a longer run
+    with a new decay. The new schedule takes over at the resumed step. Batch sizes must still
+    match."""
     keep: int = 0
     """Keep only the newest this many checkpoints in checkpoint.dir (0: keep all)."""
     async_save: bool = False
@@ -539,6 +546,9 @@ class CheckpointConfig:
                    "set checkpoint.dir, the folder checkpoints are saved in")
         _check(self.load or not self.finetune, "checkpoint.finetune", "is set but checkpoint.load is not",
                "set checkpoint.load, the checkpoint whose weights the run starts from")
+        _check(not (self.finetune and self.new_schedule), "checkpoint.new_schedule",
+               "is set with checkpoint.finetune, which takes this run's schedule anyway",
+               "set only one: finetune (weights only) or new_schedule (everything but the schedule)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -193,7 +193,8 @@ class Checkpointer:
         self.optimizer.load_checkpoint(moments, 0.0 if weights_only else meta["adam_step"])
         if weights_only:
             return 0, False
-        scheduler.load_state_dict(meta["scheduler"])
+        if not self.cfg.checkpoint.new_schedule:  # (else this run's own, from the resumed step on)
+            scheduler.load_state_dict(meta["scheduler"])
         data_feed.load_state_dict(meta["batches"])
         if scaler is not None and meta.get("scaler") is not None:
             scaler.load_state_dict(meta["scaler"])

@@ -20,7 +20,8 @@ job resumes by itself, with the same command), else from ``checkpoint.load`` (a 
 folder, or a folder of them: its newest; e.g. a pretrained model a fine-tune starts from), else
 from scratch. :func:`check_resume` refuses, before any process starts, a checkpoint whose model
 differs from the config's, whose batch sizes or learning-rate schedule differ (the resumed run
-would silently change them; not with ``checkpoint.finetune``, which takes the weights only), and a ``checkpoint.load`` naming an older checkpoint of
+would silently change them; not with ``checkpoint.finetune``, which takes the weights only, nor
+the schedule with ``checkpoint.new_schedule``), and a ``checkpoint.load`` naming an older checkpoint of
 ``checkpoint.dir`` (a run from it would replace the later ones). The layout (tp, pp, vpp, dp,
 zero) and the dtype may differ: loading reshards.
 """
@@ -185,7 +186,12 @@ def check_resume(cfg: Config) -> dict | None:
                 f"give another checkpoint.dir with checkpoint.load={path} and checkpoint.finetune=true)")
         raise ConfigError("train.steps", f"{cfg.train.steps}, but the checkpoint {path} is at step {step}", fix)
     MicroBatchCalculator.from_config(cfg.train, cfg.parallel.dp).load_state_dict(meta["batches"])
-    LRScheduler(cfg.optim, cfg.train.steps).load_state_dict(meta["scheduler"])
+    if not c.new_schedule:
+        try:
+            LRScheduler(cfg.optim, cfg.train.steps).load_state_dict(meta["scheduler"])
+        except ConfigError as e:
+            raise ConfigError(e.key, e.problem, f"{e.fix}, or set checkpoint.new_schedule=true to resume with "
+                              "this run's schedule") from None
     return meta
 
 

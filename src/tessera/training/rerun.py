@@ -42,9 +42,8 @@ from torch import Tensor
 from tessera.config import TrainConfig
 
 
-# (a resume keeps the checkpoint's schedule: other settings start anew from its weights)
-OTHER_SETTINGS = ("train on from the last checkpoint's weights with other settings (a lower optim.lr, a longer "
-                  "optim.warmup): checkpoint.load=<it> checkpoint.finetune=true, into a new checkpoint.dir")
+OTHER_SETTINGS = ("resume from the last checkpoint with a lower optim.lr or a longer optim.warmup "
+                  "(checkpoint.new_schedule=true)")
 
 
 class NonFiniteStop(RuntimeError):

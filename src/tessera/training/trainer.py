@@ -439,7 +439,8 @@ def _resume(cfg: Config, checkpointer: Checkpointer, scheduler, data, scaler, lo
     else:
         logger.print(f"tessera: resumed from {resume['path']} at step {start} in {time.perf_counter() - began:.1f} s "
                      f"(saved at {saved_at}; random streams "
-                     f"{'restored' if streams else 'seeded anew: another layout or no dropout streams'})")
+                     f"{'restored' if streams else 'seeded anew: another layout or no dropout streams'}"
+                     f"{'; the schedule of this run, checkpoint.new_schedule' if cfg.checkpoint.new_schedule else ''})")
     if start == cfg.train.steps:
         logger.print(f"tessera: the checkpoint is at train.steps = {start}: nothing to train "
                      "(raise train.steps to train on)")
