@@ -37,14 +37,14 @@ def hf_config(m: ModelConfig) -> dict:
                 "n_positions": m.seq_len, "activation_function": "gelu_new", "layer_norm_epsilon": m.norm_eps,
                 "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout,
                 "tie_word_embeddings": m.tie_embeddings, "bos_token_id": None, "eos_token_id": None,
-                "initializer_range": m.init_std, "torch_dtype": "float32"}
+                "initializer_range": m.init_std, "dtype": "float32"}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
             "hidden_size": m.hidden, "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
             "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "intermediate_size": m.ffn_size,
             "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": m.dropout,
             "tie_word_embeddings": m.tie_embeddings, "bos_token_id": None, "eos_token_id": None,
-            "initializer_range": m.init_std, "torch_dtype": "float32"}
+            "initializer_range": m.init_std, "dtype": "float32"}
 
 
 # settings whose other values compute another model than tessera's: refused, never dropped
