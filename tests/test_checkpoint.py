@@ -228,9 +228,12 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
     _train_here(tmp_path, "out", ["train.steps=4", "checkpoint.save_every=2", f"checkpoint.dir={tmp_path}/ck"])
     step2 = f"checkpoint.load={tmp_path}/ck/step_00000002"
     os.makedirs(tmp_path / "empty")
+    os.makedirs(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text("{}")
     cases = [
         ([f"checkpoint.load={tmp_path}/nowhere"], "checkpoint.load", "does not exist"),
         ([f"checkpoint.load={tmp_path}/empty"], "checkpoint.load", "neither a checkpoint nor a folder"),
+        ([f"checkpoint.load={tmp_path}/hf"], "checkpoint.load", f"`tessera checkpoint import {tmp_path}/hf --out DIR`"),
         ([step2, "model.hidden=64"], "model.hidden", "saved with hidden = 32, this run's model has 64"),
         ([step2, "model.family=llama", "model.tie_embeddings=false"], "model.family", "saved with family = gpt2"),
         ([step2, "model.seq_len=32"], "model.seq_len", "16 learned positions"),
@@ -238,6 +241,8 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
         ([step2, "train.steps=1"], "train.steps", "at step 2"),
         ([step2, "train.global_batch=16"], "train.batch_rampup", "use the checkpoint's train.global_batch"),
         ([step2, "optim.lr=0.5"], "optim.lr", "set it back to 0.01"),
+        ([step2, "train.seed=4"], "train.seed", "trained with train.seed=3, this run has 4: the data would be reshuffled"),
+        ([step2, "data.split=90,10,0"], "data.split", "set data.split=969,30,1 to resume"),
         ([step2, f"checkpoint.dir={tmp_path}/ck"], "checkpoint.load", "older checkpoint of checkpoint.dir"),
         ([step2, "train.steps=1"], "train.steps", "checkpoint.finetune=true to start a new run"),
         (["checkpoint.finetune=true"], "checkpoint.finetune", "checkpoint.load is not"),
@@ -464,3 +469,13 @@ def test_new_schedule_resumes_everything_but_the_schedule(tmp_path):
     assert not all(torch.equal(a[k], b[k]) for k in a if k.startswith("model."))
     with pytest.raises(ConfigError, match="checkpoint.new_schedule"):
         load_config(None, BASE + [step4, "checkpoint.finetune=true", "checkpoint.new_schedule=true"])
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_on_other_data_says_so(tmp_path, capsys):
+    """Another data.source (or data.paths) is allowed on a resume (a deliberate switch), and said."""
+    run = ["train.steps=3", "model.vocab_size=256"]
+    _train_here(tmp_path, "a", run + ["train.steps=2", f"checkpoint.dir={tmp_path}/ck"])
+    capsys.readouterr()
+    _train_here(tmp_path, "b", run + [f"checkpoint.load={tmp_path}/ck", "data.source=builtin"])
+    assert "the data differs from the checkpoint's (data.source: 'synthetic' -> 'builtin')" in capsys.readouterr().out

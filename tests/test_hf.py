@@ -100,6 +100,7 @@ def test_a_transformers_model_imports_and_a_run_starts_from_it(tmp_path, family)
     # the printed settings start a fine-tune from it; without checkpoint.finetune it is refused
     flags = done.stdout.split("start a run from it with: ")[1].splitlines()[0].split()
     sets = [flags[i + 1] for i in range(0, len(flags), 2)]
+    assert f"checkpoint.load={tmp_path}/ck/step_00000000" in sets  # (the folder itself: --out may hold others)
     base = sets + ["train.steps=2", "train.micro_batch=2", "train.global_batch=4", "data.source=synthetic",
                    f"train.out_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/ft", "train.log_every=1"]
     with pytest.raises(ConfigError, match="holds a model's weights only"):

@@ -193,3 +193,13 @@ def test_tensorboard_without_the_package_is_refused_before_any_work(tmp_path, mo
         train(load_config(None, TINY + ["train.steps=1", f"train.out_dir={out}"]))
     assert info.value.key == "train.tensorboard" and "pip install tensorboard" in info.value.fix
     assert not out.exists()
+
+
+def test_an_out_dir_that_cannot_be_made_is_refused_in_words(tmp_path):
+    """A folder the system will not make (here: below /proc, which even root cannot write) is a
+    config error naming the key, not a traceback."""
+    from tessera.training.metrics import lock_out_dir
+
+    for key in ("train.out_dir", "checkpoint.dir"):
+        with pytest.raises(ConfigError, match=f"{key}: cannot make /proc/tessera-test a folder"):
+            lock_out_dir("/proc/tessera-test", key)

@@ -116,6 +116,8 @@ def test_scheduler_state_round_trip_and_refusal():
     # With the decay's end pinned by optim.decay_steps a run may be resumed for longer.
     pinned = sched("cosine", decay_steps=15)
     sched("cosine", total=40, decay_steps=15).load_state_dict(pinned.state_dict())
+    # the same decay end, said another way (decay_steps=10, or 10 train.steps): the same schedule
+    sched("cosine", total=10).load_state_dict(sched("cosine", total=5, decay_steps=10).state_dict())
 
 
 def test_constant_global_batch():

@@ -2,7 +2,8 @@
 ``tessera checkpoint export PATH --hf OUT``: its weights as a transformers model folder.
 ``tessera checkpoint import HF_FOLDER --out DIR``: a transformers GPT-2 or Llama folder as a
 weights-only checkpoint ``DIR/step_00000000``, which a run starts from with
-``checkpoint.load=DIR checkpoint.finetune=true`` and the model settings it prints.
+``checkpoint.load=DIR/step_00000000 checkpoint.finetune=true`` and the model settings it prints
+(the folder itself, not DIR: DIR may hold other checkpoints, and a folder means its newest).
 
 PATH is a ``step_N`` folder or a folder of them (each one listed). Prints the step, when and on
 which layout it was saved, its size, the model's settings and parameter count, the data position
@@ -58,7 +59,7 @@ def _export(args) -> int:
     model = ModelConfig(**store.read_meta(path)["config"]["model"])
     whole = {k.removeprefix("model."): v for k, v in dcp.read_whole(path).items()}
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    config = hf.hf_config(model) | {"torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]}
+    config = hf.hf_config(model) | {"dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]}
     hf.write_hf_folder(args.hf, config, {k: v.to(dtype) for k, v in hf.to_hf(whole, model).items()})
     print(f"tessera: wrote {path}'s weights to {args.hf} ({config['architectures'][0]}, {args.dtype})")
     return 0
@@ -75,7 +76,7 @@ def _import(args) -> int:
     shown = {k: v for k, v in settings.items() if not (k == "seq_len" and settings["family"] == "llama")}
     flags = " ".join(f"--set model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in shown.items())
     print(f"tessera: wrote {path} ({settings['family']}, {sum(t.numel() for t in whole.values()):,} parameters)\n"
-          f"start a run from it with: --set checkpoint.load={args.out} --set checkpoint.finetune=true {flags}"
+          f"start a run from it with: --set checkpoint.load={path} --set checkpoint.finetune=true {flags}"
           + ("\n(model.seq_len is the run's own choice: RoPE has no per-position weights; the model was "
              f"trained with up to {settings['seq_len']} positions)" if settings["family"] == "llama" else ""))
     return 0

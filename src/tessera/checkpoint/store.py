@@ -135,8 +135,11 @@ def resume_path(cfg: Config) -> str | None:
     if found:
         return found[-1][1]
     why = "does not exist" if not os.path.exists(c.load) else "is neither a checkpoint nor a folder holding one"
+    hf = os.path.isfile(os.path.join(c.load, "config.json"))  # (a transformers folder)
     raise ConfigError("checkpoint.load", f"{c.load} {why}",
-                      "give a step_N folder written by a run (checkpoint.dir/step_N), or a folder holding them")
+                      "give a step_N folder written by a run (checkpoint.dir/step_N), or a folder holding them"
+                      + (f"; a Hugging Face folder becomes one with `tessera checkpoint import {c.load} --out DIR`"
+                         if hf else ""))
 
 
 def check_resume(cfg: Config) -> dict | None:
@@ -162,8 +165,9 @@ def check_resume(cfg: Config) -> dict | None:
     meta["weights_only"] = c.finetune and not own
     if meta.get("contents") == "weights" and not meta["weights_only"]:
         raise ConfigError("checkpoint.finetune", f"{path} holds a model's weights only (imported), no training state "
-                          "to go on from", "set checkpoint.finetune=true (with it as checkpoint.load) to start a run "
-                          "from its weights")
+                          "to go on from", "start a run from its weights with checkpoint.load=<it> "
+                          "checkpoint.finetune=true" + (", and another checkpoint.dir (this one's own newest is where "
+                          "a run resumes from)" if own else ""))
     saved = ModelConfig(**meta["config"]["model"])
     for key in _MODEL_KEYS:
         if key == "rope_theta" and saved.family != "llama":
@@ -185,6 +189,15 @@ def check_resume(cfg: Config) -> dict | None:
                 f" (it is checkpoint.dir's own newest, which a run goes on from; to start a new run from its weights, "
                 f"give another checkpoint.dir with checkpoint.load={path} and checkpoint.finetune=true)")
         raise ConfigError("train.steps", f"{cfg.train.steps}, but the checkpoint {path} is at step {step}", fix)
+    # the data's order: a resume with another seed or split would reshuffle it mid-run (and a
+    # new split could hand documents already trained on to the validation set)
+    saved_train, saved_data = meta["config"].get("train", {}), meta["config"].get("data", {})
+    for key, mine, theirs in (("train.seed", cfg.train.seed, saved_train.get("seed")),
+                              ("data.split", cfg.data.split, saved_data.get("split"))):
+        if theirs is not None and mine != theirs:
+            raise ConfigError(key, f"the checkpoint {path} was trained with {key}={theirs}, this run has {mine}: "
+                              "the data would be reshuffled mid-run", f"set {key}={theirs} to resume (or start a new "
+                              "run from its weights with checkpoint.finetune=true)")
     MicroBatchCalculator.from_config(cfg.train, cfg.parallel.dp).load_state_dict(meta["batches"])
     if not c.new_schedule:
         try:

@@ -99,6 +99,8 @@ class LRScheduler:
         resumed run may train longer (it stays at min_lr after D)."""
         mine = self.state_dict()["settings"]
         for name, saved in state["settings"].items():
+            if name == "decay_steps":  # (what counts is the step it resolves to: decay_end)
+                continue
             if mine.get(name) != saved:
                 if name == "decay_end":
                     raise ConfigError("train.steps", f"the checkpoint's schedule decays until step {saved}, "

@@ -41,8 +41,12 @@ def lock_out_dir(out_dir: str | Path, key: str = "train.out_dir", name: str = LO
     of its own name: the same folder may be both, and two locks of one file in one process
     would conflict.)"""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    f = open(out_dir / name, "a+")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        f = open(out_dir / name, "a+")
+    except OSError as e:  # (a read-only or pseudo file system, no permission, a file in the way)
+        raise ConfigError(key, f"cannot make {out_dir} a folder this run writes in ({e.strerror or e})",
+                          "give a directory you can write", rank_local=True) from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

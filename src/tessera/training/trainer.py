@@ -93,8 +93,8 @@ def check_datasets(data, vocab_size: int | None = None, validates: bool = False)
             if int(lengths[docs.start:docs.stop].sum(dtype="int64")) < 2:
                 raise ConfigError("data.split", f"{data.split} leaves {prefix}'s {name} part documents {docs.start} to "
                                   f"{docs.stop} of {len(lengths)}, with too few tokens for a sample",
-                                  f"give the {name} part more weight, e.g. data.split=969,30,1"
-                                  + (", or set train.eval_every=0" if part else ""))
+                                  f"give the {name} part more weight (data.split is train,valid,test), "
+                                  f"or more documents" + (", or set train.eval_every=0" if part else ""))
     check_data_tokenizers([prefix for _, prefix in blend], vocab_size)
 
 
@@ -163,7 +163,8 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
         if not split_documents(len(pydoc_data.topics.topics), cfg.data.split)[1]:
             raise ConfigError("data.split", f"{cfg.data.split} leaves the builtin corpus's "
                               f"{len(pydoc_data.topics.topics)} documents no validation part",
-                              "give the validation part more weight, e.g. data.split=969,30,1, or set train.eval_every=0")
+                              "give the validation part more weight (data.split is train,valid,test, e.g. 90,10,0), "
+                              "or set train.eval_every=0")
     if cfg.data.cache_dir and cfg.data.source != "synthetic":
         _check_writable_dir(cfg.data.cache_dir, "data.cache_dir")
     if cfg.data.source == "builtin" and m.vocab_size < ByteTokenizer.vocab_size:
@@ -441,6 +442,12 @@ def _resume(cfg: Config, checkpointer: Checkpointer, scheduler, data, scaler, lo
                      f"(saved at {saved_at}; random streams "
                      f"{'restored' if streams else 'seeded anew: another layout or no dropout streams'}"
                      f"{'; the schedule of this run, checkpoint.new_schedule' if cfg.checkpoint.new_schedule else ''})")
+    saved = resume["config"].get("data", {})
+    changed = [f"data.{k}: {saved[k]!r} -> {getattr(cfg.data, k)!r}" for k in ("source", "paths")
+               if k in saved and saved[k] != getattr(cfg.data, k)]
+    if changed and not resume["weights_only"]:  # (allowed: a deliberate switch of data mid-run)
+        logger.print(f"tessera: the data differs from the checkpoint's ({'; '.join(changed)}): training goes on "
+                     f"with the new data from the checkpoint's position in it")
     if start == cfg.train.steps:
         logger.print(f"tessera: the checkpoint is at train.steps = {start}: nothing to train "
                      "(raise train.steps to train on)")
