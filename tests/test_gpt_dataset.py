@@ -173,6 +173,7 @@ def test_bad_split_strings(bad):
 
 def test_parse_blend():
     assert parse_blend(["prefixA"]) == [(1.0, "prefixA")]
+    assert parse_blend(["a", "b", "c"]) == [(None, "a"), (None, "b"), (None, "c")]  # by size, as Megatron
     blend = parse_blend(["7", "a", "3", "b"])
     assert [p for _, p in blend] == ["a", "b"]
     assert np.allclose([w for w, _ in blend], [0.7, 0.3])
@@ -299,3 +300,31 @@ def test_cache_writers_sharing_a_pid_do_not_collide(tmp_path):
     _save_atomic(target, outer)
     assert open(target, "rb").read() == b"outer"
     assert os.listdir(tmp_path) == ["x.npy"]
+
+
+def test_a_blend_without_weights_draws_in_proportion_to_tokens(tmp_path):
+    """data.paths=a,b (no weights): the blend of weights a's and b's token counts in the split,
+    sample for sample."""
+    from tessera.config import DataConfig
+    from tessera.data import IndexedDatasetWriter
+    from tessera.data.indexed_source import indexed_source
+
+    rng = np.random.default_rng(0)
+    for name, docs in (("a", 30), ("b", 90)):
+        with IndexedDatasetWriter(str(tmp_path / name), np.uint16) as writer:
+            for n in rng.integers(5, 30, docs):
+                writer.add_document(rng.integers(2, 64, int(n)))
+
+    def source(paths):
+        data = DataConfig(source="indexed", paths=paths, split="90,10,0", cache_dir=str(tmp_path / "cache"))
+        return indexed_source(data, 16, 200, 7)
+    from tessera.data import IndexedDataset
+    sizes = []
+    for name in ("a", "b"):
+        docs = IndexedDataset(str(tmp_path / name))
+        part = split_documents(len(docs), "90,10,0")[0]
+        sizes.append(int(docs.sequence_lengths[part.start:part.stop].sum()))
+    plain = source([str(tmp_path / "a"), str(tmp_path / "b")])
+    weighted = source([str(sizes[0]), str(tmp_path / "a"), str(sizes[1]), str(tmp_path / "b")])
+    assert 0.15 < sizes[0] / sum(sizes) < 0.35  # (a holds about a quarter of the tokens)
+    assert all(np.array_equal(plain[i], weighted[i]) for i in range(200))

@@ -482,7 +482,8 @@ class DataConfig:
     random tokens. indexed: Megatron .bin/.idx datasets named by data.paths."""
     paths: list[str] = field(default_factory=list)
     """indexed: dataset prefixes (PREFIX.bin / PREFIX.idx), optionally weighted as Megatron's
-    ["0.7", "prefixA", "0.3", "prefixB"]; on the command line, comma-separated."""
+    ["0.7", "prefixA", "0.3", "prefixB"]; without weights, each in proportion to its tokens (of
+    the split drawn from); on the command line, comma-separated."""
     split: str = "969,30,1"
     """Train / valid / test weights; each dataset's documents are split in contiguous ranges."""
     cache_dir: str = ""

@@ -18,8 +18,10 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def parse_blend(paths: Sequence[str]) -> list[tuple[float, str]]:
-    """``["0.7", "a", "0.3", "b"]`` -> ``[(0.7, "a"), (0.3, "b")]``; ``["a"]`` -> ``[(1.0, "a")]``.
+def parse_blend(paths: Sequence[str]) -> list[tuple[float | None, str]]:
+    """``["0.7", "a", "0.3", "b"]`` -> ``[(0.7, "a"), (0.3, "b")]``; ``["a"]`` -> ``[(1.0, "a")]``;
+    paths without weights ``["a", "b"]`` -> ``[(None, "a"), (None, "b")]``: as Megatron, each
+    dataset in proportion to its size (``size_weights``).
 
     Weights are normalised to sum to 1. A ``ValueError`` names the first entry that does not fit
     the ``weight path weight path ...`` pattern.
@@ -33,6 +35,10 @@ def parse_blend(paths: Sequence[str]) -> list[tuple[float, str]]:
         if not paths[0].strip():
             raise ValueError(f"blend {paths}: empty path")
         return [(1.0, paths[0])]
+    if all(_as_number(p) is None for p in paths):
+        if any(not p.strip() for p in paths):
+            raise ValueError(f"blend {paths}: empty path")
+        return [(None, p) for p in paths]
     if len(paths) % 2:
         raise ValueError(f"blend {paths}: odd number of entries, {paths[-1]!r} has no partner; "
                          f"give 'weight path' pairs")
@@ -48,6 +54,14 @@ def parse_blend(paths: Sequence[str]) -> list[tuple[float, str]]:
         pairs.append((weight, p))
     total = sum(w for w, _ in pairs)
     return [(w / total, p) for w, p in pairs]
+
+
+def size_weights(sizes: Sequence[int]) -> list[float]:
+    """An unweighted blend's weights: each dataset's share of the tokens (of the split drawn from)."""
+    total = sum(sizes)
+    if not total:
+        raise ValueError("the blend's datasets hold no tokens in this split")
+    return [size / total for size in sizes]
 
 
 def _as_number(text: str) -> float | None:

@@ -21,7 +21,7 @@ import os
 import numpy as np
 
 from tessera.config import DataConfig
-from tessera.data.blend import BlendedDataset, parse_blend
+from tessera.data.blend import BlendedDataset, parse_blend, size_weights
 from tessera.data.gpt_dataset import GPTDataset, build_on_one_rank, split_documents
 from tessera.data.indexed import IndexedDataset, IndexedDatasetWriter
 
@@ -60,10 +60,13 @@ def builtin_prefix(cache_dir: str) -> str:
 def indexed_source(data: DataConfig, seq_len: int, num_samples: int, seed: int, *, split: int = 0):
     """Samples ``[0, num_samples)`` of the blend (``split``: 0 train, 1 valid, 2 test)."""
     blend = parse_blend(data.paths)
+    opened = [(IndexedDataset(prefix), prefix) for _, prefix in blend]
+    parts = [split_documents(len(docs), data.split)[split] for docs, _ in opened]
+    if blend[0][0] is None:  # paths without weights: each in proportion to its tokens in this split
+        sizes = [int(docs.sequence_lengths[r.start:r.stop].sum(dtype=np.int64)) for (docs, _), r in zip(opened, parts)]
+        blend = list(zip(size_weights(sizes), [prefix for _, prefix in blend]))
     datasets = []
-    for weight, prefix in blend:
-        docs = IndexedDataset(prefix)
-        documents = split_documents(len(docs), data.split)[split]
+    for (weight, prefix), (docs, _), documents in zip(blend, opened, parts):
         cache = data.cache_dir or os.path.join(os.path.dirname(os.path.abspath(prefix)), "index-cache")
         need = num_samples if len(blend) == 1 else math.ceil(weight * num_samples * 1.005) + 1  # as Megatron
         datasets.append(build_on_one_rank(lambda: GPTDataset(docs, documents, seq_len, need, seed, cache,
