@@ -153,3 +153,19 @@ def test_a_blend_of_two_vocabularies_is_refused_up_front(tmp_path):
     preprocess(tmp_path / "b.jsonl", tmp_path / "b", str(tmp_path / "a.tokenizer.json"), progress=False,
                overwrite=True)  # the fix the error names
     check_runnable(load_config(None, blend), 1)
+
+
+def test_an_eod_id_no_document_ends_with_is_refused_up_front(tmp_path):
+    """Packing with data.eod_id=5 on documents that end with 1: refused, naming the id to use
+    (before, every token 5 cut a document and the real boundaries were not seen)."""
+    from tessera.config import ConfigError, load_config
+    from tessera.training.trainer import check_runnable
+
+    write_corpus(tmp_path / "a", 1)
+    data = ["data.source=indexed", f"data.paths={tmp_path / 'a'}", "data.reset_attention_mask=true",
+            "model.vocab_size=64", f"data.cache_dir={tmp_path / 'cache'}"]
+    with pytest.raises(ConfigError, match=r"data.eod_id: 5, but no document sampled from .* ends with it "
+                                          r"\(they all end with 1\) -> set data.eod_id=1"):
+        check_runnable(load_config(None, data + ["data.eod_id=5"]), 1)
+    check_runnable(load_config(None, data + [f"data.eod_id={EOD}"]), 1)
+    check_runnable(load_config(None, data[:2] + data[3:] + ["data.eod_id=5"]), 1)  # no packing: not needed

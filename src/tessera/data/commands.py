@@ -91,9 +91,7 @@ def _end_of_document(ds, samples: int = 1000) -> str:
     """", eod N" where every one of up to ``samples`` documents (spread over the corpus) ends with
     id N, the end-of-document token ``tessera preprocess`` appends (data.eod_id for packing);
     else nothing."""
-    import numpy as np
+    from tessera.data.indexed import document_ends
 
-    n = ds.num_documents
-    picks = sorted({int(i) for i in np.linspace(0, n - 1, min(n, samples))}) if n else []
-    ends = {int(doc[-1]) for doc in (ds.document(i) for i in picks) if len(doc)}
+    ends = document_ends(ds, samples)
     return f", eod {ends.pop()} (every document sampled ends with it)" if len(ends) == 1 else ""

@@ -197,6 +197,14 @@ class IndexedDataset:
 _CHECK_CHUNK = 1 << 22  # index entries per step of the layout check (bounded temporaries)
 
 
+def document_ends(ds: IndexedDataset, samples: int = 1000) -> set[int]:
+    """The last token ids of up to ``samples`` documents spread over ``ds``: one id where the
+    preprocessing appended an end-of-document token (``tessera preprocess`` does)."""
+    n = ds.num_documents
+    picks = sorted({int(i) for i in np.linspace(0, n - 1, min(n, samples))}) if n else []
+    return {int(doc[-1]) for doc in (ds.document(i) for i in picks) if len(doc)}
+
+
 def _check_layout(idx: str, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray,
                   itemsize: int) -> None:
     """Sequences back to back from byte 0 (pointer i = the bytes of sequences before i), and

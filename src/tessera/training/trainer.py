@@ -73,6 +73,7 @@ def check_datasets(data, vocab_size: int | None = None, validates: bool = False)
     split (and with ``validates``, its validation split) holds a sample, the blend has one
     vocabulary, which fits ``vocab_size``."""
     from tessera.data import IndexedDataset, IndexedDatasetError, parse_blend, split_documents
+    from tessera.data.indexed import document_ends
 
     try:
         blend = parse_blend(data.paths)
@@ -82,11 +83,21 @@ def check_datasets(data, vocab_size: int | None = None, validates: bool = False)
             raise ConfigError("data.split", str(e), "give train, valid and test weights, e.g. data.split=969,30,1") from None
         raise ConfigError("data.paths", str(e), "give one prefix, or weights and prefixes, "
                           "e.g. data.paths=0.7,prefixA,0.3,prefixB") from None
+    packing = data.reset_position_ids or data.reset_attention_mask or data.eod_mask_loss
     for _, prefix in blend:
         try:
-            lengths = IndexedDataset(prefix).sequence_lengths
+            dataset = IndexedDataset(prefix)
+            lengths = dataset.sequence_lengths
         except IndexedDatasetError as e:
             raise ConfigError("data.paths", str(e), "preprocess the data with `tessera preprocess`, or fix the path") from None
+        if packing:  # a wrong data.eod_id packs nothing apart, or cuts documents at an ordinary token
+            ends = document_ends(dataset)
+            if ends and data.eod_id not in ends:
+                said = f"they all end with {next(iter(ends))}" if len(ends) == 1 else "they end with no one id"
+                raise ConfigError("data.eod_id", f"{data.eod_id}, but no document sampled from {prefix} ends with "
+                                  f"it ({said})", f"set data.eod_id={next(iter(ends))}, the id preprocessing appended"
+                                  if len(ends) == 1 else "give the id that ends each document, or preprocess the data "
+                                  "with `tessera preprocess` (it appends one)")
         parts = split_documents(len(lengths), data.split)
         for part, name in ((0, "training"), (1, "validation"))[:2 if validates else 1]:
             docs = parts[part]
