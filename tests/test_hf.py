@@ -157,3 +157,42 @@ def test_import_refuses_models_tessera_does_not_compute(tmp_path):
     base = {k.removeprefix("transformer."): v for k, v in state.items() if k != "lm_head.weight"}
     whole = hf.from_hf(base, settings)
     assert torch.equal(whole["embedding.weight"], state["transformer.wte.weight"])
+
+
+@pytest.mark.timeout(200)
+def test_an_export_carries_the_datas_tokenizer(tmp_path):
+    """A run on `tessera preprocess`'d text: the export holds its tokenizer, which transformers'
+    AutoTokenizer reads as the same ids, with the end-of-document token as eos."""
+    import json
+
+    import pydoc_data.topics
+    from tokenizers import Tokenizer
+
+    from tessera.training.trainer import train
+
+    texts = list(pydoc_data.topics.topics.values())[:30]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    done = subprocess.run([sys.executable, "-m", "tessera", "preprocess", "--input", str(tmp_path / "docs.jsonl"),
+                           "--tokenizer", "bpe:300", "--output-prefix", str(tmp_path / "docs"), "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    train(load_config(None, MODELS["gpt2"] + ["train.steps=2", "train.micro_batch=2", "train.global_batch=4",
+                                              "data.source=indexed", f"data.paths={tmp_path / 'docs'}", "data.split=1,0,0",
+                                              "model.vocab_size=300", f"checkpoint.dir={tmp_path}/ck",
+                                              f"train.out_dir={tmp_path}/out"]))
+    done = cli("export", f"{tmp_path}/ck", "--hf", f"{tmp_path}/hf")
+    assert done.returncode == 0 and "its tokenizer from" in done.stdout, done.stdout + done.stderr
+    ours = Tokenizer.from_file(str(tmp_path / "docs.tokenizer.json"))
+    theirs = transformers.AutoTokenizer.from_pretrained(f"{tmp_path}/hf")
+    text = "The object of the loop statement"
+    assert theirs(text)["input_ids"] == ours.encode(text).ids
+    eod = json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"]
+    assert eod is not None and theirs.eos_token_id == eod == ours.token_to_id(theirs.eos_token)
+    model = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp_path}/hf")
+    assert model.config.eos_token_id == eod
+    # synthetic tokens have no tokenizer: said, the weights written all the same
+    train(load_config(None, MODELS["gpt2"] + ["train.steps=1", "train.micro_batch=2", "train.global_batch=4",
+                                              "data.source=synthetic", f"checkpoint.dir={tmp_path}/ck2",
+                                              f"train.out_dir={tmp_path}/out2"]))
+    done = cli("export", f"{tmp_path}/ck2", "--hf", f"{tmp_path}/hf2")
+    assert done.returncode == 0 and "no tokenizer" in done.stdout and not (tmp_path / "hf2" / "tokenizer.json").exists()

@@ -29,6 +29,8 @@ def add_checkpoint_commands(sub) -> None:
     export.add_argument("path", help="a step_N folder, or a checkpoint.dir (its newest)")
     export.add_argument("--hf", required=True, metavar="OUT", help="the folder to write config.json and model.safetensors to")
     export.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="the weights' dtype (default fp32)")
+    export.add_argument("--tokenizer", metavar="JSON", help="the tokenizer.json to put beside the weights (default: "
+                        "the run's train.sample_tokenizer, else the data's PREFIX.tokenizer.json, where there is one)")
     imp = ck_sub.add_parser("import", help="a transformers GPT-2 or Llama folder as a weights-only checkpoint")
     imp.add_argument("folder", help="config.json and model.safetensors (or its index of several files)")
     imp.add_argument("--out", required=True, metavar="DIR", help="writes DIR/step_00000000")
@@ -60,9 +62,36 @@ def _export(args) -> int:
     whole = {k.removeprefix("model."): v for k, v in dcp.read_whole(path).items()}
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     config = hf.hf_config(model) | {"dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]}
+    saved = store.read_meta(path)["config"]
+    tokenizer = args.tokenizer or _run_tokenizer(saved)
+    if tokenizer and not os.path.isfile(tokenizer):
+        raise ValueError(f"--tokenizer {tokenizer}: no such file (a tokenizer.json)")
+    eod = hf.end_of_document(tokenizer, saved.get("data", {}).get("eod_id", -1)) if tokenizer else None
+    if eod is not None:
+        config |= {"eos_token_id": eod, "bos_token_id": eod}
     hf.write_hf_folder(args.hf, config, {k: v.to(dtype) for k, v in hf.to_hf(whole, model).items()})
-    print(f"tessera: wrote {path}'s weights to {args.hf} ({config['architectures'][0]}, {args.dtype})")
+    if tokenizer:
+        hf.write_hf_tokenizer(args.hf, tokenizer, eod, model.seq_len)
+    print(f"tessera: wrote {path}'s weights to {args.hf} ({config['architectures'][0]}, {args.dtype}); "
+          + (f"its tokenizer from {tokenizer}" + (f" (end of document: id {eod})" if eod is not None else "")
+             if tokenizer else "no tokenizer (the run's data has no tokenizer.json: give --tokenizer)"))
     return 0
+
+
+def _run_tokenizer(config: dict) -> str | None:
+    """The tokenizer.json a run trained with: its train.sample_tokenizer, else the one `tessera
+    preprocess` wrote beside its first indexed dataset; None where neither is (synthetic tokens,
+    the builtin corpus's bytes)."""
+    spec = config.get("train", {}).get("sample_tokenizer", "")
+    if spec:
+        return os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    data = config.get("data", {})
+    if data.get("source") == "indexed" and data.get("paths"):
+        from tessera.data.blend import parse_blend
+
+        beside = parse_blend(data["paths"])[0][1] + ".tokenizer.json"
+        return beside if os.path.isfile(beside) else None
+    return None
 
 
 def _import(args) -> int:

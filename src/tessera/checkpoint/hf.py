@@ -203,4 +203,36 @@ def write_hf_folder(folder: str, config: dict, state: dict[str, Tensor]) -> None
         json.dump(config, f, indent=1)
 
 
-__all__ = ["hf_config", "model_settings", "to_hf", "from_hf", "read_hf_folder", "write_hf_folder"]
+def end_of_document(tokenizer_json: str, eod_id: int) -> int | None:
+    """The end-of-document id a model trained with this tokenizer stops at: the run's
+    data.eod_id where it set one, else the tokenizer's own end-of-document token (the one
+    `tessera preprocess` appends), else None."""
+    if eod_id >= 0:
+        return eod_id
+    from tokenizers import Tokenizer
+
+    from tessera.data.preprocess import PreprocessError, find_eod
+
+    try:
+        return find_eod(Tokenizer.from_file(tokenizer_json))
+    except PreprocessError:
+        return None
+
+
+def write_hf_tokenizer(folder: str, tokenizer_json: str, eod: int | None, seq_len: int) -> None:
+    """``tokenizer.json`` and a ``tokenizer_config.json`` that transformers' AutoTokenizer reads
+    (a fast tokenizer: the same ids as the tokenizers library's)."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    shutil.copyfile(tokenizer_json, os.path.join(folder, "tokenizer.json"))
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len}
+    if eod is not None:
+        token = Tokenizer.from_file(tokenizer_json).id_to_token(eod)
+        settings |= {"eos_token": token, "bos_token": token}
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(settings, f, indent=1)
+
+
+__all__ = ["hf_config", "model_settings", "to_hf", "from_hf", "read_hf_folder", "write_hf_folder", "end_of_document", "write_hf_tokenizer"]
