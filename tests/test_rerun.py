@@ -166,6 +166,12 @@ def test_the_command_says_it_once_and_exits_3(tmp_path):
                           env=env, timeout=120)
     assert done.returncode == 3, done.stderr
     assert done.stderr.count("step 2: gradient norm nan") == 1 and "Traceback" not in done.stderr
+    # through the launcher too (torchrun's own status is 1): a job script can tell this stop from a crash
+    done = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2", *sets,
+                           "--set", "parallel.dp=2", "--set", f"train.out_dir={tmp_path}/two"],
+                          capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "step 2: gradient norm nan" in done.stderr
 
 
 # -- many ranks: every rank skips the same steps and reaches the same verdict ---------------------

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from tessera.config import ConfigError, load_config
@@ -120,7 +121,34 @@ def _launch(args: argparse.Namespace) -> int:
     command += ["--config", args.config] if args.config else []
     for item in args.overrides:
         command += ["--set", item]
-    return run_forwarding_signals(command)
+    with tempfile.TemporaryDirectory(prefix="tessera-exit-") as statuses:
+        status = run_forwarding_signals(command, {EXIT_DIR: statuses})
+        return worker_status(statuses, status)
+
+
+EXIT_DIR = "TESSERA_EXIT_DIR"
+
+
+def worker_status(folder: str, status: int) -> int:
+    """torchrun's exit status is 1 whatever a worker's was: where workers ended on an error of
+    ours, theirs (written under ``folder``, :func:`_say_status`), so a job script can tell a
+    non-finite stop (3) or a configuration error (2) from a crash."""
+    codes = set()
+    for name in os.listdir(folder) if status else ():
+        with contextlib.suppress(OSError, ValueError):
+            codes.add(int(open(os.path.join(folder, name)).read()))
+    return next((code for code in (3, 2, 130) if code in codes), status)
+
+
+def _say_status(rank: int, code: int) -> int:
+    """A worker started by ``tessera train --nproc-per-node`` leaves its exit status for the
+    launcher (:func:`worker_status`); returns it."""
+    folder = os.environ.get(EXIT_DIR)
+    if folder:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(folder, str(rank)), "w") as f:
+                f.write(str(code))
+    return code
 
 
 STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -138,7 +166,7 @@ def _parent_death_signal():
     return lambda: prctl(pr_set_pdeathsig, int(signal.SIGTERM))
 
 
-def run_forwarding_signals(command: list[str]) -> int:
+def run_forwarding_signals(command: list[str], extra_env: dict[str, str] | None = None) -> int:
     """Run ``command`` in a session of its own and return its exit status (128 + N where signal N
     ended it), passing on the signals that stop a job (SIGINT, SIGTERM, SIGHUP, SIGQUIT), each
     once. A job manager or ``kill`` that signals only the launcher would otherwise leave torchrun
@@ -161,7 +189,7 @@ def run_forwarding_signals(command: list[str]) -> int:
                 if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         # (torchrun sets OMP_NUM_THREADS=1 where it is unset, and prints a banner saying so)
-        env = os.environ | ({} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"})
+        env = os.environ | ({} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}) | (extra_env or {})
         child = subprocess.Popen(command, start_new_session=True, env=env, preexec_fn=_parent_death_signal())
         for signum in early:
             child.send_signal(signum)
@@ -209,17 +237,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tessera: {e}", file=sys.stderr, flush=True)
         else:  # every rank finds the error; torchrun stops the others once one exits, so the
             time.sleep(3)  # rest leave rank 0 time to say it (seen lost on a loaded 2-core CI box)
-        return 2
+        return _say_status(rank, 2)
     except NonFiniteStop as e:  # every rank reached the same verdict (training/rerun.py): one says it
         if rank == 0:
             print(f"tessera: {e}", file=sys.stderr, flush=True)
         else:
             time.sleep(3)
-        return 3
+        return _say_status(rank, 3)
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever the step was
         interrupted = True
         print(f"tessera: {who}interrupted", file=sys.stderr, flush=True)
-        return 130
+        return _say_status(rank, 130)
     finally:
         if not interrupted:  # (after an interrupt, a collective may be half done: tearing the
             shutdown()       # process group down could wait for it; the process ends anyway)

@@ -344,8 +344,8 @@ class TrainConfig:
     nan. stop: every step after it is skipped too; the run then re-runs that step's batch on the
     same weights and random streams, says whether the non-finite value came back (reproducible:
     the batch, the model or the settings, e.g. the learning rate) or not (transient: suspect the
-    machine, e.g. a GPU's memory) and which samples the batch held, and stops (exit status 3 of
-    each worker; torchrun's own is 1); checkpoints saved before it are kept. skip: the run goes
+    machine, e.g. a GPU's memory) and which samples the batch held, and stops (exit status 3, also
+    from tessera train --nproc-per-node; a torchrun started by hand says 1); checkpoints saved before it are kept. skip: the run goes
     on without that step (its batch is passed over). Either way the run stops after
     train.max_skipped_steps skipped steps in a row, and the learning-rate schedule counts a
     skipped step as it counts fp16's (by the loop's step). A non-finite gradient anywhere counts,
