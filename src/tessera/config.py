@@ -337,6 +337,19 @@ class TrainConfig:
     longer than this and five times the slowest step before it dumps every thread's stack to
     stderr and ends the job (a hang NCCL's watchdog does not see: collectives captured in CUDA
     graphs, a host blocked in a graph replay)."""
+    recompute: Literal["none", "full"] = "none"
+    """Activation recomputation (Megatron's --recompute-granularity full): a recomputed layer keeps
+    only its input through the forward and runs again in the backward (torch.utils.checkpoint),
+    its dropout masks drawn again from the same random streams (tensor_parallel/random.py), so
+    gradients equal a run without it. Saves a layer's activations for a second forward. GPT-1.3B
+    on one H200 (BENCHMARKS.md session 27): micro-batch 2 59,651 -> 32,769 tokens/s, peak memory
+    28.9 -> 23.3 GiB (a small micro-batch turns host-bound: the checkpoint's Python per layer);
+    micro-batch 8 with it 49,286 tokens/s in 26.8 GiB. For what does not fit otherwise. Eager
+    layers (compiled and CUDA-graphed layers are not recomputed: train.compile and
+    train.cuda_graphs auto turn off, true is refused). none: every activation is kept."""
+    recompute_layers: int = 0
+    """train.recompute=full: how many layers of each pipeline chunk, from its first, are recomputed
+    (Megatron's block method: fewer layers, less compute, more memory); 0: all of them."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """What a bf16/fp32 step whose gradient norm is inf or nan does (training/rerun.py). Either
     way the step changes nothing (weights, Adam's moments and step count stay as they were: the
@@ -385,6 +398,12 @@ class TrainConfig:
                "(the process group's setup waits for every rank that long)", "give seconds, e.g. 300")
         _check(0 <= self.seed < 2**62, "train.seed", f"{self.seed} is outside [0, 2**62)",
                "give a non-negative seed (numpy's data order takes no negative one; torch's, none of 2**64 or more)")
+        _check(self.recompute_layers >= 0, "train.recompute_layers", f"{self.recompute_layers} is below 0",
+               "give the layers per pipeline chunk to recompute, or 0 for all")
+        _check(self.recompute != "none" or not self.recompute_layers, "train.recompute_layers",
+               "is set but train.recompute=none", "set train.recompute=full")
+        _check(self.recompute == "none" or self.compile != "true", "train.compile",
+               "true with train.recompute: compiled layers are not recomputed", "set train.compile=auto or false")
         _check(self.max_skipped_steps >= 1, "train.max_skipped_steps", f"{self.max_skipped_steps} is below 1",
                "give the skipped steps in a row to stop after, e.g. 10")
         _check(self.inject_fault_step >= 0, "train.inject_fault_step", f"{self.inject_fault_step} is below 0",
@@ -817,6 +836,8 @@ def _check_cuda_graphs(cfg: Config, dp: int) -> None:
            "keeps one micro-batch's activations", f"use parallel.schedule=auto (none at pp=1) {fix}")
     _check(m.dropout == 0, "train.cuda_graphs", "dropout's random streams are not captured",
            f"set model.dropout=0 {fix}")
+    _check(t.recompute == "none", "train.cuda_graphs", "a graphed layer's backward does not run its forward "
+           "again (train.recompute)", f"set train.recompute=none {fix}")
     _check(not (d.reset_position_ids or d.reset_attention_mask), "train.cuda_graphs",
            "packed sequences give every micro-batch its own positions and document layout",
            f"turn data.reset_position_ids and data.reset_attention_mask off {fix}")

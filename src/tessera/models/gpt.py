@@ -27,7 +27,7 @@ from tessera.tensor_parallel.layers import (
     padded_vocab_size,
 )
 from tessera.tensor_parallel.mappings import gather_from_tp_region, scatter_to_sequence_region
-from tessera.tensor_parallel.random import stable_seed
+from tessera.tensor_parallel.random import recompute, stable_seed
 
 
 class GPTModel(nn.Module):
@@ -49,6 +49,9 @@ class GPTModel(nn.Module):
                 self.pos_embedding = nn.Embedding(cfg.seq_len, cfg.hidden, device=device)
         # Keys are global layer indices: "layers.7" is the same layer on any pipeline layout.
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, self.tp, device) for i in self.layer_range})
+        # how many of these layers, from the first, keep only their input and run again in the
+        # backward (train.recompute; tensor_parallel/random.py's recompute)
+        self.recompute_layers = 0
         if post_process:
             self.final_norm = build_norm(cfg, self.tp, device)
             # Tied on a single stage: the output layer is the embedding matrix (see logits()).
@@ -154,9 +157,12 @@ class GPTModel(nn.Module):
         piece = cut or (lambda t: t)  # (the residual stream as the next piece reads it)
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         seq = PackedSequence(position_ids, document_ids)
-        for layer in self.layers.values():
+        for i, layer in enumerate(self.layers.values()):
             yield None
-            x = layer(piece(x), seq)
+            if i < self.recompute_layers and torch.is_grad_enabled():
+                x = recompute(layer, piece(x), seq, tracker=self.tp.rng)
+            else:
+                x = layer(piece(x), seq)
         if not self.post_process:
             yield x
             return

@@ -83,3 +83,29 @@ class RNGTracker:
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         _set_state(self.device, states[""])
         self.states = {k: v.clone() for k, v in states.items() if k}
+
+
+def recompute(fn, *args, tracker: RNGTracker | None = None):
+    """``fn(*args)`` keeping only its inputs: run again in the backward to rebuild what it saved
+    (activation recomputation, Megatron's CheckpointFunction), through torch.utils.checkpoint
+    (non-reentrant). torch restores the device's default stream for the rerun; the tracker's
+    named streams (``tp``: dropout on TP-split activations) are put back here, as they were when
+    ``fn`` first ran, and after the rerun to where the forward left them: every recomputed
+    dropout mask equals the original, and later draws are unchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    def contexts():
+        if tracker is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        first = dict(tracker.states)  # (fork replaces a state, never changes one in place)
+
+        @contextlib.contextmanager
+        def as_first():
+            now, tracker.states = tracker.states, dict(first)
+            try:
+                yield
+            finally:
+                tracker.states = now
+        return contextlib.nullcontext(), as_first()
+
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)

@@ -243,7 +243,7 @@ def fast_paths(cfg: Config, schedule: str, device: torch.device) -> tuple[bool, 
         graphs = t.cuda_graphs == "true"
     if t.compile == "auto":
         compiled = (cuda and p.tp == 1 and cfg.model.family == "llama" and schedule not in SPLIT_BACKWARD
-                    and not graphs)
+                    and not graphs and t.recompute == "none")
     else:
         compiled = t.compile == "true"
     if t.grad_accum_fusion == "auto":
@@ -304,6 +304,8 @@ class Stage:
                                          topo.device)
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
+            if cfg.train.recompute == "full":
+                chunk.recompute_layers = cfg.train.recompute_layers or len(chunk.layers)
             if self.compiled:  # per layer: one graph reused by every layer of the same shape
                 for layer in chunk.layers.values():
                     layer.compile()
