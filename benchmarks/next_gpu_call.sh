@@ -6,7 +6,7 @@
 #       whole file takes about 20 minutes (each training run starts in ~40 s on the GPU machine),
 #       so split it over calls, e.g. K="cuda or adamw or varlen or entropy or fp32 or tensor or graphed" then
 #       K="pipeline or curve" then K="zero"
-# The next 2-GPU session's calls (sessions 23 to 26 were lent one GPU only: the one-GPU tests and
+# The next 2-GPU session's calls (sessions 23 to 27 were lent one GPU only: the one-GPU tests and
 # the pairs' streams and graphs on one GPU passed; session 22 ran s22B: bf16 gradient buffers do
 # not lift dp=2, BENCHMARKS.md). 30 device minutes; kind
 # nvidia-h200-x2 (or -h100-x2); send the next call at once: the machine is given back 30 s after
@@ -29,8 +29,9 @@
 #      (Llama-1B next); many clean runs would justify pairs on by default
 #   4. the 2-GPU tests (tests K="nccl or pairs or graphed_layers_without or overlapped or rng_tracker",
 #      rng_tracker new in session 23, nccl_checkpoint_loads_into_other_layouts new in session 26: a
-#      tp=2 + SP checkpoint trained on at dp=2 under zero 1 and FSDP, never run yet): the others last
-#      ran in sessions 18-20
+#      tp=2 + SP checkpoint trained on at dp=2 under zero 1 and FSDP, never run yet; and K="nonfinite":
+#      its gpt2-zero3-2 case, new in session 27, FSDP's fused AdamW skipping a nan step at dp=2):
+#      the others last ran in sessions 18-20
 # Session 20's calls (done; BENCHMARKS.md session 20): s20A (pairs with one hardware queue: 0
 # of 6 hung, no gain; default 1 of 6 hung), s18B / s18C (the issue-6 rows with both peers),
 # s20C (gc_probe: 0.2 ms per collection between bare steps), s20D (the trainer's collections:
