@@ -227,6 +227,8 @@ def _refusal(overrides):
 def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
     _train_here(tmp_path, "out", ["train.steps=4", "checkpoint.save_every=2", f"checkpoint.dir={tmp_path}/ck"])
     step2 = f"checkpoint.load={tmp_path}/ck/step_00000002"
+    BUILTIN = ["data.source=builtin", "model.vocab_size=256"]  # (a split that splits: the demo corpus)
+    _train_here(tmp_path, "bi", BUILTIN + ["train.steps=2", f"checkpoint.dir={tmp_path}/bi"])
     os.makedirs(tmp_path / "empty")
     os.makedirs(tmp_path / "hf")
     (tmp_path / "hf" / "config.json").write_text("{}")
@@ -242,7 +244,8 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
         ([step2, "train.global_batch=16"], "train.batch_rampup", "use the checkpoint's train.global_batch"),
         ([step2, "optim.lr=0.5"], "optim.lr", "set it back to 0.01"),
         ([step2, "train.seed=4"], "train.seed", "trained with train.seed=3, this run has 4: the data would be reshuffled"),
-        ([step2, "data.split=90,10,0"], "data.split", "set data.split=969,30,1 to resume"),
+        ([f"checkpoint.load={tmp_path}/bi/step_00000002", *BUILTIN, "data.split=90,10,0"], "data.split",
+         "set data.split=969,30,1 to resume"),
         ([step2, f"checkpoint.dir={tmp_path}/ck"], "checkpoint.load", "older checkpoint of checkpoint.dir"),
         ([step2, "train.steps=1"], "train.steps", "checkpoint.finetune=true to start a new run"),
         (["checkpoint.finetune=true"], "checkpoint.finetune", "checkpoint.load is not"),
@@ -267,8 +270,12 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
         assert got_key == key and words in message, (overrides, message)
     (tmp_path / "file").write_text("")
     assert _refusal([f"checkpoint.dir={tmp_path}/file"])[0] == "checkpoint.dir"
-    # another layout, dtype, dropout or data are no refusal: loading reshards
     from tessera.training.trainer import check_runnable
+    # the same split said another way is the same split (synthetic data: no split at all)
+    check_runnable(load_config(None, BASE + [f"checkpoint.load={tmp_path}/bi/step_00000002", *BUILTIN,
+                                             "train.steps=4", "data.split=1938,60,2"]), 1)
+    check_runnable(load_config(None, BASE + [step2, "train.steps=4", "data.split=90,10,0"]), 1)
+    # another layout, dtype, dropout or data are no refusal: loading reshards
     check_runnable(load_config(None, BASE + [step2, "train.steps=6", "train.dtype=bf16", "model.dropout=0.1",
                                              "parallel.tp=2", "parallel.zero=1"]), 2)
     # a fine-tune takes the weights only: other steps, batches and schedule are its own

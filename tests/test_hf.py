@@ -190,9 +190,46 @@ def test_an_export_carries_the_datas_tokenizer(tmp_path):
     assert eod is not None and theirs.eos_token_id == eod == ours.token_to_id(theirs.eos_token)
     model = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp_path}/hf")
     assert model.config.eos_token_id == eod
+    # a folder holding it is taken too; one with more ids than the model is refused
+    import shutil
+    (tmp_path / "tokdir").mkdir()
+    shutil.copyfile(tmp_path / "docs.tokenizer.json", tmp_path / "tokdir" / "tokenizer.json")
+    assert cli("export", f"{tmp_path}/ck", "--hf", f"{tmp_path}/hf3", "--tokenizer", f"{tmp_path}/tokdir").returncode == 0
+    assert (tmp_path / "hf3" / "tokenizer.json").exists()
+    big = subprocess.run([sys.executable, "-m", "tessera", "preprocess", "--input", str(tmp_path / "docs.jsonl"),
+                          "--tokenizer", "bpe:400", "--output-prefix", str(tmp_path / "big"), "--no-progress"],
+                         capture_output=True, text=True, timeout=120)
+    assert big.returncode == 0, big.stderr
+    done = cli("export", f"{tmp_path}/ck", "--hf", f"{tmp_path}/hf4", "--tokenizer", f"{tmp_path}/big.tokenizer.json")
+    assert done.returncode == 2 and "has 400 ids, the model 300" in done.stderr, done.stderr
     # synthetic tokens have no tokenizer: said, the weights written all the same
     train(load_config(None, MODELS["gpt2"] + ["train.steps=1", "train.micro_batch=2", "train.global_batch=4",
                                               "data.source=synthetic", f"checkpoint.dir={tmp_path}/ck2",
                                               f"train.out_dir={tmp_path}/out2"]))
     done = cli("export", f"{tmp_path}/ck2", "--hf", f"{tmp_path}/hf2")
     assert done.returncode == 0 and "no tokenizer" in done.stdout and not (tmp_path / "hf2" / "tokenizer.json").exists()
+
+
+@pytest.mark.timeout(200)
+def test_an_export_from_elsewhere_writes_the_weights_and_says_where_it_looked(tmp_path, monkeypatch):
+    """A run's tokenizer named relative to where it ran, exported from another folder: the
+    weights are written and the line says where the tokenizer was looked for."""
+    import json
+
+    from tessera.training.trainer import train
+
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    texts = ["some text here", "and more text there"] * 20
+    (tmp_path / "run" / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    done = subprocess.run([sys.executable, "-m", "tessera", "preprocess", "--input", "docs.jsonl",
+                           "--tokenizer", "bpe:280", "--output-prefix", "docs", "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    train(load_config(None, MODELS["gpt2"] + ["train.steps=1", "train.micro_batch=2", "train.global_batch=4",
+                                              "data.source=indexed", "data.paths=docs", "data.split=1,0,0",
+                                              "model.vocab_size=300", "checkpoint.dir=ck", "train.out_dir=out"]))
+    monkeypatch.chdir(tmp_path)
+    done = cli("export", "run/ck", "--hf", "hf")
+    assert done.returncode == 0 and (tmp_path / "hf" / "model.safetensors").exists(), done.stderr
+    assert f"no tokenizer (no docs.tokenizer.json from {tmp_path}: give --tokenizer)" in done.stdout, done.stdout

@@ -169,3 +169,22 @@ def test_an_eod_id_no_document_ends_with_is_refused_up_front(tmp_path):
         check_runnable(load_config(None, data + ["data.eod_id=5"]), 1)
     check_runnable(load_config(None, data + [f"data.eod_id={EOD}"]), 1)
     check_runnable(load_config(None, data[:2] + data[3:] + ["data.eod_id=5"]), 1)  # no packing: not needed
+
+
+
+def test_documents_stored_as_fixed_length_rows_pass_the_eod_check(tmp_path):
+    """Packed corpora stored as fixed-length rows (EOD inside rows, rarely at a row's end): the
+    id occurs, so it is taken (only an id that never occurs, or one other end everywhere, is refused)."""
+    from tessera.config import ConfigError, load_config
+    from tessera.training.trainer import check_runnable
+
+    rng = np.random.default_rng(3)
+    stream = np.concatenate([np.append(rng.integers(2, 64, int(n)), EOD) for n in rng.integers(200, 400, 40)])
+    with IndexedDatasetWriter(tmp_path / "rows", np.uint16) as writer:
+        for start in range(0, len(stream) - 129, 129):
+            writer.add_document(stream[start:start + 129])
+    data = ["data.source=indexed", f"data.paths={tmp_path / 'rows'}", "data.reset_attention_mask=true",
+            "model.vocab_size=64", f"data.cache_dir={tmp_path / 'cache'}"]
+    check_runnable(load_config(None, data + [f"data.eod_id={EOD}"]), 1)
+    with pytest.raises(ConfigError, match="data.eod_id: 0, but no document sampled"):
+        check_runnable(load_config(None, data + ["data.eod_id=0"]), 1)

@@ -349,7 +349,8 @@ class TrainConfig:
     train.cuda_graphs auto turn off, true is refused). none: every activation is kept."""
     recompute_layers: int = 0
     """train.recompute=full: how many layers of each pipeline chunk, from its first, are recomputed
-    (Megatron's block method: fewer layers, less compute, more memory); 0: all of them."""
+    (Megatron's block method: fewer layers, less compute, more memory); 0, or more than a chunk
+    holds: all of them."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """What a bf16/fp32 step whose gradient norm is inf or nan does (training/rerun.py). Either
     way the step changes nothing (weights, Adam's moments and step count stay as they were: the
@@ -809,6 +810,9 @@ def _check_microbatch_pairs(cfg: Config) -> None:
            f"leave train.grad_accum_fusion at auto {off}")
     _check(p.zero < 3, key, "zero=3 (FSDP) gathers and frees each layer's parameters around every forward",
            f"use parallel.zero 0, 1 or 2 {off}")
+    _check(t.recompute == "none", key, "a recomputed layer reruns its forward in the backward, outside the "
+           "pair's swap of the second micro-batch's TP communicator (its collectives would go over the first's)",
+           f"set train.recompute=none {off}")
     _check(p.tp_async == "false", key, "the fused and ring TP collectives (parallel.tp_async) were not built "
            "for two communicators", f"set parallel.tp_async=false {off}")
 

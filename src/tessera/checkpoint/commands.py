@@ -63,9 +63,17 @@ def _export(args) -> int:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     config = hf.hf_config(model) | {"dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]}
     saved = store.read_meta(path)["config"]
-    tokenizer = args.tokenizer or _run_tokenizer(saved)
+    tokenizer, missing = (args.tokenizer, None) if args.tokenizer else _run_tokenizer(saved)
+    if tokenizer and os.path.isdir(tokenizer):
+        tokenizer = os.path.join(tokenizer, "tokenizer.json")
     if tokenizer and not os.path.isfile(tokenizer):
         raise ValueError(f"--tokenizer {tokenizer}: no such file (a tokenizer.json)")
+    if tokenizer:
+        from tokenizers import Tokenizer
+        ids = Tokenizer.from_file(tokenizer).get_vocab_size(with_added_tokens=True)
+        if ids > model.vocab_size:
+            raise ValueError(f"the tokenizer {tokenizer} has {ids} ids, the model {model.vocab_size}: "
+                             "give the tokenizer the run's data was made with (--tokenizer)")
     eod = hf.end_of_document(tokenizer, saved.get("data", {}).get("eod_id", -1)) if tokenizer else None
     if eod is not None:
         config |= {"eos_token_id": eod, "bos_token_id": eod}
@@ -74,24 +82,26 @@ def _export(args) -> int:
         hf.write_hf_tokenizer(args.hf, tokenizer, eod, model.seq_len)
     print(f"tessera: wrote {path}'s weights to {args.hf} ({config['architectures'][0]}, {args.dtype}); "
           + (f"its tokenizer from {tokenizer}" + (f" (end of document: id {eod})" if eod is not None else "")
-             if tokenizer else "no tokenizer (the run's data has no tokenizer.json: give --tokenizer)"))
+             if tokenizer else f"no tokenizer ({missing or 'the run had none'}: give --tokenizer)"))
     return 0
 
 
-def _run_tokenizer(config: dict) -> str | None:
+def _run_tokenizer(config: dict) -> tuple[str | None, str | None]:
     """The tokenizer.json a run trained with: its train.sample_tokenizer, else the one `tessera
     preprocess` wrote beside its first indexed dataset; None where neither is (synthetic tokens,
     the builtin corpus's bytes)."""
     spec = config.get("train", {}).get("sample_tokenizer", "")
     if spec:
-        return os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+        path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+        return (path, None) if os.path.isfile(path) else (None, f"the run's train.sample_tokenizer {spec} is not "
+                                                               f"found from {os.getcwd()}")
     data = config.get("data", {})
     if data.get("source") == "indexed" and data.get("paths"):
         from tessera.data.blend import parse_blend
 
         beside = parse_blend(data["paths"])[0][1] + ".tokenizer.json"
-        return beside if os.path.isfile(beside) else None
-    return None
+        return (beside, None) if os.path.isfile(beside) else (None, f"no {beside} from {os.getcwd()}")
+    return None, None
 
 
 def _import(args) -> int:

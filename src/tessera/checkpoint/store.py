@@ -192,8 +192,12 @@ def check_resume(cfg: Config) -> dict | None:
     # the data's order: a resume with another seed or split would reshuffle it mid-run (and a
     # new split could hand documents already trained on to the validation set)
     saved_train, saved_data = meta["config"].get("train", {}), meta["config"].get("data", {})
+    same_data = all(saved_data.get(k, getattr(cfg.data, k)) == getattr(cfg.data, k) for k in ("source", "paths"))
+    split = saved_data.get("split") if same_data and cfg.data.source != "synthetic" else None
+    if split is not None and _proportions(split) == _proportions(cfg.data.split):
+        split = None  # (2,0,0 is 1,0,0: the same documents)
     for key, mine, theirs in (("train.seed", cfg.train.seed, saved_train.get("seed")),
-                              ("data.split", cfg.data.split, saved_data.get("split"))):
+                              ("data.split", cfg.data.split, split)):
         if theirs is not None and mine != theirs:
             raise ConfigError(key, f"the checkpoint {path} was trained with {key}={theirs}, this run has {mine}: "
                               "the data would be reshuffled mid-run", f"set {key}={theirs} to resume (or start a new "
@@ -206,6 +210,16 @@ def check_resume(cfg: Config) -> dict | None:
             raise ConfigError(e.key, e.problem, f"{e.fix}, or set checkpoint.new_schedule=true to resume with "
                               "this run's schedule") from None
     return meta
+
+
+def _proportions(split: str) -> list[float] | str:
+    """A data.split's weights as fractions (the documents each part gets depend on these only)."""
+    from tessera.data.gpt_dataset import parse_split
+
+    try:
+        return parse_split(split)
+    except ValueError:
+        return split
 
 
 def write_weights(root: str, whole: dict, model: dict) -> str:

@@ -205,6 +205,14 @@ def document_ends(ds: IndexedDataset, samples: int = 1000) -> set[int]:
     return {int(doc[-1]) for doc in (ds.document(i) for i in picks) if len(doc)}
 
 
+def token_occurs(ds: IndexedDataset, token: int, samples: int = 1000) -> bool:
+    """Whether ``token`` occurs anywhere in the documents :func:`document_ends` samples (data
+    stored as fixed-length rows of packed documents holds its end-of-document ids inside rows)."""
+    n = ds.num_documents
+    picks = sorted({int(i) for i in np.linspace(0, n - 1, min(n, samples))}) if n else []
+    return any(bool((ds.document(i) == token).any()) for i in picks)
+
+
 def _check_layout(idx: str, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray,
                   itemsize: int) -> None:
     """Sequences back to back from byte 0 (pointer i = the bytes of sequences before i), and

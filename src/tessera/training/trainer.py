@@ -73,7 +73,7 @@ def check_datasets(data, vocab_size: int | None = None, validates: bool = False)
     split (and with ``validates``, its validation split) holds a sample, the blend has one
     vocabulary, which fits ``vocab_size``."""
     from tessera.data import IndexedDataset, IndexedDatasetError, parse_blend, split_documents
-    from tessera.data.indexed import document_ends
+    from tessera.data.indexed import document_ends, token_occurs
 
     try:
         blend = parse_blend(data.paths)
@@ -92,7 +92,7 @@ def check_datasets(data, vocab_size: int | None = None, validates: bool = False)
             raise ConfigError("data.paths", str(e), "preprocess the data with `tessera preprocess`, or fix the path") from None
         if packing:  # a wrong data.eod_id packs nothing apart, or cuts documents at an ordinary token
             ends = document_ends(dataset)
-            if ends and data.eod_id not in ends:
+            if ends and data.eod_id not in ends and (len(ends) == 1 or not token_occurs(dataset, data.eod_id)):
                 said = f"they all end with {next(iter(ends))}" if len(ends) == 1 else "they end with no one id"
                 raise ConfigError("data.eod_id", f"{data.eod_id}, but no document sampled from {prefix} ends with "
                                   f"it ({said})", f"set data.eod_id={next(iter(ends))}, the id preprocessing appended"
