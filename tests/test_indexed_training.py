@@ -188,3 +188,24 @@ def test_documents_stored_as_fixed_length_rows_pass_the_eod_check(tmp_path):
     check_runnable(load_config(None, data + [f"data.eod_id={EOD}"]), 1)
     with pytest.raises(ConfigError, match="data.eod_id: 0, but no document sampled"):
         check_runnable(load_config(None, data + ["data.eod_id=0"]), 1)
+
+
+def test_a_dataset_in_a_read_only_folder_needs_a_cache_dir(tmp_path, monkeypatch):
+    """The default index cache goes beside the dataset: where that folder cannot be written, the
+    run is refused up front naming data.cache_dir (it failed when rank 0 built the indices).
+    (A folder is made unwritable by os.access here: root, as CI runs, writes into any folder.)"""
+    import os
+
+    from tessera.config import ConfigError, load_config
+    from tessera.training.trainer import check_runnable
+
+    (tmp_path / "ro").mkdir()
+    write_corpus(tmp_path / "ro" / "a", 1)
+    data = ["data.source=indexed", f"data.paths={tmp_path / 'ro' / 'a'}", "model.vocab_size=64"]
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: real(path, mode) and str(path) != str(tmp_path / "ro"))
+    with pytest.raises(ConfigError, match="data.cache_dir: empty, so the sample indices go beside .* is not writable"):
+        check_runnable(load_config(None, data), 1)
+    check_runnable(load_config(None, data + [f"data.cache_dir={tmp_path / 'cache'}"]), 1)
+    (tmp_path / "ro" / "index-cache").mkdir()  # one there already may hold the indices: no refusal
+    check_runnable(load_config(None, data), 1)

@@ -178,6 +178,16 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
                               "or set train.eval_every=0")
     if cfg.data.cache_dir and cfg.data.source != "synthetic":
         _check_writable_dir(cfg.data.cache_dir, "data.cache_dir")
+    elif cfg.data.source == "indexed":  # the default: an index-cache folder beside each dataset
+        from tessera.data import parse_blend
+        for _, prefix in parse_blend(cfg.data.paths):
+            cache = os.path.join(os.path.dirname(os.path.abspath(prefix)), "index-cache")
+            if not os.path.isdir(cache):  # (one there already may hold the indices: read, not written)
+                try:
+                    _check_writable_dir(cache, "data.cache_dir")
+                except ConfigError as e:
+                    raise ConfigError("data.cache_dir", f"empty, so the sample indices go beside {prefix}: {e.problem}",
+                                      "set data.cache_dir to a folder you can write") from None
     if cfg.data.source == "builtin" and m.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the byte "
                           f"tokenizer's {ByteTokenizer.vocab_size} ids of the builtin corpus",
