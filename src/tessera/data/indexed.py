@@ -197,20 +197,23 @@ class IndexedDataset:
 _CHECK_CHUNK = 1 << 22  # index entries per step of the layout check (bounded temporaries)
 
 
+def _sampled_documents(ds: IndexedDataset, samples: int):
+    """Up to ``samples`` of ``ds``'s documents, spread evenly over it."""
+    n = ds.num_documents
+    picks = sorted({int(i) for i in np.linspace(0, n - 1, min(n, samples))}) if n else []
+    return (ds.document(i) for i in picks)
+
+
 def document_ends(ds: IndexedDataset, samples: int = 1000) -> set[int]:
     """The last token ids of up to ``samples`` documents spread over ``ds``: one id where the
     preprocessing appended an end-of-document token (``tessera preprocess`` does)."""
-    n = ds.num_documents
-    picks = sorted({int(i) for i in np.linspace(0, n - 1, min(n, samples))}) if n else []
-    return {int(doc[-1]) for doc in (ds.document(i) for i in picks) if len(doc)}
+    return {int(doc[-1]) for doc in _sampled_documents(ds, samples) if len(doc)}
 
 
 def token_occurs(ds: IndexedDataset, token: int, samples: int = 1000) -> bool:
     """Whether ``token`` occurs anywhere in the documents :func:`document_ends` samples (data
     stored as fixed-length rows of packed documents holds its end-of-document ids inside rows)."""
-    n = ds.num_documents
-    picks = sorted({int(i) for i in np.linspace(0, n - 1, min(n, samples))}) if n else []
-    return any(bool((ds.document(i) == token).any()) for i in picks)
+    return any(bool((doc == token).any()) for doc in _sampled_documents(ds, samples))
 
 
 def _check_layout(idx: str, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray,

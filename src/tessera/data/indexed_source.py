@@ -57,6 +57,11 @@ def builtin_prefix(cache_dir: str) -> str:
     return build_on_one_rank(write)
 
 
+def default_cache_dir(prefix: str) -> str:
+    """Where a dataset's sample indices are cached without data.cache_dir: beside it."""
+    return os.path.join(os.path.dirname(os.path.abspath(prefix)), "index-cache")
+
+
 def indexed_source(data: DataConfig, seq_len: int, num_samples: int, seed: int, *, split: int = 0):
     """Samples ``[0, num_samples)`` of the blend (``split``: 0 train, 1 valid, 2 test)."""
     blend = parse_blend(data.paths)
@@ -67,7 +72,7 @@ def indexed_source(data: DataConfig, seq_len: int, num_samples: int, seed: int, 
         blend = list(zip(size_weights(sizes), [prefix for _, prefix in blend]))
     datasets = []
     for (weight, prefix), (docs, _), documents in zip(blend, opened, parts):
-        cache = data.cache_dir or os.path.join(os.path.dirname(os.path.abspath(prefix)), "index-cache")
+        cache = data.cache_dir or default_cache_dir(prefix)
         need = num_samples if len(blend) == 1 else math.ceil(weight * num_samples * 1.005) + 1  # as Megatron
         datasets.append(build_on_one_rank(lambda: GPTDataset(docs, documents, seq_len, need, seed, cache,
                                                              name=os.path.abspath(prefix))))

@@ -45,24 +45,24 @@ def grad_norm_and_nonfinite(grads: Grads, topo: Topology, sharded: bool = False,
     replicated gradient, the last stage's tied embedding): one more number in the same
     all-reduce. (At zero=0 dp replicas are not in it: the caller adds theirs.)"""
     device = topo.device
-    mine = [g for g, p in grads if counts_once_here(p, topo.tp_rank)]
-    others = [g for g, p in grads if not counts_once_here(p, topo.tp_rank)] if count_nonfinite else []
-    sq, bad = torch.zeros((), device=device), torch.zeros((), device=device)
-    for part in (mine, others):
-        if not part:
-            continue
+
+    def norms(part: list[torch.Tensor]) -> torch.Tensor:
         # in fp32 whatever the gradients' dtype: an fp16 norm overflows past 65504 (inf, so the
         # clipping factor zeroed every gradient) and a bf16 one is off by up to 0.4 %
-        norms = torch.stack([n.to(device=device) for n in torch._foreach_norm(part, 2.0, dtype=torch.float32)])
-        if part is mine:
-            sq = norms.square().sum()
-        if count_nonfinite:
-            bad = bad + (~torch.isfinite(norms)).sum()
-    both = torch.stack([sq, bad.float()]) if count_nonfinite else sq
+        if not part:
+            return torch.zeros(0, device=device)
+        return torch.stack([n.to(device=device) for n in torch._foreach_norm(part, 2.0, dtype=torch.float32)])
+
+    counted = norms([g for g, p in grads if counts_once_here(p, topo.tp_rank)])
+    sq = counted.square().sum()
+    if count_nonfinite:
+        others = norms([g for g, p in grads if not counts_once_here(p, topo.tp_rank)])
+        bad = (~torch.isfinite(counted)).sum() + (~torch.isfinite(others)).sum()
+        sq = torch.stack([sq, bad.float()])
     for axis in ("mp", "dp") if sharded else ("mp",):
         if topo.group(axis) is not None:
-            dist.all_reduce(both, group=topo.group(axis))
-    return (both[0].sqrt(), both[1]) if count_nonfinite else (both.sqrt(), None)
+            dist.all_reduce(sq, group=topo.group(axis))
+    return (sq[0].sqrt(), sq[1]) if count_nonfinite else (sq.sqrt(), None)
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:

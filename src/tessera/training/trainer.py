@@ -180,8 +180,9 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
         _check_writable_dir(cfg.data.cache_dir, "data.cache_dir")
     elif cfg.data.source == "indexed":  # the default: an index-cache folder beside each dataset
         from tessera.data import parse_blend
+        from tessera.data.indexed_source import default_cache_dir
         for _, prefix in parse_blend(cfg.data.paths):
-            cache = os.path.join(os.path.dirname(os.path.abspath(prefix)), "index-cache")
+            cache = default_cache_dir(prefix)
             if not os.path.isdir(cache):  # (one there already may hold the indices: read, not written)
                 try:
                     _check_writable_dir(cache, "data.cache_dir")
