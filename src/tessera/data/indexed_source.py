@@ -57,7 +57,7 @@ def builtin_prefix(cache_dir: str) -> str:
     return build_on_one_rank(write)
 
 
-def default_cache_dir(prefix: str) -> str:
+def index_cache_beside(prefix: str) -> str:
     """Where a dataset's sample indices are cached without data.cache_dir: beside it."""
     return os.path.join(os.path.dirname(os.path.abspath(prefix)), "index-cache")
 
@@ -72,7 +72,7 @@ def indexed_source(data: DataConfig, seq_len: int, num_samples: int, seed: int, 
         blend = list(zip(size_weights(sizes), [prefix for _, prefix in blend]))
     datasets = []
     for (weight, prefix), (docs, _), documents in zip(blend, opened, parts):
-        cache = data.cache_dir or default_cache_dir(prefix)
+        cache = data.cache_dir or index_cache_beside(prefix)
         need = num_samples if len(blend) == 1 else math.ceil(weight * num_samples * 1.005) + 1  # as Megatron
         datasets.append(build_on_one_rank(lambda: GPTDataset(docs, documents, seq_len, need, seed, cache,
                                                              name=os.path.abspath(prefix))))

@@ -180,9 +180,9 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
         _check_writable_dir(cfg.data.cache_dir, "data.cache_dir")
     elif cfg.data.source == "indexed":  # the default: an index-cache folder beside each dataset
         from tessera.data import parse_blend
-        from tessera.data.indexed_source import default_cache_dir
+        from tessera.data.indexed_source import index_cache_beside
         for _, prefix in parse_blend(cfg.data.paths):
-            cache = default_cache_dir(prefix)
+            cache = index_cache_beside(prefix)
             if not os.path.isdir(cache):  # (one there already may hold the indices: read, not written)
                 try:
                     _check_writable_dir(cache, "data.cache_dir")
