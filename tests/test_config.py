@@ -100,8 +100,7 @@ BAD = [
 
 def test_cuda_graphs_accepts_what_it_can_capture():
     sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
-    for sets, world in ((sp, 2), (sp + ["parallel.tp_async=p2p"], 2), (sp + ["parallel.tp_async=true"], 2),
-                        (sp + ["parallel.tp_comm_overlap=true"], 2), ([], 2),
+    for sets, world in ((sp, 2), (sp + ["parallel.tp_comm_overlap=true"], 2), ([], 2),
                         (["parallel.zero=1", "parallel.overlap_param_gather=false"], 2), (["parallel.zero=1"], 1),
                         (["parallel.zero=1"], 2), (["parallel.zero=2"], 2)):  # gather hooks lifted for capture
         validate(load_config(None, ["train.cuda_graphs=true", *sets]), world)
@@ -237,10 +236,7 @@ def test_fast_path_options_refused_where_they_cannot_act():
     from tessera.config import ConfigError, load_config, validate
     cases = [(["parallel.zero=3", "train.grad_accum_fusion=true"], "no main_grad to fuse into"),
              (["parallel.schedule=zb-h1"], "with pp=1 there are none"),
-             (["parallel.schedule=zb-h2"], "zb-h2 fills pipeline bubbles; with pp=1 there are none"),
-             (["parallel.schedule=zb-h2", "parallel.pp=2", "parallel.zero=3"], "zb-h2 defers weight gradients"),
-             (["parallel.tp=2", "parallel.tp_async=true"], "async TP fuses sequence-parallel"),
-             (["parallel.tp=2", "parallel.tp_async=p2p"], "async TP fuses sequence-parallel"),
+             (["parallel.schedule=zb-h1", "parallel.pp=2", "parallel.zero=3"], "zb-h1 defers weight gradients"),
              (["train.fused_elementwise=true"], "compiles the llama family's RMSNorm")]
     for sets, message in cases:
         with pytest.raises(ConfigError, match=message):
@@ -274,7 +270,6 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     assert resolved(["model.family=llama", "parallel.dp=2", "parallel.zero=1"]) == (True, True, False)
     assert resolved(["model.family=llama", "parallel.dp=2", "parallel.zero=3"]) == (True, False, False)  # FSDP: no fusion
     assert resolved(["model.family=llama", "parallel.pp=2"], "zb-h1") == (False, True, False)  # no graph breaks around deferred W
-    assert resolved(["model.family=llama", "parallel.pp=2"], "zb-h2") == (False, True, False)
     # tp > 1: graphed eager layers where they can be captured; fusion measured slower, compiled slower
     assert resolved(["parallel.tp=2"]) == (False, False, True)
     assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "model.family=llama"]) == (False, False, True)
@@ -288,9 +283,6 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
         == (False, False, True)
     assert resolved(["parallel.tp=2", "parallel.dp=2", "parallel.zero=1", "parallel.overlap_param_gather=false"]) \
         == (False, False, True)
-    # the opt-in overlapped TP paths are graphed too: eager, they measured far slower (session 8)
-    assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=p2p"]) == (False, False, True)
-    assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=true"]) == (False, False, True)
     assert resolved(["parallel.tp=2", "train.cuda_graphs=false"]) == (False, False, False)
     # the backward comm overlap: auto with graphed layers only; explicit choices stand
     from tessera.training.trainer import tp_comm_overlap
@@ -304,8 +296,6 @@ def test_fast_paths_auto_resolve_by_device_layout_and_schedule():
     assert resolved(["parallel.tp=2", "parallel.tp_comm_overlap=true"]) == (False, False, True)  # GPU test passed (session 9)
     assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"]) \
         == (False, False, True)
-    assert resolved(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_async=p2p",
-                     "train.cuda_graphs=true"]) == (False, False, True)
     # fused weight gradients asked for at tp > 1: captured in the graphs (opt-in until measured)
     assert resolved(["parallel.tp=2", "train.grad_accum_fusion=true"]) == (False, True, True)
     assert resolved(["train.cuda_graphs=true", "train.grad_accum_fusion=true"]) == (False, True, True)
@@ -456,7 +446,7 @@ def test_trainer_releases_the_layer_graphs_after_training_and_after_an_error(mon
             super().release()
             raise RuntimeError("a release failed")
 
-    # two sets (micro-batch pairs): the second is released although the first's release failed
+    # two sets: the second is released although the first's release failed
     monkeypatch.setattr(trainer, "graph_stage", lambda chunks, cfg, data_parallel=None, fused=False: [Failing(), Recorded()])
     monkeypatch.setattr(trainer, "_run", lambda *args: [])
     with pytest.raises(RuntimeError, match="a release failed"):

@@ -173,9 +173,7 @@ RUNS = {
           ("zero0-bf16", 1, 1, [ZEROS[0], "train.dtype=bf16"]),
           ("zero1-bf16-bf16grads", 1, 1, [ZEROS[1], "train.dtype=bf16", "train.grad_dtype=bf16"]),
           ("zero2-bf16-bf16grads", 1, 1, [ZEROS[2], "train.dtype=bf16", "train.grad_dtype=bf16"]),
-          ("zero0-bf16-wire", 1, 1, [ZEROS[0], "train.dtype=bf16", "parallel.grad_reduce_dtype=bf16"]),
-          ("zero1-bf16-wire", 1, 1, [ZEROS[1], "train.dtype=bf16", "parallel.grad_reduce_dtype=bf16"]),
-          ("zero2-bf16-wire", 1, 1, [ZEROS[2], "train.dtype=bf16", "parallel.grad_reduce_dtype=bf16"])]
+]
        + [(f"zero{z}-fused", 1, 1, [ZEROS[z], "train.grad_accum_fusion=true"]) for z in range(3)]
        + [("zero1-fused-compiled", 1, 1, [ZEROS[1], "train.grad_accum_fusion=true", "train.compile=true"])]
        + [(f"pp2-zero{z}", 1, 2, [ZEROS[z]]) for z in (0, 1)]
@@ -794,8 +792,6 @@ def test_zero2_and_zero_bubble_refused():
 
     with pytest.raises(ConfigError, match="zb-h1 holds every zero=2"):
         validate(load_config(None, ["parallel.zero=2", "parallel.pp=2", "parallel.schedule=zb-h1"]), 2)
-    with pytest.raises(ConfigError, match="zb-h2 holds every zero=2"):
-        validate(load_config(None, ["parallel.zero=2", "parallel.pp=2", "parallel.schedule=zb-h2"]), 2)
 
 
 @pytest.mark.parametrize("args,problem", [
@@ -851,8 +847,8 @@ def test_bf16_on_the_wire_rounds_but_replicas_agree():
 
 
 def _wire_bytes_worker(rank: int, world: int) -> dict:
-    """Per (zero, reduce dtype): the bytes this rank handed to the collectives in a step of a
-    bf16-gradient model, and the reduced gradients."""
+    """Per zero: the dtypes of the tensors this rank handed to the collectives in a step of a
+    bf16-gradient model."""
     import torch.distributed as dist
     from torch import nn
 
@@ -860,33 +856,26 @@ def _wire_bytes_worker(rank: int, world: int) -> dict:
     sent = []
     for name in ("all_reduce", "reduce_scatter_tensor", "all_to_all_single", "all_gather_into_tensor"):
         fn, sends = getattr(dist, name), 0 if name == "all_reduce" else 1  # the argument sent: all_reduce's only one, else the input
-        setattr(dist, name, lambda *a, fn=fn, i=sends, **k: (sent.append(a[i].numel() * a[i].element_size()), fn(*a, **k))[1])
+        setattr(dist, name, lambda *a, fn=fn, i=sends, **k: (sent.append(str(a[i].dtype)), fn(*a, **k))[1])
     out = {}
     for zero in (0, 1, 2):
-        for wire in (torch.float32, torch.bfloat16):
-            torch.manual_seed(0)
-            model = nn.ModuleDict({k: nn.Linear(16, 16, bias=False) for k in "ab"})
-            dp = DataParallel([model], Topology.build(), zero=zero, grad_dtype=torch.bfloat16, reduce_dtype=wire,
-                              bucket_size=1)
-            x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
-            sent.clear()
-            dp.start_step(1)
-            model["b"](model["a"](x)).sum().backward()
-            dp.finish_grad_sync()
-            out[zero, str(wire)] = (sum(sent), [r.fp32_grad().clone() for r in dp.ranges])
+        torch.manual_seed(0)
+        model = nn.ModuleDict({k: nn.Linear(16, 16, bias=False) for k in "ab"})
+        dp = DataParallel([model], Topology.build(), zero=zero, grad_dtype=torch.bfloat16, bucket_size=1)
+        x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
+        sent.clear()
+        dp.start_step(1)
+        model["b"](model["a"](x)).sum().backward()
+        dp.finish_grad_sync()
+        out[zero] = sorted(set(sent))
     return out
 
 
 def test_bf16_gradients_travel_as_bf16():
-    """bf16 gradient buffers with the default parallel.grad_reduce_dtype=fp32 are sent as they are
-    (the collectives sum them in fp32), not widened to fp32 on the wire: the same bytes and the
-    same sums as with grad_reduce_dtype=bf16."""
+    """bf16 gradient buffers are sent as they are (the collectives sum them in fp32 on arrival),
+    never widened to fp32 on the wire (zero=0's all-gather of the summed shards included)."""
     for out in run_ranks(_wire_bytes_worker, 2, timeout=120):
-        for zero in (0, 1, 2):
-            (fp32_bytes, fp32_grads), (bf16_bytes, bf16_grads) = out[zero, "torch.float32"], out[zero, "torch.bfloat16"]
-            assert fp32_bytes == bf16_bytes > 0, (zero, fp32_bytes, bf16_bytes)
-            for a, b in zip(fp32_grads, bf16_grads):
-                assert torch.equal(a, b), zero
+        assert out == {0: ["torch.bfloat16"], 1: ["torch.bfloat16"], 2: ["torch.bfloat16"]}, out
 
 
 def _aborted_step_worker(rank: int, world: int) -> dict:

@@ -3,7 +3,7 @@
 import pytest
 
 from tessera.config import ModelConfig
-from tessera.training.flops import flops_per_token, peak_flops
+from tessera.models.flops import flops_per_token, peak_flops
 
 
 def test_gpt_matches_megatron_formula():

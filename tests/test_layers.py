@@ -75,11 +75,11 @@ def _fused_rows(r: _Recorder, full: torch.Tensor, sizes: list[int]) -> torch.Ten
 
 
 def _check_column(r: _Recorder, name: str, sizes, *, gather_output=False, sequence_parallel=False,
-                  bias=True, seed=0, comm_overlap=False, async_tp=False):
+                  bias=True, seed=0, comm_overlap=False):
     sizes_list = [sizes] if isinstance(sizes, int) else list(sizes)
     out_features = sum(sizes_list)
     layer = ColumnParallelLinear(IN, sizes, tp_group=r.group, bias=bias, gather_output=gather_output,
-                                 sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, async_tp=async_tp)
+                                 sequence_parallel=sequence_parallel, comm_overlap=comm_overlap)
     ref = ColumnParallelLinear(IN, sizes, tp_group=None, bias=bias)
     layer.reset_parameters(torch.Generator().manual_seed(seed))
     ref.reset_parameters(torch.Generator().manual_seed(seed))
@@ -120,10 +120,9 @@ def _check_column(r: _Recorder, name: str, sizes, *, gather_output=False, sequen
         r.close(f"{name}: bias grad", layer.bias.grad, _fused_rows(r, ref.bias.grad, sizes_list))
 
 
-def _check_row(r: _Recorder, name: str, *, input_is_parallel=True, sequence_parallel=False, bias=True, seed=0,
-               async_tp=False):
+def _check_row(r: _Recorder, name: str, *, input_is_parallel=True, sequence_parallel=False, bias=True, seed=0):
     layer = RowParallelLinear(IN, OUT, tp_group=r.group, bias=bias, input_is_parallel=input_is_parallel,
-                              sequence_parallel=sequence_parallel, async_tp=async_tp)
+                              sequence_parallel=sequence_parallel)
     ref = RowParallelLinear(IN, OUT, tp_group=None, bias=bias)
     layer.reset_parameters(torch.Generator().manual_seed(seed))
     ref.reset_parameters(torch.Generator().manual_seed(seed))
@@ -164,10 +163,10 @@ def _check_row(r: _Recorder, name: str, *, input_is_parallel=True, sequence_para
             r.close(f"{name}: bias grad", layer.bias.grad, ref.bias.grad)
 
 
-def _check_mlp(r: _Recorder, name: str, *, sequence_parallel: bool, async_tp: bool | str = False):
+def _check_mlp(r: _Recorder, name: str, *, sequence_parallel: bool):
     """Column then row, as in a transformer MLP: one all-reduce (or all-gather + reduce-scatter)."""
-    col = ColumnParallelLinear(IN, OUT, tp_group=r.group, sequence_parallel=sequence_parallel, async_tp=async_tp)
-    row = RowParallelLinear(OUT, IN, tp_group=r.group, sequence_parallel=sequence_parallel, async_tp=async_tp)
+    col = ColumnParallelLinear(IN, OUT, tp_group=r.group, sequence_parallel=sequence_parallel)
+    row = RowParallelLinear(OUT, IN, tp_group=r.group, sequence_parallel=sequence_parallel)
     ref_col = ColumnParallelLinear(IN, OUT, tp_group=None)
     ref_row = RowParallelLinear(OUT, IN, tp_group=None)
     for i, (a, b) in enumerate([(col, ref_col), (row, ref_row)]):
@@ -248,18 +247,6 @@ def _layers_rank(rank: int, tp: int) -> list:
     _check_row(r, "row sequence_parallel", sequence_parallel=True, seed=14)
     _check_mlp(r, "mlp", sequence_parallel=False)
     _check_mlp(r, "mlp sequence_parallel", sequence_parallel=True)
-    # async TP: the collectives fused with the GEMMs (torch's reference ops on CPU)
-    _check_column(r, "column async_tp", QKV, sequence_parallel=True, seed=15, async_tp=True)
-    _check_column(r, "column async_tp gather_output", OUT, gather_output=True, sequence_parallel=True, seed=16,
-                  async_tp=True)
-    _check_row(r, "row async_tp", sequence_parallel=True, seed=17, async_tp=True)
-    _check_mlp(r, "mlp async_tp", sequence_parallel=True, async_tp=True)
-    # the same as a ring of sends and receives (parallel.tp_async=p2p)
-    _check_column(r, "column async_tp p2p", QKV, sequence_parallel=True, seed=18, async_tp="p2p")
-    _check_column(r, "column async_tp p2p gather_output", OUT, gather_output=True, sequence_parallel=True,
-                  seed=19, async_tp="p2p")
-    _check_row(r, "row async_tp p2p", sequence_parallel=True, seed=20, async_tp="p2p")
-    _check_mlp(r, "mlp async_tp p2p", sequence_parallel=True, async_tp="p2p")
     _check_embedding(r, "embedding pad 1", pad_multiple=1, seed=21)
     _check_embedding(r, "embedding pad 8", pad_multiple=8, seed=22)
 
@@ -304,18 +291,10 @@ def test_model_hands_the_tp_options_to_every_linear_layer():
     for family in ("gpt2", "llama"):
         cfg = ModelConfig(family=family, hidden=32, heads=4, kv_heads=2 if family == "llama" else 0, layers=2,
                           seq_len=8, vocab_size=40, tie_embeddings=False)
-        model = GPTModel(cfg, TPContext(async_tp=True, comm_overlap=True))
+        model = GPTModel(cfg, TPContext(comm_overlap=True))
         layers = [m for m in model.modules() if isinstance(m, (Col, Row))]
-        assert len(layers) == 2 * 4 + 1 and all(m.async_tp for m in layers), family
+        assert len(layers) == 2 * 4 + 1, family
         assert all(m.comm_overlap for m in layers if isinstance(m, Col)), family
-
-
-def test_async_tp_backend_is_true_or_p2p():
-    from tessera.tensor_parallel.async_tp import _backend
-    assert _backend(True) == "symm_mem" and _backend("p2p") == "p2p"
-    for bad in (False, "false", "P2P", "true"):
-        with pytest.raises(ValueError, match="give True"):
-            _backend(bad)
 
 
 def test_live_graph_search_skips_dead_weak_proxies():

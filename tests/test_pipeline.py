@@ -29,7 +29,7 @@ from tessera.distributed.finalize import finalize_model_grads, param_grads
 from tessera.models import GPTModel, TPContext
 from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.pipeline_parallel.p2p import P2P, ShapeError
-from tessera.pipeline_parallel.schedules import COMPUTE, SPLIT_BACKWARD, build_all, build_schedule, zb_h2_deferral
+from tessera.pipeline_parallel.schedules import COMPUTE, SPLIT_BACKWARD, build_all, build_schedule
 from tessera.pipeline_parallel.simulator import simulate
 from tessera.pipeline_parallel.stage import build_stage_chunks
 from tessera.tensor_parallel.wgrad import WeightGradStore
@@ -87,15 +87,11 @@ PP2_CASES = _matrix(2) + [
     # interleaved with an uneven layout (the first virtual stage holds only the embedding) and a
     # partial last round of micro-batches
     Case("interleaved", 2, 2, 3, True, "gpt2", layout=(0, 2, 1, 1), seed=104),
-    # ZB-H2's memory: three warm-up forwards on rank 0, rank 1's W's deferred by two
-    Case("zb-h2", 2, 1, 8, True, "gpt2", seed=106),
-    Case("zb-h2", 2, 1, 3, False, "llama", seed=107),
     # interleaved with the backward split: rank 1's W's two I's late; a partial round, uneven layout
     Case("interleaved-zb", 2, 2, 4, True, "gpt2", seed=109),
     Case("interleaved-zb", 2, 2, 3, False, "llama", layout=(0, 2, 1, 1), seed=110),
 ]
 PP4_CASES = _matrix(4) + [Case("1f1b", 4, 1, 4, False, "gpt2", layout=(1, 3, 3, 1), seed=105),
-                          Case("zb-h2", 4, 1, 9, False, "llama", seed=108),
                           Case("interleaved-zb", 4, 2, 8, True, "llama", seed=111)]
 PP2_TP2_CASES = [
     Case("1f1b", 2, 1, 5, True, "gpt2", tp=2, sp=True, seed=201),
@@ -365,8 +361,7 @@ def test_uneven_layout_places_layers_as_given():
 
 def test_peak_in_flight_is_bounded_by_the_schedule():
     """1f1b and zb-h1 hold at most pp - rank micro-batches' activations (exactly pp on rank 0);
-    zb-h1 holds at most pp micro-batches from F to W (deferred W's included); zb-h2 at most
-    2 (pp - rank) - 1 in flight and 2pp - 1 from F to W; gpipe holds all m;
+    zb-h1 holds at most pp micro-batches from F to W (deferred W's included); gpipe holds all m;
     as counted by the executor itself, and as the simulator predicts."""
     seen = set()
     for world in (2, 4, 8):
@@ -381,15 +376,10 @@ def test_peak_in_flight_is_bounded_by_the_schedule():
                 assert r["peak_held"] == timeline.peak_held(p), what
                 # a W deferred by d micro-batches: d + 1 pending after each I (rank r: d = r, or k r)
                 # (interleaved-zb: counted in I's of micro-batch chunks, 2r of them)
-                defer = {"zb-h1": p, "zb-h2": zb_h2_deferral(case.pp, case.m) * p, "interleaved-zb": 2 * p}.get(case.kind)
+                defer = {"zb-h1": p, "interleaved-zb": 2 * p}.get(case.kind)
                 assert r["peak_w"] == (0 if defer is None else min(case.m * case.vpp, defer + 1)), what
                 if case.kind == "zb-h1":  # from F to W: within 1F1B's bound of rank 0
                     assert r["peak_held"] <= case.pp, what
-                if case.kind == "zb-h2":  # ZB-H2's bounds: 2 (pp - rank) - 1 in flight, 2pp - 1 held
-                    assert peak <= 2 * (case.pp - p) - 1 and r["peak_held"] <= 2 * case.pp - 1, what
-                    if p == 0 and case.m >= 2 * case.pp - 1:
-                        assert peak == 2 * case.pp - 1, what
-                        seen.add(case.kind)
                 if case.kind in ("1f1b", "zb-h1"):
                     assert peak <= case.pp - p, what
                     if p == 0 and case.m >= case.pp:
@@ -399,7 +389,7 @@ def test_peak_in_flight_is_bounded_by_the_schedule():
                     assert peak == case.m, what
                     if case.m > case.pp:
                         seen.add("gpipe")
-    assert seen == {"1f1b", "zb-h1", "zb-h2", "gpipe"}
+    assert seen == {"1f1b", "zb-h1", "gpipe"}
 
 
 def test_shape_change_within_a_step_is_refused():

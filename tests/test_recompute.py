@@ -93,8 +93,5 @@ def test_combinations_it_does_not_run_are_refused():
                        (["train.recompute=full", "train.recompute_layers=-1"], "train.recompute_layers")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, BASE + extra)
-    with pytest.raises(ConfigError, match=r"parallel\.tp_microbatch_pairs: a recomputed layer reruns"):
-        validate(load_config(None, BASE + ["model.dropout=0", "train.recompute=full", "parallel.tp=2",
-                                           "parallel.tp_microbatch_pairs=true"]), 2)
     with pytest.raises(ConfigError, match=r"train\.cuda_graphs: a graphed layer's backward"):
         validate(load_config(None, BASE + ["model.dropout=0", "train.recompute=full", "train.cuda_graphs=true"]), 1)

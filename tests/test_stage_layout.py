@@ -13,7 +13,7 @@ from tessera.pipeline_parallel.stage import (
     parse_layout,
     stage_layer_ranges,
 )
-from tessera.training.flops import (
+from tessera.models.flops import (
     flops_per_token,
     head_matmul_weights,
     layer_flops_per_token,

@@ -118,54 +118,6 @@ def test_optimizer_groups_survive_loading_its_state():
         assert torch.equal(p, before[n]), f"{n} moved at lr 0 after load_state_dict"
 
 
-def test_garbage_collection_at_fixed_steps(monkeypatch):
-    """train.gc_interval: automatic collection off inside, a full collection after every
-    interval-th step and before and after, the collector's state restored; interval 0 touches
-    nothing."""
-    import gc
-
-    from tessera.training.gc_control import GarbageCollection
-
-    calls, freezes, real_freeze = [], [], gc.freeze
-    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 0)
-    monkeypatch.setattr(gc, "freeze", lambda: freezes.append(1) or real_freeze())
-    assert gc.isenabled() and gc.get_freeze_count() == 0
-    made_in_training = []
-    with GarbageCollection(3) as collector:
-        assert not gc.isenabled()
-        at_start = gc.get_freeze_count()
-        assert at_start > 0  # what lived at the start is out of the collections' sight
-        timed = []
-        for step in range(7):
-            made_in_training.append([[step] for _ in range(100)])  # (tracked objects the steps make)
-            timed.append(collector.step(step))
-            if step == 2:  # the first periodic collection froze the first steps' survivors
-                assert gc.get_freeze_count() >= at_start + 300
-                after_first = gc.get_freeze_count()
-        # only once: later steps' objects stay in sight (the count itself may fall, as frozen
-        # objects are freed by reference counting)
-        assert len(freezes) == 2 and gc.get_freeze_count() <= after_first
-    assert gc.isenabled() and gc.get_freeze_count() == 0
-    assert calls == [2, 2, 2, 2]  # before; after steps 3 and 6; after
-    assert [t is not None for t in timed] == [False, False, True, False, False, True, False]
-    assert all(t >= 0 for t in timed if t is not None)  # each collection's host time, in ms
-    calls.clear()
-    with GarbageCollection(0) as collector:
-        assert gc.isenabled()
-        for step in range(7):
-            collector.step(step)
-    assert calls == []
-    gc.disable()  # a collector that was off stays off
-    try:
-        with GarbageCollection(2):
-            pass
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
-    with pytest.raises(ValueError, match=">= 0"):
-        GarbageCollection(-1)
-
-
 def test_gradient_norm_of_16_bit_gradients_is_taken_in_fp32():
     """Gradients of a 16-bit model without tessera's buffers (distributed.finalize.param_grads):
     the norm of finite fp16 gradients is finite (an fp16 norm overflowed past 65504 to inf, and

@@ -44,12 +44,8 @@ def test_same_losses_on_every_layout(tmp_path, family, extra):
     assert "step     5 | loss" in stdout  # one console line per log_every
     tp2, _ = run_train(tmp_path / "tp2", 2, base + ["parallel.tp=2"])
     assert_same_curve(reference, tp2)
-    # with Python's garbage collection at fixed steps on every rank (train.gc_interval)
-    tp2_dp2, _ = run_train(tmp_path / "tp2dp2", 4, base + ["parallel.tp=2", "parallel.sequence_parallel=true",
-                                                           "train.gc_interval=3"])
+    tp2_dp2, _ = run_train(tmp_path / "tp2dp2", 4, base + ["parallel.tp=2", "parallel.sequence_parallel=true"])
     assert_same_curve(reference, tp2_dp2)
-    # each collection's host time, on the step after which it ran
-    assert [m["step"] for m in tp2_dp2 if "gc_ms" in m] == [3, 6, 9] and "gc_ms" not in reference[2]
 
 
 @pytest.mark.timeout(200)
@@ -110,16 +106,3 @@ def test_compiled_layers_follow_the_eager_curve(tmp_path):
     zb, _ = run_train(tmp_path / "zb", 2, base + ["train.compile=true", "parallel.pp=2", "parallel.schedule=zb-h1",
                                                   "train.grad_accum_fusion=true"], timeout=500)
     assert_same_curve(eager, zb, rel=1e-4)
-
-
-@pytest.mark.timeout(600)
-def test_async_tp_follows_the_one_process_curve(tmp_path):
-    """parallel.tp_async (SP collectives fused with the GEMMs; torch's reference ops on CPU)."""
-    base = ["data.source=synthetic", "model.layers=2", "train.steps=4"]
-    one, _ = run_train(tmp_path / "one", 1, base)
-    tp2, _ = run_train(tmp_path / "tp2", 2, base + ["parallel.tp=2", "parallel.sequence_parallel=true",
-                                                    "parallel.tp_async=true"])
-    assert_same_curve(one, tp2, rel=1e-4)
-    ring, _ = run_train(tmp_path / "ring", 2, base + ["parallel.tp=2", "parallel.sequence_parallel=true",
-                                                      "parallel.tp_async=p2p"])
-    assert_same_curve(one, ring, rel=1e-4)

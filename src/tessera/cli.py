@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="check the config for N processes, then launch them with torchrun")
     sub.add_parser("config", help="print the configuration reference (every key, default and meaning)")
     schedule = sub.add_parser("schedule", help="simulate a pipeline schedule: step time, bubble (idle / busy time), picture")
-    schedule.add_argument("--kind", default="1f1b", help="none, gpipe, 1f1b, interleaved, zb-h1, zb-h2 or interleaved-zb")
+    schedule.add_argument("--kind", default="1f1b", help="none, gpipe, 1f1b, interleaved, zb-h1 or interleaved-zb")
     schedule.add_argument("--pp", type=_positive(int), default=4, help="pipeline ranks")
     schedule.add_argument("--vpp", type=_positive(int), default=1, help="model chunks per rank (interleaved, interleaved-zb)")
     schedule.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
@@ -110,7 +110,7 @@ def _schedule(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     """Check the configuration for the launch, then hand over to torchrun (which relaunches us)."""
     from tessera.training.metrics import CHECKPOINT_LOCK_NAME, check_out_dir_free
-    from tessera.training.trainer import check_runnable
+    from tessera.training.preflight import check_runnable
 
     cfg = check_runnable(load_config(args.config, args.overrides), args.nproc_per_node)
     check_out_dir_free(cfg.train.out_dir)  # (the run takes the lock; said here once, before torchrun)

@@ -28,11 +28,11 @@ Communication plan of one step (zero = ``parallel.zero``):
    pre-hook on each layer waits for the buckets it reads.
 
 The loss is already divided by the global token count, so every reduction is a sum.
-Zero-bubble schedules compute some weight gradients outside autograd (``WeightGradStore``); they
-are routed through :meth:`accumulate` like the others. With gradient-accumulation fusion
-(``train.grad_accum_fusion``, the layers' store given here) a linear layer's weight gradient is
-never materialised: :meth:`accumulate_product` has the GEMM add it into ``main_grad`` and counts
-the arrival as the hook would.
+Zero-bubble schedules compute some weight gradients outside autograd; a ``WeightGradStore``
+whose sink is this object routes them through :meth:`accumulate` like the others. With
+gradient-accumulation fusion a linear layer's weight gradient is never materialised:
+:meth:`accumulate_product` has the GEMM add it into ``main_grad`` and counts the arrival as the
+hook would.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ from torch import Tensor, nn
 from tessera.distributed import collectives
 from tessera.distributed.buffers import Bucket, ParamAndGradBuffer
 from tessera.distributed.collectives import Pending
-from tessera.distributed.side_adds import SideAdds
-from tessera.tensor_parallel.wgrad import WeightGradStore, wgrad_into
+from tessera.tensor_parallel.wgrad import wgrad_into
 from tessera.topology import Topology
 
 
@@ -103,14 +102,12 @@ class DataParallel:
     def __init__(self, chunks: list[nn.Module], topo: Topology, *, zero: int = 0,
                  param_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype = torch.float32,
                  bucket_size: int = 40_000_000, overlap_grad_reduce: bool = True,
-                 overlap_param_gather: bool = True, wgrad_store: WeightGradStore | None = None,
-                 reduce_dtype: torch.dtype | None = None, fuse_wgrad: bool = False,
-                 embedding_group: dist.ProcessGroup | None = None):
+                 overlap_param_gather: bool = True, embedding_group: dist.ProcessGroup | None = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
         self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
         self.device, self._stream, self._stream_id, self._handover = torch.device(topo.device), None, 0, None
-        self.zero, self.sharded, self.reduce_dtype = zero, zero >= 1, reduce_dtype
+        self.zero, self.sharded = zero, zero >= 1
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         for chunk in chunks:
             for name, p in chunk.named_parameters():
@@ -162,13 +159,6 @@ class DataParallel:
         # reports their arrival (graphed_backward_done)
         self.graph_fused: set[nn.Parameter] = set()
         self._capturing = False
-        # while a micro-batch pair's backwards run at once: the second's adds on its side stream
-        # (distributed/side_adds.py; set and cleared by training/concurrent.py's PairedExecutor)
-        self.side_adds: SideAdds | None = None
-        self._wgrad_store = wgrad_store  # (remove() points it back at param.grad)
-        if wgrad_store is not None:
-            wgrad_store.accumulate = self.accumulate
-            wgrad_store.accumulate_product = self.accumulate_product if fuse_wgrad else None
         if self.sharded and overlap_param_gather and self.group is not None:
             for chunk, buffer in zip(chunks, self.buffers):
                 self._register_gather_hooks(chunk, buffer)
@@ -240,15 +230,6 @@ class DataParallel:
         grad, p.grad = p.grad, None
         if grad is None:  # a deferred weight gradient (zero-bubble I step); it comes later
             return
-        side = self.side_adds
-        if side is not None:  # a micro-batch pair's two backwards at once (distributed/side_adds.py)
-            if side.is_side():
-                st = self._open(p)
-                with side.second_add(p):
-                    self._add(p, grad, st)
-                self._arrived(p, st)
-                return
-            side.before_step_add(p)
         if self._stream is None or current_stream_id(self.device) == self._stream_id:
             self.accumulate(p, grad)
             return
@@ -364,21 +345,16 @@ class DataParallel:
 
     def _launch(self, st: _BucketState) -> None:
         st.launched = True
-        if self.side_adds is not None:  # the buffers hold side-stream adds too
-            self.side_adds.step_waits()
         flat, rng = st.bucket.grad, st.range
         pending = None
         if self.group is None:
             if rng.own_grad and not rng.refresh:
                 rng.grad.copy_(flat)
         else:
-            wire = self._on_the_wire(flat)
             if self.zero == 0:
-                pending = collectives.all_reduce(wire, self.group, async_op=self.overlap_grad_reduce)
-                if wire is not flat:
-                    pending = collectives.Pending(None, lambda p=pending: (p.wait(), flat.copy_(wire)))
+                pending = collectives.all_reduce(flat, self.group, async_op=self.overlap_grad_reduce)
             else:
-                pending = collectives.reduce_scatter(wire, rng.grad, self.group, accumulate=False,
+                pending = collectives.reduce_scatter(flat, rng.grad, self.group, accumulate=False,
                                                      async_op=self.overlap_grad_reduce)
         if pending is not None:
             self._in_flight.append(pending)
@@ -403,28 +379,16 @@ class DataParallel:
             self._in_flight.append(collectives.all_reduce(st.range.grad, self.embedding_group, async_op=True))
             self.tied_reduced.update(st.bucket.params)
 
-    def _on_the_wire(self, flat: Tensor) -> Tensor:
-        """The gradients as sent: rounded to ``reduce_dtype`` where it is narrower than the buffer
-        (bf16 halves fp32 buffers' traffic), else the buffer itself: never widened, since the
-        collectives sum bf16 in fp32 anyway (distributed/collectives.py), so bf16 buffers sent
-        as fp32 would double the traffic for the same sums."""
-        if self.reduce_dtype is None or torch.finfo(self.reduce_dtype).bits >= torch.finfo(flat.dtype).bits:
-            return flat
-        return flat.to(self.reduce_dtype)
-
     def _reduce_round(self, st: _BucketState) -> None:
         """zero=2: reduce-scatter what the bucket holds into the fp32 shard, drop the buffer."""
-        if self.side_adds is not None:
-            self.side_adds.step_waits()
         flat = st.bucket.grad
         st.buffer.release_grad(st.bucket)
         if self.group is None:
             st.range.grad.add_(flat)
             return
-        wire = self._on_the_wire(flat)
-        pending = collectives.reduce_scatter(wire, st.range.grad, self.group, accumulate=True,
+        pending = collectives.reduce_scatter(flat, st.range.grad, self.group, accumulate=True,
                                              async_op=self.overlap_grad_reduce)
-        pending.keep = wire  # alive until the collective is done
+        pending.keep = flat  # alive until the collective is done
         self._in_flight.append(pending)
         while len(self._in_flight) > 2:  # bound the gradient memory in flight
             self._in_flight.popleft().wait()
@@ -511,9 +475,9 @@ class DataParallel:
 
     def remove(self) -> None:
         """Detach from the model: its gradient hooks and gather waits removed, its parameters'
-        ``main_grad`` dropped (they stay views of this object's parameter buffers) and its
-        weight-gradient store sending to ``param.grad`` again, so that the model can be wrapped
-        again. Waits for whatever is still in flight first."""
+        ``main_grad`` dropped (they stay views of this object's parameter buffers), so that the
+        model can be wrapped again (with a new ``WeightGradStore`` where the layers hold one).
+        Waits for whatever is still in flight first."""
         while self._in_flight:
             self._in_flight.popleft().wait()
         self.wait_param_gather()
@@ -522,9 +486,6 @@ class DataParallel:
         for entry in self._gather_hooks:
             entry[2].remove()
         self._grad_hooks, self._gather_hooks = [], []
-        store = self._wgrad_store
-        if store is not None and getattr(store.accumulate, "__self__", None) is self:
-            store.send_to_grad()
         for p in self._state:
             if hasattr(p, "main_grad"):  # (a second remove() finds none)
                 del p.main_grad

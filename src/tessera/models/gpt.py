@@ -28,6 +28,7 @@ from tessera.tensor_parallel.layers import (
 )
 from tessera.tensor_parallel.mappings import gather_from_tp_region, scatter_to_sequence_region
 from tessera.tensor_parallel.random import recompute, stable_seed
+from tessera.tensor_parallel.wgrad import WeightGradStore
 
 
 class GPTModel(nn.Module):
@@ -52,6 +53,7 @@ class GPTModel(nn.Module):
         # how many of these layers, from the first, keep only their input and run again in the
         # backward (train.recompute; tensor_parallel/random.py's recompute)
         self.recompute_layers = 0
+        self.wgrad_store: WeightGradStore | None = None  # (use_weight_grad_store)
         if post_process:
             self.final_norm = build_norm(cfg, self.tp, device)
             # Tied on a single stage: the output layer is the embedding matrix (see logits()).
@@ -60,13 +62,20 @@ class GPTModel(nn.Module):
                 self.output = ColumnParallelLinear(
                     cfg.hidden, padded_vocab_size(cfg.vocab_size, self.tp.size, cfg.vocab_pad_multiple),
                     tp_group=tp_group, bias=False, sequence_parallel=self.tp.sequence_parallel,
-                    init_std=std, wgrad_store=self.tp.wgrad_store, comm_overlap=self.tp.comm_overlap,
-                    async_tp=self.tp.async_tp, device=device)
+                    init_std=std, comm_overlap=self.tp.comm_overlap, device=device)
                 if cfg.tie_embeddings:  # this stage's copy of the first stage's embedding
                     self.output.weight.tied_across_stages = True
                     self.output.weight.shared_embedding = True  # norms count it on the first stage
         if pre_process and cfg.tie_embeddings and not post_process:
             self.embedding.weight.tied_across_stages = True
+
+    def use_weight_grad_store(self, store: WeightGradStore | None) -> None:
+        """Run every linear layer's weight gradient through ``store``: deferred by zero-bubble
+        schedules, fused into the main gradients, into the store's sink (None: autograd's own)."""
+        self.wgrad_store = store
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.wgrad_store = store
 
     # -- initialisation -------------------------------------------------------------------------
     @torch.no_grad()
@@ -112,70 +121,45 @@ class GPTModel(nn.Module):
                 x = F.dropout(x, self.cfg.dropout, training=True)
         return x
 
-    def logits(self, x: Tensor, cut=None) -> Tensor:
-        """Residual stream -> this rank's logit slice [s, b, padded_vocab / tp]. ``cut``: a tied
-        output layer reads the embedding through it (see forward).
+    def logits(self, x: Tensor) -> Tensor:
+        """Residual stream -> this rank's logit slice [s, b, padded_vocab / tp].
 
         A tied output layer's weight is the embedding, whose gradient has a second term from the
-        lookup: not fused into main_grad (autograd sums the two before the gradient hook). A
-        zero-bubble schedule, which would defer the output term apart from the lookup's, only
-        runs with pp >= 2 (config.validate), where the two are different parameters."""
+        lookup, so it is not fused into main_grad (autograd sums the two before the gradient
+        hook); zero-bubble schedules, which would defer one term, need pp >= 2, where the two
+        are different parameters."""
         x = self.final_norm(x)
         if self.output is not None:
             return self.output(x)
-        weight = cut(self.embedding.weight) if cut is not None else self.embedding.weight
-        return column_parallel_linear(x, weight, None, self.tp.group, self.tp.sequence_parallel,
-                                      wgrad_store=self.tp.wgrad_store, fuse_wgrad=False,  # see below
-                                      comm_overlap=self.tp.comm_overlap, async_tp=self.tp.async_tp)
+        return column_parallel_linear(x, self.embedding.weight, None, self.tp.group, self.tp.sequence_parallel,
+                                      wgrad_store=self.wgrad_store, fuse_wgrad=False,
+                                      comm_overlap=self.tp.comm_overlap)
 
     def forward(self, tokens: Tensor | None = None, labels: Tensor | None = None,
                 hidden: Tensor | None = None, position_ids: Tensor | None = None,
-                document_ids: Tensor | None = None, *, in_steps: bool = False, cut=None):
+                document_ids: Tensor | None = None):
         """First stage: ``tokens`` [b, s]; later stages: ``hidden`` from the previous stage.
         Packed sequences (every stage): ``position_ids`` and ``document_ids`` [b, s] (models/packed.py).
 
         Last stage with ``labels`` [b, s]: per-token loss [b, s] (fp32). Last stage without
-        labels: local logits [s, b, padded_vocab / tp]. Other stages: the hidden stream.
-
-        ``in_steps=True``: the same forward as a generator, a piece per ``next`` (the embedding,
-        each layer, the output layer and loss), yielding None after each piece but the last and
-        then the result; for issuing two micro-batches' forwards layer by layer in turn
-        (training/concurrent.py). Forward pre-hooks run at the call, as for any forward. With
-        ``cut`` (a function of a tensor, returning the tensor the rest of the forward reads), the
-        residual stream between pieces and a tied output layer's weight go through ``cut``: the
-        pieces' backwards can then run one at a time (training/concurrent.py's backward in turn).
-        """
-        if cut is not None and not in_steps:
-            raise ValueError("cut cuts the forward into its pieces: it needs in_steps=True")
-        steps = self._forward_steps(tokens, labels, hidden, position_ids, document_ids, cut)
-        if in_steps:
-            return steps
-        *_, out = steps
-        return out
-
-    def _forward_steps(self, tokens, labels, hidden, position_ids, document_ids, cut=None):
-        piece = cut or (lambda t: t)  # (the residual stream as the next piece reads it)
+        labels: local logits [s, b, padded_vocab / tp]. Other stages: the hidden stream."""
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         seq = PackedSequence(position_ids, document_ids)
         for i, layer in enumerate(self.layers.values()):
-            yield None
             if i < self.recompute_layers and torch.is_grad_enabled():
-                x = recompute(layer, piece(x), seq, tracker=self.tp.rng)
+                x = recompute(layer, x, seq, tracker=self.tp.rng)
             else:
-                x = layer(piece(x), seq)
+                x = layer(x, seq)
         if not self.post_process:
-            yield x
-            return
-        yield None
-        logits = self.logits(piece(x), cut)
+            return x
+        logits = self.logits(x)
         if labels is None:
-            yield logits
-            return
+            return logits
         # [s, b] -> [b, s]; a copy (tiny), never a view, also where b = 1 makes the transpose
         # contiguous already (FSDP warns about returned views)
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp.group, self.cfg.vocab_size,
                                             fused=self.tp.fused_cross_entropy)
-        yield loss.t().clone(memory_format=torch.contiguous_format)
+        return loss.t().clone(memory_format=torch.contiguous_format)
 
     @torch.no_grad()
     def full_logits(self, tokens: Tensor) -> Tensor:

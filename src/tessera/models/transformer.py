@@ -25,7 +25,6 @@ from tessera.tensor_parallel.layers import (
 )
 from tessera.tensor_parallel.mappings import Group, group_size
 from tessera.tensor_parallel.random import RNGTracker
-from tessera.tensor_parallel.wgrad import WeightGradStore
 
 
 @dataclass
@@ -35,9 +34,7 @@ class TPContext:
     group: Group = None
     sequence_parallel: bool = False
     rng: RNGTracker | None = None
-    wgrad_store: WeightGradStore | None = None  # zero-bubble schedules, gradient-accumulation fusion
     fused_cross_entropy: bool | None = None  # the compiled vocab-parallel loss (None: on CUDA only)
-    async_tp: bool | str = False  # SP collectives fused with the GEMMs: True (symmetric memory) or "p2p"
     comm_overlap: bool = False  # column layers overlap their input-gradient reduction with the W GEMM
     fused_elementwise: bool = False  # RMSNorm, RoPE, SwiGLU as compiled functions on CUDA (models/fused.py)
 
@@ -130,12 +127,11 @@ class Attention(nn.Module):
         q, kv = cfg.heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden, [q, kv, kv], tp_group=tp.group, bias=bias,
                                         sequence_parallel=tp.sequence_parallel, init_std=cfg.init_std,
-                                        wgrad_store=tp.wgrad_store, comm_overlap=tp.comm_overlap,
-                                        async_tp=tp.async_tp, device=device)
+                                        comm_overlap=tp.comm_overlap, device=device)
         self.proj = RowParallelLinear(q, cfg.hidden, tp_group=tp.group, bias=bias,
                                       sequence_parallel=tp.sequence_parallel,
                                       init_std=scaled_init_std(cfg.init_std, cfg.layers),
-                                      wgrad_store=tp.wgrad_store, async_tp=tp.async_tp, device=device)
+                                      device=device)
         self.rope = (RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device, tp.fused_elementwise)
                      if cfg.family == "llama" else None)
 
@@ -163,8 +159,7 @@ class MLP(nn.Module):
         super().__init__()
         self.family, self.fused = cfg.family, tp.fused_elementwise
         ffn, out_std = cfg.ffn_size, scaled_init_std(cfg.init_std, cfg.layers)
-        common = dict(tp_group=tp.group, sequence_parallel=tp.sequence_parallel, wgrad_store=tp.wgrad_store,
-                      async_tp=tp.async_tp, device=device)
+        common = dict(tp_group=tp.group, sequence_parallel=tp.sequence_parallel, device=device)
         gpt2 = cfg.family == "gpt2"  # fc1 holds gate and up side by side for SwiGLU
         self.fc1 = ColumnParallelLinear(cfg.hidden, ffn if gpt2 else [ffn, ffn], bias=gpt2, init_std=cfg.init_std,
                                         comm_overlap=tp.comm_overlap, **common)
@@ -189,6 +184,12 @@ class TransformerLayer(nn.Module):
         self.attn = Attention(cfg, tp, device)
         self.mlp_norm = build_norm(cfg, tp, device)
         self.mlp = MLP(cfg, tp, device)
+        self.graph = None  # a CUDA-graphed replay of block() (use_graph)
+
+    def use_graph(self, replay) -> None:
+        """In training, run ``replay(x, seq)`` (this layer's forward and backward captured as CUDA
+        graphs: training/cuda_graphs.py) instead of :meth:`block`; None: the block again."""
+        self.graph = replay
 
     def _drop(self, x: Tensor) -> Tensor:
         if not (self.training and self.dropout):
@@ -197,5 +198,10 @@ class TransformerLayer(nn.Module):
             return F.dropout(x, self.dropout, training=True)
 
     def forward(self, x: Tensor, seq: PackedSequence | None = None) -> Tensor:
+        if self.graph is not None and self.training:
+            return self.graph(x, seq)
+        return self.block(x, seq)
+
+    def block(self, x: Tensor, seq: PackedSequence | None = None) -> Tensor:
         x = x + self._drop(self.attn(self.attn_norm(x), seq or PackedSequence()))
         return x + self._drop(self.mlp(self.mlp_norm(x)))

@@ -24,10 +24,6 @@ Kinds:
   step); rank r defers each W by r micro-batches, so the W's fill what would be bubbles, and
   holds at most ``pp`` micro-batches from F to W. With unit costs F = I = W and m >= pp the
   step takes ``3m + p - 1``: a bubble of ``(p - 1)(F + I - W)``, a third of 1F1B's;
-- ``zb-h2``: ZB-H1 with ZB-H2's memory: ``2 (pp - rank) - 1`` warm-up forwards and W's deferred
-  by a multiple of the rank that the simulator picks (2), which fill the wait at the start where
-  I costs more than F (as on GPUs: I ~ 1.35 F); every rank holds up to ``2pp - 1`` micro-batches
-  from F to W (ZB-H1: ``pp``);
 - ``interleaved-zb``: the interleaved order with zero-bubble's split backward: each B becomes an
   I, and rank r runs the W of each I ``2r`` I's later (the rest after its last I), so the W's
   fill the drain's waits while the I's keep the critical path back. No rank holds more
@@ -67,8 +63,8 @@ class Op(str, Enum):
 
 
 COMPUTE = (Op.F, Op.B, Op.I, Op.W)
-KINDS = ("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "interleaved-zb")
-SPLIT_BACKWARD = ("zb-h1", "zb-h2", "interleaved-zb")  # kinds that run I and W (deferred weight gradients)
+KINDS = ("none", "gpipe", "1f1b", "interleaved", "zb-h1", "interleaved-zb")
+SPLIT_BACKWARD = ("zb-h1", "interleaved-zb")  # kinds that run I and W (deferred weight gradients)
 INTERLEAVED = ("interleaved", "interleaved-zb")  # kinds over vpp >= 2 model chunks per rank
 
 
@@ -100,7 +96,7 @@ def check_kind(kind: str, pp: int, vpp: int, microbatches: int) -> None:
     if vpp > 1 and pp < 2:
         raise ScheduleError("vpp > 1 needs pp >= 2")
     if kind == "none" and pp > 1:
-        raise ScheduleError("schedule 'none' (no pipelining) needs pp=1: choose 1f1b, interleaved, zb-h1, zb-h2 "
+        raise ScheduleError("schedule 'none' (no pipelining) needs pp=1: choose 1f1b, interleaved, zb-h1 "
                             "or interleaved-zb")
     if kind in INTERLEAVED and vpp < 2:
         raise ScheduleError(f"schedule '{kind}' needs vpp >= 2 model chunks per rank")
@@ -211,8 +207,6 @@ def compute_order(kind: str, pp: int, vpp: int, microbatches: int, rank: int) ->
         return _one_f_one_b(forwards, backwards, (pp - rank - 1) * 2 + (vpp - 1) * pp)
     if kind == "zb-h1":
         return _zero_bubble_h1(pp, m, rank)
-    if kind == "zb-h2":
-        return _zero_bubble_h2(pp, m, rank)
     if kind == "interleaved-zb":
         return _split_backward(compute_order("interleaved", pp, vpp, m, rank), 2 * rank)
     return list(_clocked_interleaved(pp, vpp, m)[rank])
@@ -258,44 +252,6 @@ def _zero_bubble_h1(pp: int, m: int, rank: int) -> list[Action]:
     W on the later ranks, and the deferred W's fill the drain; every rank holds at most ``pp``
     micro-batches from F to W, 1F1B's bound on rank 0."""
     return _zero_bubble(m, pp - rank, rank)
-
-
-# The backward's split measured on GPT-1.3B at pp=2 on H100 (BENCHMARKS.md, session 7): per
-# micro-batch and stage F 11.8 ms, I 16 ms, W 7.6 ms.
-MEASURED_SPLIT = (1.0, 1.35, 0.65)  # F, I, W
-
-
-@functools.lru_cache(maxsize=64)
-def zb_h2_deferral(pp: int, m: int) -> int:
-    """ZB-H2's W deferral step k (rank r defers by k * r): the smallest k with the shortest step
-    on the simulator at the measured F : I : W split (whatever costs a caller simulates with
-    later), among those that hold at most ``2pp - 1`` micro-batches from F to W on every rank
-    (ZB-H2's bound). Rank r holds up to ``2 (pp - r) - 1 + k r`` of them, so k is 0, 1 or 2."""
-    from tessera.pipeline_parallel.simulator import Costs, simulate  # the simulator imports this module
-
-    f, i, w = MEASURED_SPLIT
-    costs = Costs(F=f, B=i + w, I=i, W=w)
-    best = None
-    for k in range(3):
-        t = simulate([_zero_bubble(m, 2 * (pp - r) - 1, k * r) for r in range(pp)], costs=costs)
-        if max(t.peak_held(r) for r in range(pp)) <= 2 * pp - 1:
-            candidate = (round(t.step_time, 9), k)
-            best = candidate if best is None else min(best, candidate)
-    return best[1]
-
-
-def _zero_bubble_h2(pp: int, m: int, rank: int) -> list[Action]:
-    """ZB-H2's memory (Qi et al., 2023): ``2 (pp - rank) - 1`` warm-up forwards, and rank r defers
-    each W by ``k r`` micro-batches (:func:`zb_h2_deferral`, k = 2 at the measured split). Where I
-    costs more than F, as measured, ZB-H1's rank 0 idles at the start while the next stage runs
-    its first F and I. The extra forwards fill that wait, and the longer deferral keeps the later
-    ranks' I's, the critical path back, from queueing behind their W's; neither gains alone. Every
-    rank then holds up to ``2pp - 1`` micro-batches from F to W (ZB-H1: ``pp``): rank 0 as
-    activations, the last rank as deferred W's, whose saved inputs include the output head's
-    gradient. With F = I = W it takes ZB-H1's ``3m + p - 1`` where m >= 2pp (a few units more for
-    pp < m < 2pp): unlike the paper's ZB-H2 it does not reorder the drain, so it gains only where
-    I costs more than F."""
-    return _zero_bubble(m, 2 * (pp - rank) - 1, zb_h2_deferral(pp, m) * rank)
 
 
 @functools.lru_cache(maxsize=32)

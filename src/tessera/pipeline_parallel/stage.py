@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from tessera.config import ModelConfig
 from tessera.models import GPTModel, TPContext
+from tessera.models.flops import head_matmul_weights, layer_flops_per_token
 
 
 class LayoutError(ValueError):
@@ -40,8 +41,6 @@ def balanced_layout(cfg: ModelConfig, pp: int, vpp: int = 1) -> list[int]:
     the output head (its FLOPs times :data:`HEAD_TIME_PER_FLOP`): each layer in turn goes to the stage with the least work so far (exact
     for identical layers), ties to the earlier stage. Every stage gets at least one layer (a
     stage of only the head would be optimal only for toy models whose head outweighs layers)."""
-    from tessera.training.flops import head_matmul_weights, layer_flops_per_token
-
     stages = pp * vpp
     if stages > cfg.layers:
         raise LayoutError(f"pp*vpp = {stages} virtual stages for {cfg.layers} layers: every stage needs a layer")

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tessera.tensor_parallel.async_tp import all_gather_matmul, matmul_reduce_scatter
 from tessera.tensor_parallel.wgrad import WeightGradStore, linear
 from tessera.tensor_parallel.mappings import (
     Group,
@@ -61,17 +60,11 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
 def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tp_group: Group,
                            sequence_parallel: bool = False, gather_output: bool = False,
                            wgrad_store: WeightGradStore | None = None, fuse_wgrad: bool = True,
-                           comm_overlap: bool = False, async_tp: bool | str = False) -> Tensor:
+                           comm_overlap: bool = False) -> Tensor:
     """The column-parallel product with a given local weight [out/tp, in] (also used by a tied
     output layer, whose weight is the embedding's: ``fuse_wgrad=False`` as that weight's
     gradient has a second term, from the lookup). ``comm_overlap`` (tp > 1): the input gradient's
-    reduction overlaps the weight-gradient GEMM (one autograd function for collective + matmul).
-    ``async_tp`` (tp > 1 with sequence parallelism): the all-gather and the GEMM run as one
-    chunked, overlapped op (tensor_parallel/async_tp.py), both ways: True with torch's
-    symmetric-memory ops, "p2p" as a ring of NCCL sends and receives."""
-    if async_tp and sequence_parallel and group_size(tp_group) > 1:
-        y = all_gather_matmul(x, weight, bias, tp_group, wgrad_store, fuse_wgrad, backend=async_tp)
-        return gather_from_tp_region(y, tp_group) if gather_output else y
+    reduction overlaps the weight-gradient GEMM (one autograd function for collective + matmul)."""
     if comm_overlap and group_size(tp_group) > 1:
         y = column_parallel_matmul(x, weight, bias, tp_group, sequence_parallel, wgrad_store, fuse_wgrad)
         return gather_from_tp_region(y, tp_group) if gather_output else y
@@ -94,10 +87,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, output_sizes: int | list[int], *, tp_group: Group,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, wgrad_store: WeightGradStore | None = None,
-                 comm_overlap: bool = False, async_tp: bool | str = False,
+                 comm_overlap: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        self.wgrad_store, self.comm_overlap, self.async_tp = wgrad_store, comm_overlap, async_tp
+        self.wgrad_store, self.comm_overlap = wgrad_store, comm_overlap
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.tp_group, self.tp = tp_group, group_size(tp_group)
         if gather_output and len(self.output_sizes) > 1:
@@ -125,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
         ``weight`` overrides the layer's own (a tied output layer passes the embedding's)."""
         return column_parallel_linear(x, self.weight if weight is None else weight, self.bias,
                                       self.tp_group, self.sequence_parallel, self.gather_output,
-                                      self.wgrad_store, comm_overlap=self.comm_overlap, async_tp=self.async_tp)
+                                      self.wgrad_store, comm_overlap=self.comm_overlap)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes} / tp={self.tp}, bias={self.bias is not None}"
@@ -138,10 +131,9 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
                  init_std: float = 0.02, wgrad_store: WeightGradStore | None = None,
-                 async_tp: bool | str = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        self.wgrad_store, self.async_tp = wgrad_store, async_tp
+        self.wgrad_store = wgrad_store
         self.tp_group, self.tp = tp_group, group_size(tp_group)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
@@ -167,9 +159,6 @@ class RowParallelLinear(nn.Module):
         """x: [s, b, in/tp] -> [s/tp if sequence_parallel else s, b, out]."""
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        if self.async_tp and self.sequence_parallel and self.tp > 1:  # one chunked, overlapped op
-            z = matmul_reduce_scatter(x, self.weight, self.tp_group, self.wgrad_store, backend=self.async_tp)
-            return z if self.bias is None else z + self.bias
         z = linear(x, self.weight, None, self.wgrad_store)
         if self.sequence_parallel:
             z = reduce_scatter_to_sequence_region(z, self.tp_group)

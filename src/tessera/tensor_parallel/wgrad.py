@@ -1,20 +1,18 @@
-"""Deferred weight gradients, for zero-bubble pipeline schedules.
+"""Deferred weight gradients, for zero-bubble pipeline schedules, and gradient-accumulation fusion.
 
 A zero-bubble schedule splits a backward pass in two: ``I`` computes the gradient with respect
 to the stage's input (what the previous stage is waiting for) and ``W`` the gradients of the
 weights (which nobody waits for, so they can fill idle time). A linear layer given a
 :class:`WeightGradStore` runs through :class:`_DeferrableLinear`: inside ``store.defer(key)`` its
 backward returns the input gradient at once and files the weight-gradient GEMM under ``key``;
-``store.run(key)`` performs them later, accumulating into ``weight.grad`` (or wherever
-``store.accumulate`` says). Outside a ``defer`` block it is an ordinary linear layer.
+``store.run(key)`` performs them later. Outside a ``defer`` block it is an ordinary linear layer.
 
-The same store carries **gradient-accumulation fusion**: when data parallelism sets
-``store.accumulate_product``, a weight gradient is never materialised: the GEMM
-``grad_out^T @ input`` adds straight into the parameter's fp32 ``main_grad``
-(:func:`wgrad_into`; on CUDA one cuBLAS call with bf16 inputs and an fp32 accumulator, as
-Megatron's ``fused_weight_gradient_mlp_cuda`` extension does, here through
-``torch.addmm(..., out_dtype=torch.float32)``; with fp32 inputs a plain ``addmm`` into it, on any
-device; for 16-bit inputs off CUDA the reference ``main_grad += a @ b``).
+Where the gradients go is the store's ``sink``, given at construction: data parallelism's
+buffers (``DataParallel.accumulate``), or each parameter's ``.grad``. With ``fuse`` (gradient-
+accumulation fusion) a weight gradient is never materialised: the GEMM ``grad_out^T @ input``
+adds straight into the parameter's fp32 ``main_grad`` (``sink.accumulate_product``, through
+:func:`wgrad_into`: on CUDA one cuBLAS call with bf16 inputs and an fp32 accumulator, as
+Megatron's ``fused_weight_gradient_mlp_cuda``, here ``torch.addmm(..., out_dtype=torch.float32)``).
 """
 
 from __future__ import annotations
@@ -22,25 +20,42 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 
+class GradSink(Protocol):
+    """Where a store's weight gradients go (``tessera.distributed.DataParallel`` is one)."""
+
+    def accumulate(self, param: Tensor, grad: Tensor) -> None: ...
+
+    def accumulate_product(self, param: Tensor, grad_out: Tensor, x: Tensor) -> None: ...
+
+
 class WeightGradStore:
-    def __init__(self):
+    """Deferred (and fused) weight gradients of the linear layers that hold this store.
+
+    ``sink``: where gradients go (None: each parameter's ``.grad``). ``fuse``: add each weight
+    gradient into its main gradient inside the GEMM (``sink.accumulate_product``)."""
+
+    def __init__(self, sink: GradSink | None = None, fuse: bool = False):
+        if fuse and sink is None:
+            raise ValueError("fused weight gradients add into main gradients: give the sink that holds them")
+        self.sink, self.fuse = sink, fuse
         self.key: object | None = None
         self.pending: dict[object, list] = {}
-        self.send_to_grad()
 
-    def send_to_grad(self) -> None:
-        """Deferred weight gradients go into ``weight.grad`` (the default; data parallelism,
-        tessera.distributed.DataParallel, points ``accumulate`` at its gradient buffers and, with
-        gradient-accumulation fusion, sets ``accumulate_product(weight, grad_out_2d, input_2d)``,
-        which adds ``grad_out_2d.T @ input_2d`` into the weight's main gradient)."""
-        self.accumulate = _accumulate
-        self.accumulate_product = None
+    def accumulate(self, param: Tensor, grad: Tensor) -> None:
+        """Add one micro-batch's gradient of ``param`` where the sink keeps it."""
+        if self.sink is not None:
+            self.sink.accumulate(param, grad)
+        elif param.grad is None:
+            param.grad = grad.to(param.dtype)
+        else:
+            param.grad.add_(grad)
 
     @contextlib.contextmanager
     def defer(self, key: object):
@@ -71,9 +86,9 @@ class WeightGradStore:
         _register(self, params)
 
     def add_weight_grad(self, weight: Tensor, grad_out: Tensor, x: Tensor) -> None:
-        """Add ``grad_out.T @ x`` (2-D) to ``weight``'s gradient, fused when data parallelism asks."""
-        if self.accumulate_product is not None:
-            self.accumulate_product(weight, grad_out, x)
+        """Add ``grad_out.T @ x`` (2-D) to ``weight``'s gradient, fused inside the GEMM with ``fuse``."""
+        if self.fuse:
+            self.sink.accumulate_product(weight, grad_out, x)
         else:
             self.accumulate(weight, grad_out.t() @ x)
 
@@ -133,13 +148,6 @@ def wgrad_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool, fused: bool 
          else torch.mm(a, b, out_dtype=out.dtype, out=out))
 
 
-def _accumulate(param: Tensor, grad: Tensor) -> None:
-    if param.grad is None:
-        param.grad = grad.to(param.dtype)
-    else:
-        param.grad.add_(grad)
-
-
 def autocast_operands(x: Tensor, weight: Tensor, bias: Tensor | None):
     """The operands as autocast would cast them (so the casts are what backward saves)."""
     device = x.device.type
@@ -158,8 +166,8 @@ def weight_grad(ctx, grad: Tensor, x: Tensor) -> Tensor | None:
     if store is not None and store.key is not None:  # zero-bubble I step: the W GEMM runs later
         store.pending.setdefault(store.key, []).append(lambda: store.add_weight_grad(weight, g2, x2))
         return None
-    if store is not None and ctx.fuse and store.accumulate_product is not None:  # into main_grad
-        store.accumulate_product(weight, g2, x2)
+    if store is not None and ctx.fuse and store.fuse:  # into main_grad
+        store.sink.accumulate_product(weight, g2, x2)
         return None
     return (g2.t() @ x2).to(weight.dtype)
 
@@ -285,8 +293,8 @@ def _input_grad_op(grad: Tensor, x: Tensor, weight: Tensor) -> Tensor:
         # code may reuse its intermediate buffers (``grad``) once this op has returned
         g2, x2 = g2.clone(), x2.clone()
         store.pending.setdefault(store.key, []).append(lambda: store.add_weight_grad(param, g2, x2))
-    elif store.accumulate_product is not None:  # (only fusable weights take these ops)
-        store.accumulate_product(param, g2, x2)
+    elif store.fuse:  # (only fusable weights take these ops)
+        store.sink.accumulate_product(param, g2, x2)
     else:
         store.accumulate(param, (g2.t() @ x2).to(param.dtype))
     return grad @ weight

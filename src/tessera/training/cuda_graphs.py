@@ -1,27 +1,21 @@
 """Per-layer CUDA graphs (``train.cuda_graphs``): each transformer layer's forward and backward
-replayed from a captured graph, so a step launches two graph replays per layer and micro-batch
-instead of the layer's dozens of kernels one Python call at a time.
+replayed from a captured graph, two graph launches per layer and micro-batch instead of the
+layer's dozens of kernels, for layouts whose steps are bound by the host's launches (tp > 1).
 
-Why: at tp=2 each GEMM is half as long as on one GPU, and the step measured bound by the host's
-launch time (BENCHMARKS.md, session 5). torch's ``make_graphed_callables`` does the capture
-(warm-up on a side stream, one shared memory pool, static input and output buffers, autograd
-wired to the backward graph); this module only chooses the sample shapes and keeps the model's
-layer call ``layer(x, seq)`` working, and hands back a ``LayerGraphs`` whose ``release()`` frees
-the graphs before the process group is destroyed: ``destroy_process_group`` hangs while a graph
-that captured NCCL work is alive (pytorch/pytorch#115388; seen here at tp=2 after a finished
-run). The TP collectives inside a layer are captured with it
-(NCCL supports graph capture), so the trainer captures after data parallelism has moved the
-parameters into their buffers: a graph reads the storage it was captured with.
+torch's ``make_graphed_callables`` does the capture (warm-up on a side stream, one memory pool,
+static inputs and outputs, autograd wired to the backward graph); this module captures each
+layer's :meth:`~tessera.models.transformer.TransformerLayer.block` and hands the layer its
+replay (``layer.use_graph``). A graph reads the storage it was captured with, so capture comes
+after data parallelism has placed the parameters in their buffers; the TP collectives inside a
+layer are captured with it. :class:`LayerGraphs` frees the graphs before the process group is
+destroyed: ``destroy_process_group`` hangs while a graph that captured NCCL work is alive
+(pytorch/pytorch#115388).
 
-What it needs (config.validate refuses the rest, the trainer refuses a non-CUDA device): one
-micro-batch's activations live in each layer's static buffers, so pp=1 (no micro-batches in
-flight together); static shapes and no packed sequences; no dropout (the RNG tracker's streams
-are not graph-safe); eager layers; not FSDP (zero=3 frees each layer's parameters after it;
-zero 1/2's hooks that wait for a layer's gathered parameters are lifted for the capture and
-registered again after it, so they run before each replay); with gradient-accumulation fusion,
-gradient buffers that stay in place (zero 0/1), since the captured weight-gradient GEMMs add
-into them. In eval mode a layer runs its ordinary forward (``make_graphed_callables`` switches
-on ``module.training``).
+What capture needs (``training/plan.py`` refuses the rest): pp=1 (one micro-batch's activations
+per graph), static shapes and no packed sequences, no dropout (the RNG tracker's streams are not
+graph-safe), eager layers, not FSDP; zero 1/2's gather-waiting hooks are lifted for the capture
+and run before each replay; fused weight gradients need gradient buffers that stay in place
+(zero 0/1). In eval mode a layer runs its block eagerly.
 """
 
 from __future__ import annotations
@@ -34,8 +28,8 @@ from torch import Tensor, nn
 
 
 class LayerGraphs:
-    """The CUDA graphs of some graphed layers. ``release()`` puts the layers' own forward back
-    and frees the graphs (idempotent)."""
+    """The CUDA graphs of some graphed layers. ``release()`` gives the layers their eager block
+    back and frees the graphs (idempotent)."""
 
     def __init__(self, layers: list[nn.Module], graphs: list, data_parallel=None) -> None:
         self.layers, self.graphs, self.data_parallel = layers, graphs, data_parallel
@@ -43,13 +37,14 @@ class LayerGraphs:
     def release(self) -> None:
         layers, graphs, self.layers, self.graphs = self.layers, self.graphs, [], []
         for layer in layers:
-            layer.__dict__.pop("forward", None)  # the instance attribute the graphing set
+            layer.use_graph(None)
         _forget_fused(layers, self.data_parallel)
         try:
             if graphs and torch.cuda.is_available():
                 torch.cuda.synchronize()  # no replay still running when its graph goes
         finally:  # freed even after a CUDA error, or destroying the process group would hang
-            _reset(graphs)
+            for graph in graphs:
+                graph.reset()
 
 
 def release_all(handles: list[LayerGraphs]) -> None:
@@ -64,11 +59,6 @@ def release_all(handles: list[LayerGraphs]) -> None:
             error = error or e
     if error is not None:
         raise error
-
-
-def _reset(graphs: list) -> None:
-    for graph in graphs:
-        graph.reset()
 
 
 def _forget_fused(layers: list[nn.Module], data_parallel) -> None:
@@ -113,21 +103,25 @@ def after_backward(x: Tensor, callback) -> Tensor:
     return _AfterBackward.apply(x, callback)
 
 
+class _Block(nn.Module):
+    """A layer's block as ``make_graphed_callables`` takes it: a module of its own (torch sets
+    this one's ``forward`` to the graphed one), whose parameters are the layer's."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer.block(x)
+
+
 def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmup: int = 3,
                  data_parallel=None, fused: bool = False) -> LayerGraphs:
-    """Capture every transformer layer of ``chunk`` (``chunk.layers``) for inputs of
-    ``[sequence_length, micro_batch, hidden]`` (sequence_length is this rank's: divided by tp
-    under sequence parallelism), in the parameters' dtype and device. Layers are captured in
-    forward order, the order they then run. Call ``release()`` on the result when done.
-
-    ``data_parallel``: its forward pre-hooks that wait for the layers' gathered parameters
-    (zero 1/2's overlapped gather) are lifted while capturing and registered again after
-    (``DataParallel.gather_hooks_lifted``): they then run before every replay.
-    ``fused`` (gradient-accumulation fusion, with ``data_parallel``): the layers' weight-gradient
-    GEMMs, which add straight into the main gradients, are captured with them
-    (``DataParallel.capture_fused``), and after each layer's backward replay the data-parallel
-    bookkeeping is told that those gradients arrived (``graphed_backward_done``): the Python
-    that counts them eagerly does not run inside a replay."""
+    """Capture every transformer layer of ``chunk`` for inputs of ``[sequence_length, micro_batch,
+    hidden]`` (this rank's sequence length: divided by tp under sequence parallelism) in the
+    parameters' dtype and device, in forward order. ``data_parallel``: its gather waits are lifted
+    for the capture. ``fused``: the layers' weight-gradient GEMMs into the main gradients are
+    captured too, and each backward replay reports their arrival. Release the result when done."""
     if fused and data_parallel is None:
         raise ValueError("graph_layers with fused weight gradients needs the DataParallel that counts them")
     layers = list(chunk.layers.values())
@@ -136,19 +130,19 @@ def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmu
     weight = next(layers[0].parameters())
     if weight.device.type != "cuda":
         raise ValueError(f"CUDA graphs need the layers on a CUDA device, not {weight.device}")
-    hidden = chunk.cfg.hidden
-    samples = tuple((torch.randn(sequence_length, micro_batch, hidden, dtype=weight.dtype, device=weight.device,
-                                 requires_grad=True),) for _ in layers)
+    samples = tuple((torch.randn(sequence_length, micro_batch, chunk.cfg.hidden, dtype=weight.dtype,
+                                 device=weight.device, requires_grad=True),) for _ in layers)
     torch.cuda.synchronize(weight.device)
     # make_graphed_callables keeps its graphs in closures only: find the ones it made
     before = {id(g) for g in _live_graphs()}
     fusing = data_parallel if fused else None
+    blocks = [_Block(layer) for layer in layers]
     try:
-        capture(layers, samples, warmup, data_parallel, fused)
+        capture(blocks, samples, warmup, data_parallel, fused)
     except BaseException:  # the graphs captured so far would hang destroy_process_group
-        _reset([g for g in _live_graphs() if id(g) not in before])
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
+        for graph in _live_graphs():
+            if id(graph) not in before:
+                graph.reset()
         _forget_fused(layers, fusing)
         raise
     graphs = [g for g in _live_graphs() if id(g) not in before]
@@ -158,33 +152,32 @@ def graph_layers(chunk: nn.Module, micro_batch: int, sequence_length: int, warmu
         raise RuntimeError(f"found {len(graphs)} CUDA graphs after capturing {len(layers)} layers, not "
                            f"{2 * len(layers)}: this torch keeps make_graphed_callables' graphs elsewhere, "
                            "so they could not be freed before the process group; set train.cuda_graphs=false")
-    for layer, (sample,) in zip(layers, samples):
-        _accept_unpacked_sequence(layer, sample.shape, sample.dtype, fused_backward_done(layer, fusing))
+    for layer, block, (sample,) in zip(layers, blocks, samples):
+        layer.use_graph(replay(block, sample.shape, sample.dtype, fused_backward_done(layer, fusing)))
     return handle
 
 
-def capture(layers: list[nn.Module], samples: tuple, warmup: int, data_parallel=None, fused: bool = False) -> None:
-    """``make_graphed_callables`` on ``layers`` (it sets each one's ``forward``), with the
-    data-parallel gather waits lifted off them (it refuses hooked modules; they come back after,
-    also on an error) and, ``fused``, the weight-gradient GEMMs captured into the main gradients
-    (fused weights get no gradient from autograd: ``allow_unused_input``)."""
+def capture(modules: list[nn.Module], samples: tuple, warmup: int, data_parallel=None, fused: bool = False) -> None:
+    """``make_graphed_callables`` on ``modules`` (layers' blocks), with the data-parallel gather
+    waits lifted off the layers inside (their hooks would run in the capture; they come back
+    after, also on an error) and, ``fused``, the weight-gradient GEMMs captured into the main
+    gradients (fused weights get no gradient from autograd: ``allow_unused_input``)."""
+    layers = [getattr(m, "layer", m) for m in modules]
     with contextlib.ExitStack() as stack:
         if data_parallel is not None:
             stack.enter_context(data_parallel.gather_hooks_lifted(layers))
         if fused:
             stack.enter_context(data_parallel.capture_fused())
         held = _accumulators_on_the_capture_stream(layers)  # noqa: F841 -- alive while capturing
-        torch.cuda.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup,
+        torch.cuda.make_graphed_callables(tuple(modules), samples, num_warmup_iters=warmup,
                                           allow_unused_input=fused)
 
 
 def _accumulators_on_the_capture_stream(layers: list[nn.Module]) -> list:
-    """Each layer parameter's AccumulateGrad node, made on the stream ``torch.cuda.graph`` will
-    capture on (the step's, inside ``step_stream``), or the live one. Held through the capture,
-    they are the nodes the graphs keep: autograd runs a gradient's hook on its node's stream.
-    Unheld, the last layer's nodes were the ones its warm-up made on make_graphed_callables' own
-    warm-up stream (its warm-up outputs stay alive through the captures), and every step handed
-    that layer's gradients over to the step's stream (DataParallel._on_grad)."""
+    """Each layer parameter's AccumulateGrad node, made on the stream the graphs capture on (the
+    step's, inside :func:`step_stream`) and held through the capture, so the graphs keep these
+    nodes: autograd runs a gradient's hook on its node's stream, and nodes made on torch's
+    warm-up stream would make every later step hand its gradients over between streams."""
     if not torch.cuda.is_available():  # (no streams: a CPU test's stand-in for the capture)
         return []
     if torch.cuda.graph.default_capture_stream is None:  # (as torch.cuda.graph makes it)
@@ -197,14 +190,11 @@ def _accumulators_on_the_capture_stream(layers: list[nn.Module]) -> list:
 @contextlib.contextmanager
 def step_stream(device: torch.device):
     """Inside, a new stream is ``device``'s current stream and the one ``torch.cuda.graph``
-    captures on; the trainer captures its graphed layers and trains in it. Why: autograd runs a
-    parameter's gradient hook on the stream its AccumulateGrad node was made on, and the nodes a
-    capture makes live as long as its graphs and serve every later step. Captured on torch's
-    side stream, every graphed gradient reached DataParallel on that stream and needed a handover
-    to the step's (an event, a wait and a stream switch per gradient: GPT-1.3B at tp=2 + SP ran
-    ~10 % slower, 2x H100, session 17); captured on the step's own stream, they arrive where the
-    step runs. (The legacy default stream cannot be captured on, nor made to wait for a capture:
-    hence a stream of its own.) Put back on leaving, the old stream waiting for this one."""
+    captures on; the trainer captures its graphed layers and trains in it, so the gradients the
+    graphs' AccumulateGrad nodes produce arrive on the stream the step runs on (captured on
+    torch's side stream, each needed a handover: BENCHMARKS.md, tensor parallelism). The legacy
+    default stream can be neither captured on nor made to wait for a capture, hence a stream of
+    its own. Put back on leaving, the old stream waiting for this one."""
     stream, before = torch.cuda.Stream(device), torch.cuda.current_stream(device)
     stream.wait_stream(before)
     try:
@@ -231,15 +221,13 @@ def capturing_on(stream):
 
 def graph_stage(chunks: list[nn.Module], cfg, data_parallel=None, fused: bool = False) -> list[LayerGraphs]:
     """Capture the layers of this rank's model chunks for the configuration's micro-batch and
-    (under sequence parallelism, per-rank) sequence length; a failure releases what was taken.
-    ``data_parallel``, ``fused``: as for ``graph_layers``."""
+    (under sequence parallelism, per-rank) sequence length; a failure releases what was taken."""
     p = cfg.parallel
     seq = cfg.model.seq_len // (p.tp if p.sequence_parallel else 1)
     graphs: list[LayerGraphs] = []
     try:
         for chunk in chunks:
-            graphs.append(graph_layers(chunk, cfg.train.micro_batch, seq, data_parallel=data_parallel,
-                                       fused=fused))
+            graphs.append(graph_layers(chunk, cfg.train.micro_batch, seq, data_parallel=data_parallel, fused=fused))
     except BaseException:
         with contextlib.suppress(Exception):  # (the capture's error is the one to see)
             release_all(graphs)
@@ -247,17 +235,13 @@ def graph_stage(chunks: list[nn.Module], cfg, data_parallel=None, fused: bool = 
     return graphs
 
 
-def _accept_unpacked_sequence(layer: nn.Module, shape: torch.Size, dtype: torch.dtype, done=None) -> None:
-    """The graphed forward takes exactly the captured tensors; the model calls ``layer(x, seq)``
-    with an empty ``PackedSequence``: in training accept that, refuse packed positions or
-    documents and an input of another shape or dtype than captured (the graph would broadcast or
-    cast into its static input). In eval mode the layer's own forward runs, with any input.
-    ``done``: called after each backward replay (fused weight gradients)."""
-    graphed = layer.forward
+def replay(graphed, shape: torch.Size, dtype: torch.dtype, done=None):
+    """The function a graphed layer runs in training: ``graphed(x)`` for exactly the captured input
+    shape and dtype and an unpacked sequence (the graph would broadcast or cast into its static
+    input, and cannot follow packed documents); ``done`` is called after each backward replay
+    (fused weight gradients)."""
 
-    def forward(x: Tensor, seq=None) -> Tensor:
-        if not layer.training:
-            return type(layer).forward(layer, x, seq)
+    def run(x: Tensor, seq=None) -> Tensor:
         if seq is not None and (seq.position_ids is not None or seq.document_ids is not None):
             raise ValueError("a CUDA-graphed layer runs unpacked sequences only: turn train.cuda_graphs off "
                              "for data.reset_position_ids / data.reset_attention_mask")
@@ -270,4 +254,4 @@ def _accept_unpacked_sequence(layer: nn.Module, shape: torch.Size, dtype: torch.
             x = x.detach().requires_grad_()  # all the same, and after_backward must report them)
         return graphed(after_backward(x, done))
 
-    layer.forward = forward
+    return run

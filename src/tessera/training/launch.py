@@ -22,14 +22,14 @@ def world_from_env() -> tuple[int, int, int]:
             int(os.environ.get("WORLD_SIZE", 1)))
 
 
-def check_device(choice: str, cuda_graphs: str = "auto") -> None:
+def check_device(choice: str, cuda_graphs: bool | str = "auto") -> None:
     """Refuse train.device=cuda where there is no CUDA device, and train.cuda_graphs=true where
     the run will not be on one (every rank alike: said once, by rank 0; also the launcher's
     early check, before torchrun)."""
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device", "cuda, but this machine has no CUDA device available",
                           "set train.device=auto or cpu")
-    if cuda_graphs == "true" and (choice == "cpu" or not torch.cuda.is_available()):
+    if cuda_graphs is True and (choice == "cpu" or not torch.cuda.is_available()):
         raise ConfigError("train.cuda_graphs", "CUDA graphs need a CUDA device, this run is on the CPU",
                           "set train.cuda_graphs=false on CPU")
 

@@ -44,7 +44,6 @@ from tessera.distributed.finalize import finalize_model_grads
 from tessera.optim import DynamicLossScaler, clip_coefficient
 from tessera.optim.clip import grad_norm_and_nonfinite
 from tessera.pipeline_parallel.executor import PipelineExecutor
-from tessera.training.concurrent import PairedExecutor
 from tessera.training.rerun import NumericsGuard
 from tessera.topology import Topology
 
@@ -154,7 +153,7 @@ def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: PipelineExecutor | PairedExecutor,
+def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: PipelineExecutor,
                data_parallel, *, clip_grad: float, scaler: DynamicLossScaler | None = None,
                guard: NumericsGuard | None = None) -> StepResult:
     """``micro_batches``: this dp rank's share. ``optimizer``: a MainParamOptimizer or

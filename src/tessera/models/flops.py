@@ -1,4 +1,4 @@
-"""Model FLOPs per token and MFU, in Megatron's convention (what ../shared/peers reports).
+"""Model FLOPs per token and MFU, in Megatron's convention (what the peers in benchmarks/ report).
 
 Training does 3 matmul passes per weight (forward, and backward for inputs and for weights): 6
 FLOPs per weight per token. Attention scores and their weighted sum add 4 * s * h per token per

@@ -1,0 +1,138 @@
+"""Assembling this rank's share of a training run, in a fixed order: topology, model chunks (TP
+layers, seeded layout-independent init, recompute, compile), data parallelism and the optimizer,
+the weight-gradient store that routes deferred or fused gradients into data parallelism's buffers,
+the pipeline's point-to-point and executors. ``tessera train`` and the benchmarks build alike.
+
+    parts = build(cfg, build_topology(cfg, device), make_plan(cfg, device))
+    result = train_step(parts.optimizer, micro_batches, parts.topo, parts.executor(len(micro_batches)),
+                        parts.data_parallel, clip_grad=cfg.optim.clip_grad)
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tessera.config import Config
+from tessera.distributed.data_parallel import DataParallel
+from tessera.distributed.fsdp import FullyShardedDataParallel
+from tessera.models import GPTModel, TPContext
+from tessera.optim.optimizers import FSDPOptimizer, MainParamOptimizer
+from tessera.pipeline_parallel.executor import PipelineExecutor
+from tessera.pipeline_parallel.p2p import P2P
+from tessera.pipeline_parallel.schedules import build_schedule
+from tessera.pipeline_parallel.stage import build_stage_chunks
+from tessera.tensor_parallel import RNGTracker
+from tessera.tensor_parallel.wgrad import WeightGradStore
+from tessera.topology import Topology
+from tessera.training.cuda_graphs import LayerGraphs, graph_stage
+from tessera.training.plan import ExecutionPlan, make_plan
+from tessera.training.step import DTYPES
+
+
+@dataclass
+class Parts:
+    """This rank's share of a training run (:func:`build`)."""
+
+    cfg: Config
+    topo: Topology
+    plan: ExecutionPlan
+    rng: RNGTracker
+    chunks: list[GPTModel]  # one per virtual pipeline stage this rank holds
+    data_parallel: DataParallel | FullyShardedDataParallel
+    optimizer: MainParamOptimizer | FSDPOptimizer
+    wgrad_store: WeightGradStore | None  # deferred (zero-bubble) or fused weight gradients
+    p2p: P2P | None  # pp > 1
+    _executors: dict[int, PipelineExecutor] = field(default_factory=dict, repr=False)
+
+    @property
+    def model(self) -> nn.ModuleList:
+        return nn.ModuleList(self.chunks)
+
+    def executor(self, microbatches: int) -> PipelineExecutor:
+        """The executor of this rank's action list for a step of ``microbatches`` (one per count:
+        a batch ramp-up passes through several)."""
+        if microbatches not in self._executors:
+            p = self.cfg.parallel
+            actions = build_schedule(self.plan.schedule, p.pp, len(self.chunks), microbatches, self.topo.pp_rank)
+            self._executors[microbatches] = PipelineExecutor(self.chunks, actions, self.p2p, p.pp,
+                                                             self.topo.pp_rank, self.wgrad_store)
+        return self._executors[microbatches]
+
+    def capture_graphs(self) -> list[LayerGraphs]:
+        """The layers' CUDA graphs where the plan graphs them (inside ``cuda_graphs.step_stream``,
+        the stream the steps then run on); free them with ``cuda_graphs.release_all``."""
+        if not self.plan.graphed:
+            return []
+        return graph_stage(self.chunks, self.cfg, self.data_parallel, fused=self.plan.fuse_wgrad)
+
+
+def build_topology(cfg: Config, device: torch.device) -> Topology:
+    """The rank grid and its process groups (after ``launch.init_distributed``; ``cfg`` validated)."""
+    p = cfg.parallel
+    return Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device,
+                          timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
+
+
+def build_chunks(cfg: Config, topo: Topology, plan: ExecutionPlan, rng: RNGTracker | None) -> list[GPTModel]:
+    """This rank's model chunks, initialised from the seed (the same full weights on any layout),
+    with recomputation and compilation as the config and plan say."""
+    p, t = cfg.parallel, cfg.train
+    tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
+                   fused_cross_entropy=plan.fused_cross_entropy, comm_overlap=plan.comm_overlap,
+                   fused_elementwise=plan.fused_elementwise)
+    chunks = build_stage_chunks(cfg.model, tp, topo.pp_rank, p.pp, p.vpp, list(plan.layout), topo.device)
+    for chunk in chunks:
+        chunk.init_weights(t.seed)
+        if t.recompute == "full":
+            chunk.recompute_layers = t.recompute_layers or len(chunk.layers)
+        if plan.compiled:  # per layer: one graph reused by every layer of the same shape
+            for layer in chunk.layers.values():
+                layer.compile()
+    return chunks
+
+
+def build_data_parallel(chunks: list[GPTModel], topo: Topology, cfg: Config):
+    """Data parallelism and the optimizer over ``chunks``: bucketed buffers with the mixed-precision
+    / distributed optimizer (zero 0-2), or FSDP (zero 3)."""
+    p, t = cfg.parallel, cfg.train
+    if p.zero == 3:
+        return (FullyShardedDataParallel(chunks, topo, compute_dtype=DTYPES[t.dtype]),
+                FSDPOptimizer(chunks, cfg.optim))
+    data_parallel = DataParallel(chunks, topo, zero=p.zero, param_dtype=DTYPES[t.dtype],
+                                 grad_dtype=DTYPES[t.grad_dtype], bucket_size=p.bucket_size,
+                                 overlap_grad_reduce=p.overlap_grad_reduce,
+                                 overlap_param_gather=p.overlap_param_gather, embedding_group=topo.group("embedding"))
+    return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
+
+
+def build(cfg: Config, topo: Topology, plan: ExecutionPlan | None = None,
+          chunks: list[GPTModel] | None = None) -> Parts:
+    """This rank's model chunks, data parallelism, optimizer and pipeline machinery for ``cfg``
+    (checked by ``preflight.check_runnable``) on ``topo``, executed as ``plan`` says (by default
+    the plan for the topology's device). ``chunks``: this rank's chunks from :func:`build_chunks`
+    where the caller changes them first (e.g. freezes parameters)."""
+    p, t = cfg.parallel, cfg.train
+    plan = plan or make_plan(cfg, topo.device)
+    if chunks is None:
+        chunks = build_chunks(cfg, topo, plan, RNGTracker.for_rank(t.seed, topo.tp_rank, topo.pp_rank, topo.device))
+    rng = chunks[0].tp.rng
+    data_parallel, optimizer = build_data_parallel(chunks, topo, cfg)
+    store = None
+    if plan.split_backward or plan.fuse_wgrad:  # weight gradients outside autograd, into the buffers
+        sink = data_parallel if isinstance(data_parallel, DataParallel) else None  # (FSDP: refused by preflight)
+        store = WeightGradStore(sink=sink, fuse=plan.fuse_wgrad)
+        for chunk in chunks:
+            chunk.use_weight_grad_store(store)
+        if plan.compiled:  # compiled layers find their weights by storage, final now
+            store.register(p for chunk in chunks for p in chunk.parameters())
+    # every step's micro-batches have one shape, so the stages negotiate activation shapes once
+    p2p = P2P(topo, keep_shapes=True) if p.pp > 1 else None
+    return Parts(cfg=cfg, topo=topo, plan=plan, rng=rng, chunks=chunks, data_parallel=data_parallel,
+                 optimizer=optimizer, wgrad_store=store, p2p=p2p)
+
+
+__all__ = ["Parts", "build", "build_topology", "build_chunks", "build_data_parallel"]

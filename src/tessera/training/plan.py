@@ -1,0 +1,136 @@
+"""The execution plan: how this run's steps execute, resolved once from the config and the device.
+
+Every ``"auto"`` of the config is decided here and nowhere else: the pipeline schedule and
+layout, compiled layers, CUDA-graphed layers, gradient-accumulation fusion, the compiled
+elementwise functions, the TP backward overlap, the fused cross entropy. The trainer prints the
+plan's one line at start; the trainer and the benchmarks build from it alike
+(``training/build.py``). The rules and the measurements behind them: docs/architecture.md,
+"Fast paths", and BENCHMARKS.md, one GPU and tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessera.config import Config, ConfigError, check, resolve
+from tessera.pipeline_parallel.schedules import SPLIT_BACKWARD, build_all, check_kind
+from tessera.pipeline_parallel.simulator import simulate
+from tessera.pipeline_parallel.stage import parse_layout, stage_layer_ranges
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """What the config's switches resolved to on this device."""
+
+    schedule: str  # the pipeline schedule (none at pp=1)
+    layout: tuple[int, ...]  # layers per virtual stage (pp * vpp entries)
+    compiled: bool  # each transformer layer torch.compile'd
+    graphed: bool  # each transformer layer captured in CUDA graphs
+    fuse_wgrad: bool  # weight-gradient GEMMs add into the fp32 main gradients
+    fused_elementwise: bool  # llama's RMSNorm, RoPE, SwiGLU as compiled functions in eager layers
+    comm_overlap: bool  # a column layer's input-gradient reduction overlaps its weight-gradient GEMM
+    fused_cross_entropy: bool  # the compiled vocab-parallel loss
+
+    @property
+    def split_backward(self) -> bool:
+        """The schedule defers weight gradients (zero-bubble): the layers need a WeightGradStore."""
+        return self.schedule in SPLIT_BACKWARD
+
+    def describe(self, cfg: Config) -> str:
+        """One line for the run's start."""
+        p = cfg.parallel
+        layers = "compiled" if self.compiled else "eager"
+        parts = [f"schedule {self.schedule}"]
+        if p.pp > 1:
+            parts.append(f"layers per stage {list(self.layout)} (pp_layout={p.pp_layout})")
+        parts.append(f"layers {layers}{' in CUDA graphs' if self.graphed else ''}")
+        wgrad = "fused into main_grad" if self.fuse_wgrad else "via autograd"
+        parts.append(f"weight gradients {wgrad}{f' (deferred, {self.schedule})' if self.split_backward else ''}")
+        if self.comm_overlap and p.tp > 1:
+            parts.append("TP backward comm overlapped")
+        if self.fused_elementwise:
+            parts.append("RMSNorm / RoPE / SwiGLU compiled")
+        return ", ".join(parts)
+
+
+def microbatches(cfg: Config) -> int:
+    """Micro-batches per step and dp rank at the full global batch (``parallel.dp`` resolved)."""
+    t = cfg.train
+    return t.global_batch // (t.micro_batch * cfg.parallel.dp)
+
+
+def choose_schedule(kind: str, pp: int, vpp: int, microbatches: int, zero: int = 0) -> str:
+    """``kind`` checked, or ``auto`` resolved: none at pp=1; interleaved-zb at vpp > 1; else the
+    faster of 1f1b and zb-h1 on the simulator. Never a split backward with zero >= 2: its deferred
+    weight gradients would arrive after zero=2's per-micro-batch reductions and FSDP's."""
+    if kind != "auto":
+        check_kind(kind, pp, vpp, microbatches)
+        return kind
+    if pp == 1:
+        return "none"
+    if vpp > 1:
+        return "interleaved" if zero >= 2 else "interleaved-zb"
+    kinds = ("1f1b",) if zero >= 2 else ("1f1b", "zb-h1")
+    return min(kinds, key=lambda k: simulate(build_all(k, pp, 1, microbatches)).step_time)
+
+
+def check_graphable(cfg: Config, schedule: str) -> None:
+    """Refuse what per-layer CUDA graphs cannot capture (training/cuda_graphs.py says why)."""
+    p, t, d = cfg.parallel, cfg.train, cfg.data
+    key, fix = "train.cuda_graphs", "or set train.cuda_graphs=auto (off where it cannot capture) or false"
+    check(p.pp == 1, key, f"a layer's graph holds one micro-batch's activations; pp={p.pp} keeps several in "
+          "flight", f"use parallel.pp=1 {fix}")
+    check(schedule in ("none", "1f1b"), key, f"schedule {schedule} runs several forwards before their backwards, "
+          "and each graphed layer keeps one micro-batch's activations", f"use parallel.schedule=auto (none at "
+          f"pp=1) {fix}")
+    check(cfg.model.dropout == 0, key, "dropout's random streams are not captured", f"set model.dropout=0 {fix}")
+    check(t.recompute == "none", key, "a graphed layer's backward does not run its forward again (train.recompute)",
+          f"set train.recompute=none {fix}")
+    check(not (d.reset_position_ids or d.reset_attention_mask), key,
+          "packed sequences give every micro-batch its own positions and document layout",
+          f"turn data.reset_position_ids and data.reset_attention_mask off {fix}")
+    check(t.compile is not True, key, "graphed layers run eagerly, not compiled", f"leave train.compile at auto or "
+          f"false {fix}")
+    check(not (t.grad_accum_fusion is True and p.zero == 2), key, "with train.grad_accum_fusion=true the graphs "
+          "replay weight-gradient GEMMs into the gradient buffers, and zero=2 keeps each bucket's buffer only "
+          "until its reduction", f"use parallel.zero=0 or 1, or train.grad_accum_fusion=false {fix}")
+    check(p.zero < 3, key, "zero=3 (FSDP) gathers and frees each layer's parameters in forward hooks around it, "
+          "and a graph reads the storage it was captured with", f"use parallel.zero 0, 1 or 2 {fix}")
+
+
+def _graphable(cfg: Config, schedule: str) -> bool:
+    try:
+        check_graphable(cfg, schedule)
+    except ConfigError:
+        return False
+    return True
+
+
+def make_plan(cfg: Config, device: torch.device) -> ExecutionPlan:
+    """Resolve the config's switches for ``device`` (``cfg`` validated: ``parallel.dp`` set).
+    Explicit true / false stand; each auto follows the rule beside it."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    cuda = device.type == "cuda"
+    schedule = choose_schedule(p.schedule, p.pp, p.vpp, microbatches(cfg), p.zero)
+    layout = stage_layer_ranges(m.layers, p.pp, p.vpp, parse_layout(p.pp_layout, m, p.pp, p.vpp))
+    split = schedule in SPLIT_BACKWARD
+    # tp > 1: the halved GEMMs leave eager layers bound by the host's launches; graphs replay them
+    graphed = resolve(t.cuda_graphs, cuda and p.tp > 1 and t.compile is not True and _graphable(cfg, schedule))
+    # tp = 1: inductor fuses llama's many small elementwise kernels; not around deferred weight
+    # gradients (eager layers with compiled elementwise functions measured faster there)
+    compiled = resolve(t.compile, cuda and p.tp == 1 and m.family == "llama" and not split and not graphed
+                       and t.recompute == "none")
+    # tp = 1: one fp32-accumulating GEMM per weight gradient instead of a GEMM and an add; in
+    # compiled layers only where auto compiled them (the combination measured for llama)
+    fuse = resolve(t.grad_accum_fusion, cuda and p.tp == 1 and p.zero < 3 and not graphed
+                   and (not compiled or t.compile == "auto"))
+    elementwise = cuda and not compiled and m.family == "llama" and t.fused_elementwise is not False
+    overlap = resolve(p.tp_comm_overlap, graphed and p.tp > 1)
+    return ExecutionPlan(schedule=schedule, layout=tuple(len(r) for r in layout), compiled=compiled,
+                         graphed=graphed, fuse_wgrad=fuse, fused_elementwise=elementwise, comm_overlap=overlap,
+                         fused_cross_entropy=cuda and t.fused_cross_entropy)
+
+
+__all__ = ["ExecutionPlan", "make_plan", "choose_schedule", "check_graphable", "microbatches"]
