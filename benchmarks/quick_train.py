@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/quick_train.py [gpt-1.3b|llama-1b] [extra --set overrides...]
 Prints tokens/s per GPU, model TFLOP/s per GPU and MFU (Megatron's FLOPs convention,
-src/tessera/training/flops.py) and peak memory, from the trainer's metrics (medians of the steps
+src/tessera/models/flops.py) and peak memory, from the trainer's metrics (medians of the steps
 after warm-up).
 The full harness, with peers in the same run, comes with the performance issue.
 """
