@@ -203,7 +203,7 @@ def run_forwarding_signals(command: list[str], extra_env: dict[str, str] | None 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "config":
-        from tessera.config import reference_markdown
+        from tessera.config.reference import reference_markdown
 
         print(reference_markdown())
         return 0
