@@ -116,16 +116,15 @@ def _stack(overrides, dst):
     from tessera.tensor_parallel import RNGTracker
     from tessera.topology import Topology
     from tessera.training.data_feed import DataFeed
-    from tessera.training.trainer import Stage, build_data_parallel
+    from tessera.training.build import build
 
     cfg = load_config(None, BASE + overrides + [f"checkpoint.dir={dst}", "train.steps=5"])
     p = cfg.parallel
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp)
-    rng = RNGTracker.for_rank(cfg.train.seed, topo.tp_rank, topo.pp_rank)
-    stage = Stage(cfg, topo, rng)
-    data_parallel, optimizer = build_data_parallel(stage, topo, cfg)
-    checkpointer = Checkpointer(cfg, topo, stage.chunks, data_parallel, optimizer, rng, log=lambda line: None)
-    return stage, optimizer, checkpointer, LRScheduler(cfg.optim, cfg.train.steps), DataFeed(cfg, topo)
+    parts = build(cfg, topo)
+    checkpointer = Checkpointer(cfg, topo, parts.chunks, parts.data_parallel, parts.optimizer, parts.rng,
+                                log=lambda line: None)
+    return parts, parts.optimizer, checkpointer, LRScheduler(cfg.optim, cfg.train.steps), DataFeed(cfg, topo)
 
 
 def _reshard_worker(rank, world, overrides, src, dst):
@@ -216,7 +215,7 @@ def test_a_save_that_dies_leaves_the_older_checkpoints_and_a_restart_resumes(tmp
 
 
 def _refusal(overrides):
-    from tessera.training.trainer import check_runnable
+    from tessera.training.preflight import check_runnable
 
     with pytest.raises(ConfigError) as err:
         check_runnable(load_config(None, BASE + overrides), 1)
@@ -270,7 +269,7 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
         assert got_key == key and words in message, (overrides, message)
     (tmp_path / "file").write_text("")
     assert _refusal([f"checkpoint.dir={tmp_path}/file"])[0] == "checkpoint.dir"
-    from tessera.training.trainer import check_runnable
+    from tessera.training.preflight import check_runnable
     # the same split said another way is the same split (synthetic data: no split at all)
     check_runnable(load_config(None, BASE + [f"checkpoint.load={tmp_path}/bi/step_00000002", *BUILTIN,
                                              "train.steps=4", "data.split=1938,60,2"]), 1)

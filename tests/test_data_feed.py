@@ -2,9 +2,10 @@
 
 import torch
 
-from tessera.config import load_config, validate
+from tessera.config import load_config
 from tessera.topology import Topology
 from tessera.training.data_feed import DataFeed
+from tessera.training.preflight import validate
 
 BASE = ["data.source=synthetic", "model.seq_len=16", "model.vocab_size=50", "train.micro_batch=2",
         "train.global_batch=8", "train.steps=20"]

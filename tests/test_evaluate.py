@@ -92,7 +92,7 @@ def test_taking_the_validation_loss_leaves_training_as_it_was(tmp_path):
 
 
 def test_a_validation_split_without_samples_is_refused(tmp_path):
-    from tessera.training.trainer import check_runnable
+    from tessera.training.preflight import check_runnable
 
     for overrides in (["data.source=builtin", "model.vocab_size=256", "data.split=1,0,0"],
                       ["train.eval_every=-1"], ["train.eval_batches=0"]):

@@ -13,7 +13,8 @@ from tessera.config import ModelConfig, load_config
 from tessera.models import GPTModel, TPContext
 from tessera.models import fused
 from tessera.models.transformer import MLP, RMSNorm, RotaryEmbedding
-from tessera.training.trainer import fused_elementwise
+from tessera.training.plan import make_plan
+from tessera.training.preflight import validate
 
 
 def test_reference_functions_are_the_layers_maths():
@@ -95,11 +96,11 @@ def test_fused_layers_run_through_the_compiled_set(monkeypatch):
 
 @pytest.mark.parametrize("on", [False, True])
 def test_the_config_flag_reaches_every_llama_module(on):
-    cfg = load_config(None, ["model.family=llama", f"train.fused_elementwise={str(on).lower()}"])
-    assert cfg.train.fused_elementwise == str(on).lower()
+    cfg = load_config(None, ["model.family=llama", f"train.fused_elementwise={str(on).lower()}", "parallel.pp=2"])
+    assert cfg.train.fused_elementwise is on
     model_cfg = ModelConfig(family="llama", hidden=32, heads=4, kv_heads=2, layers=2, seq_len=16, vocab_size=64)
-    # as the Stage resolves it for eager layers on CUDA
-    resolved = fused_elementwise(cfg, compiled=False, device=torch.device("cuda"))
+    # as the plan resolves it for eager layers on CUDA (zb-h1 at pp=2: eager layers)
+    resolved = make_plan(validate(cfg, 2), torch.device("cuda")).fused_elementwise
     assert resolved is on
     model = GPTModel(model_cfg, TPContext(fused_elementwise=resolved))
     users = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, MLP))]
@@ -113,13 +114,14 @@ def test_the_config_flag_reaches_every_llama_module(on):
 
 
 def test_auto_compiles_the_elementwise_functions_in_llamas_uncompiled_cuda_layers():
-    """train.fused_elementwise as the Stage resolves it: auto (and true) in llama's eager or
-    graphed CUDA layers (+11 % at pp=2 vpp=2, +8.8 % graphed at tp=2, session 15), never on a
+    """train.fused_elementwise as the plan resolves it: auto (and true) in llama's eager or
+    graphed CUDA layers (BENCHMARKS.md, Pipeline parallelism and Tensor parallelism), never on a
     CPU, inside compiled layers, or for gpt2."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
     def resolved(sets, compiled=False, device=cuda):
-        return fused_elementwise(load_config(None, sets), compiled, device)
+        cfg = load_config(None, sets + (["train.compile=true"] if compiled else ["train.compile=false"]))
+        return make_plan(validate(cfg, 1), device).fused_elementwise
 
     llama = ["model.family=llama"]
     assert resolved(llama) is True

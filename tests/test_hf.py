@@ -86,7 +86,8 @@ def _hf_model(family: str):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("family", list(MODELS))
 def test_a_transformers_model_imports_and_a_run_starts_from_it(tmp_path, family):
-    from tessera.training.trainer import check_runnable, train
+    from tessera.training.preflight import check_runnable
+    from tessera.training.trainer import train
 
     theirs = _hf_model(family)
     with torch.no_grad():  # (random biases and norms: a mapping that mixes them up shows)

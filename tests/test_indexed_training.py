@@ -55,7 +55,7 @@ def test_bad_data_paths_are_refused_up_front(tmp_path, paths, problem):
 @pytest.mark.parametrize("split", ["0,100,0", "1,1000,0"])
 def test_a_split_that_leaves_training_no_sample_is_refused_up_front(tmp_path, split):
     from tessera.config import ConfigError, load_config
-    from tessera.training.trainer import check_runnable
+    from tessera.training.preflight import check_runnable
 
     write_corpus(tmp_path / "a", 1)
     cfg = load_config(None, ["data.source=indexed", f"data.paths={tmp_path / 'a'}", f"data.split={split}"])
@@ -138,7 +138,7 @@ def test_a_blend_of_two_vocabularies_is_refused_up_front(tmp_path):
 
     from tessera.config import ConfigError, load_config
     from tessera.data.preprocess import preprocess
-    from tessera.training.trainer import check_runnable
+    from tessera.training.preflight import check_runnable
 
     texts = list(pydoc_data.topics.topics.values())
     for name, part in (("a", texts[:20]), ("b", texts[20:40])):
@@ -159,7 +159,7 @@ def test_an_eod_id_no_document_ends_with_is_refused_up_front(tmp_path):
     """Packing with data.eod_id=5 on documents that end with 1: refused, naming the id to use
     (before, every token 5 cut a document and the real boundaries were not seen)."""
     from tessera.config import ConfigError, load_config
-    from tessera.training.trainer import check_runnable
+    from tessera.training.preflight import check_runnable
 
     write_corpus(tmp_path / "a", 1)
     data = ["data.source=indexed", f"data.paths={tmp_path / 'a'}", "data.reset_attention_mask=true",
@@ -176,7 +176,7 @@ def test_documents_stored_as_fixed_length_rows_pass_the_eod_check(tmp_path):
     """Packed corpora stored as fixed-length rows (EOD inside rows, rarely at a row's end): the
     id occurs, so it is taken (only an id that never occurs, or one other end everywhere, is refused)."""
     from tessera.config import ConfigError, load_config
-    from tessera.training.trainer import check_runnable
+    from tessera.training.preflight import check_runnable
 
     rng = np.random.default_rng(3)
     stream = np.concatenate([np.append(rng.integers(2, 64, int(n)), EOD) for n in rng.integers(200, 400, 40)])
@@ -197,7 +197,7 @@ def test_a_dataset_in_a_read_only_folder_needs_a_cache_dir(tmp_path, monkeypatch
     import os
 
     from tessera.config import ConfigError, load_config
-    from tessera.training.trainer import check_runnable
+    from tessera.training.preflight import check_runnable
 
     (tmp_path / "ro").mkdir()
     write_corpus(tmp_path / "ro" / "a", 1)

@@ -93,7 +93,7 @@ def test_non_finite_values_are_written_as_null(tmp_path):
 
 
 def test_out_dir_that_is_a_file_is_refused(tmp_path):
-    from tessera.training.trainer import check_runnable
+    from tessera.training.preflight import check_runnable
 
     (tmp_path / "afile").write_text("x")
     for out_dir in (tmp_path / "afile", tmp_path / "afile" / "run" / "deeper"):
@@ -121,7 +121,7 @@ def test_the_runs_configuration_is_kept_beside_its_metrics(tmp_path):
 
 
 def test_a_cache_dir_that_cannot_be_a_directory_is_refused(tmp_path):
-    from tessera.training.trainer import check_runnable
+    from tessera.training.preflight import check_runnable
 
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ConfigError, match="data.cache_dir: .*afile is a file"):  # (a traceback where it was made)

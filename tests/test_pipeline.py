@@ -173,11 +173,12 @@ def _run_case(topo: Topology, case: Case, steps: list[dict]) -> list[dict]:
     (dicts of batch/seq), zeroing gradients between steps; returns what each step left."""
     cfg = make_cfg(case)
     store = WeightGradStore() if case.kind in SPLIT_BACKWARD else None
-    tp = TPContext(group=topo.group("tp"), sequence_parallel=case.sp, wgrad_store=store)
+    tp = TPContext(group=topo.group("tp"), sequence_parallel=case.sp)
     layout = list(case.layout) if case.layout else None
     chunks = build_stage_chunks(cfg, tp, topo.pp_rank, case.pp, case.vpp, layout=layout)
     for chunk in chunks:
         chunk.init_weights(SEED)
+        chunk.use_weight_grad_store(store)
     model = nn.ModuleList(chunks)
     actions = build_schedule(case.kind, case.pp, case.vpp, case.m, topo.pp_rank)
     # One tag for every message: gloo then matches them in posting order, as NCCL does, so a

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.config import ConfigError, ModelConfig, load_config, validate
+from tessera.config import ConfigError, ModelConfig, load_config
 from tessera.models import GPTModel
 from tessera.testing import run_ranks
+from tessera.training.preflight import validate
 
 BASE = ["model.hidden=32", "model.layers=4", "model.heads=4", "model.seq_len=16", "model.vocab_size=100",
         "train.micro_batch=1", "train.global_batch=8", "train.seed=5", "train.steps=3", "train.log_every=1",

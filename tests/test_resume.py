@@ -2,8 +2,8 @@
 continues exactly"), and two gaps the parity tests leave: sampling at tp x pp and with several
 model chunks, and the DataFeed's dp split under a batch ramp-up.
 
-Every resume run mirrors the trainer's loop (training/trainer.py ``_run``): the trainer's Stage,
-``build_data_parallel`` (DataParallel + MainParamOptimizer, or FSDP + FSDPOptimizer), DataFeed
+Every resume run mirrors the trainer's loop (training/trainer.py): the parts ``build`` assembles
+(DataParallel + MainParamOptimizer, or FSDP + FSDPOptimizer), DataFeed
 (synthetic data), LRScheduler (warmup + cosine, a weight-decay ramp) and, for fp16, a
 DynamicLossScaler, then ``train_step``. Each run trains STEPS steps straight; at step SAVE it
 saves every state dict (model, optimizer, scheduler, data feed, loss scaler; through torch.save
@@ -33,7 +33,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shards import shared_result
-from tessera.config import ModelConfig, load_config, validate
+from tessera.config import ModelConfig, load_config
 from tessera.inference.generate import generate
 from tessera.models.transformer import TPContext
 from tessera.optim import DynamicLossScaler, LRScheduler, MicroBatchCalculator
@@ -44,7 +44,9 @@ from tessera.testing import run_ranks
 from tessera.topology import Topology
 from tessera.training.data_feed import DataFeed, build_source
 from tessera.training.step import train_step
-from tessera.training.trainer import Stage, build_data_parallel
+from tessera.training.build import build, build_chunks
+from tessera.training.plan import make_plan
+from tessera.training.preflight import validate
 
 STEPS, SAVE = 5, 3
 SEQ, VOCAB = 16, 64
@@ -84,11 +86,13 @@ class Stack:
         self.topo = topo
         seed = cfg.train.seed if init_seed is None else init_seed
         self.rng = RNGTracker.for_rank(seed, topo.tp_rank, topo.pp_rank)
-        self.stage = Stage(cfg, topo, self.rng)
+        plan = make_plan(cfg, topo.device)
+        chunks = build_chunks(cfg, topo, plan, self.rng)
         if init_seed is not None:  # other initial weights than the saved run's (before the buffers copy them)
-            for chunk in self.stage.chunks:
+            for chunk in chunks:
                 chunk.init_weights(init_seed)
-        self.data_parallel, self.optimizer = build_data_parallel(self.stage, topo, cfg)
+        self.stage = build(cfg, topo, plan, chunks=chunks)
+        self.data_parallel, self.optimizer = self.stage.data_parallel, self.stage.optimizer
         self.scheduler = LRScheduler(cfg.optim, cfg.train.steps)
         self.scaler = DynamicLossScaler(**SCALER) if cfg.train.dtype == "fp16" else None
         self.feed = DataFeed(cfg, topo)
@@ -164,7 +168,7 @@ def resume_run(topo: Topology, overrides: list[str], optimizer_first: bool = Fal
     params = resumed.params()
     return {"straight": before, "resumed": after, "first": first, "fresh_differs": differs,
             "ends": (end, resumed.ends()),
-            "scales": saved_scale, "schedule": resumed.stage.schedule, "pp_rank": topo.pp_rank,
+            "scales": saved_scale, "schedule": resumed.stage.plan.schedule, "pp_rank": topo.pp_rank,
             "params_equal": {n: torch.equal(params[n], final[n]) for n in final},
             "max_diff": max((params[n].float() - final[n].float()).abs().max().item() for n in final)}
 

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from tessera.config import ConfigError, OptimConfig, load_config, validate
+from tessera.config import ConfigError, OptimConfig, load_config
 from tessera.optim import LRScheduler, MicroBatchCalculator
+from tessera.training.preflight import validate
 
 
 def sched(style, total=20, **kw):
@@ -198,7 +199,7 @@ def test_rampup_grows_at_each_slice_boundary_exactly():
 def test_wsd_decay_longer_than_the_run_is_refused_before_any_work():
     """check_runnable (what `tessera train --nproc-per-node` runs before starting torchrun)
     refuses it, not the trainer after every rank built its model."""
-    from tessera.training.trainer import check_runnable
+    from tessera.training.preflight import check_runnable
 
     with pytest.raises(ConfigError) as info:
         check_runnable(load_config(None, ["optim.decay_style=wsd", "optim.wsd_decay_steps=100", "train.steps=20",

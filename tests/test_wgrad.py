@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tessera.config import ModelConfig
-from tessera.models import GPTModel, TPContext
+from tessera.models import GPTModel
+from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tessera.tensor_parallel.wgrad import WeightGradStore
 
 
@@ -33,7 +34,8 @@ def test_deferred_weight_grads_equal_plain_backward():
         plain = GPTModel(cfg)
         plain.init_weights(5)
         store = WeightGradStore()
-        split = GPTModel(cfg, TPContext(wgrad_store=store))
+        split = GPTModel(cfg)
+        split.use_weight_grad_store(store)
         split.init_weights(5)
         tokens = torch.randint(0, 40, (2, 8))
         ref, got = _grads(plain, tokens, dtype=dtype), _grads(split, tokens, store, dtype=dtype)
@@ -62,14 +64,14 @@ def test_wgrad_into_fused_equals_reference():
 def _main_grads(cfg, fuse: bool, dtype: torch.dtype):
     from tessera.distributed.data_parallel import DataParallel
     from tessera.topology import Topology
-    store = WeightGradStore()
-    model = GPTModel(cfg, TPContext(wgrad_store=store)).to(dtype)
+    model = GPTModel(cfg).to(dtype)
     model.init_weights(5)
-    dp = DataParallel([model], Topology.build(), param_dtype=dtype, wgrad_store=store, fuse_wgrad=fuse)
+    dp = DataParallel([model], Topology.build(), param_dtype=dtype)
+    model.use_weight_grad_store(WeightGradStore(sink=dp, fuse=fuse))
     fused_calls = []
     if fuse:
-        inner = store.accumulate_product
-        store.accumulate_product = lambda p, *ab: (fused_calls.append(p), inner(p, *ab))
+        inner = dp.accumulate_product
+        dp.accumulate_product = lambda p, *ab: (fused_calls.append(p), inner(p, *ab))
     for step in range(2):  # the second step proves a step's first product is copied over the last's
         dp.start_step(3)
         for mb in range(3):
@@ -90,7 +92,7 @@ def test_grad_accum_fusion_adds_weight_grads_straight_into_main_grad():
         ref, none, _ = _main_grads(cfg, False, dtype)
         got, calls, model = _main_grads(cfg, True, dtype)
         assert none == []
-        linears = {p for m in model.modules() if hasattr(m, "wgrad_store") for p in [m.weight]}
+        linears = {m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
         assert set(calls) == linears and len(calls) == 2 * 3 * len(linears), "each linear weight, every micro-batch"
         if family == "gpt2":
             assert model.embedding.weight not in set(calls), "the tied embedding's two terms are summed by autograd"
@@ -101,7 +103,8 @@ def test_grad_accum_fusion_adds_weight_grads_straight_into_main_grad():
 # -- inside compiled layers: the opaque deferrable linear -----------------------------------------
 def _llama(store=None):
     cfg = ModelConfig(family="llama", hidden=32, heads=4, kv_heads=2, layers=3, seq_len=8, vocab_size=40)
-    model = GPTModel(cfg, TPContext(wgrad_store=store))
+    model = GPTModel(cfg)
+    model.use_weight_grad_store(store)
     model.init_weights(5)
     return model
 
