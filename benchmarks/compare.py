@@ -1,17 +1,18 @@
 """tessera against its peers on one model and layouts, in ONE run on the GPU machine.
 
-Usage (repository root of the GPU machine, with .whl/ and .peers/ carried as
-../shared/peers/README.md says):
+Usage (repository root of the GPU machine, with .whl/ and .peers/ carried as benchmarks/README.md
+says):
 
     python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 tp2 pp2      # runs everything, prints the table
     python3 benchmarks/compare.py llama-1b 1gpu tp2 --dry-run     # only print the commands
     python3 benchmarks/compare.py gpt-1.3b 1gpu dp2 1gpu+train.grad_dtype=bf16 dp2+train.grad_dtype=bf16 \
         --skip mcore@1gpu,torch@1gpu    # variants: tessera alone, with more overrides; fewer peers
 
-For each layout it runs tessera (benchmarks/quick_train.py), megatron-core
-(.peers/mcore_gpt_bench.py) and, on 1 GPU and at dp=2, the compiled PyTorch model
-(.peers/torch_gpt_bench.py; torch DDP at dp=2), then prints a markdown table of tokens/s per
-GPU with tessera's ratio to each peer and to tessera's own 1-GPU figure, ready for BENCHMARKS.md.
+For each layout it runs tessera (benchmarks/quick_train.py on benchmarks/models/MODEL.toml),
+megatron-core (.peers/mcore_gpt_bench.py) and, on 1 GPU and at dp=2, the compiled PyTorch model
+(.peers/torch_gpt_bench.py; torch DDP at dp=2), all on the same shape (PEER_FLAGS), then prints
+a markdown table of tokens/s per GPU with tessera's ratio to each peer and to tessera's own
+1-GPU figure, ready for BENCHMARKS.md.
 
 A layout written ``LAYOUT+key=value[+key=value...]`` is a variant: tessera alone, with these
 overrides after the layout's own; its ratio to one GPU is against the one-GPU variant with the
@@ -30,6 +31,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+MODELS = Path(__file__).resolve().parent / "models"
 
 LAYOUTS = {  # layout -> (processes, tessera overrides, megatron-core flags)
     "1gpu": (1, [], []),
@@ -38,11 +42,22 @@ LAYOUTS = {  # layout -> (processes, tessera overrides, megatron-core flags)
     "pp2": (2, ["parallel.pp=2"], ["--pp", "2"]),
     "pp2v": (2, ["parallel.pp=2", "parallel.vpp=2"], ["--pp", "2"]),  # tessera's recommended pp=2 (interleaved-zb)
 }
-PEER_MODEL = {"gpt-1.3b": [], "llama-1b": ["--llama", "1", "--kv-heads", "8", "--ffn", "8192", "--heads", "32",
-                                          "--layers", "16", "--vocab", "128256"]}
+# each benchmark model (benchmarks/models/*.toml) as both peers' flags: the same shape and batch
+PEER_FLAGS = {
+    "gpt-1.3b": ["--layers", "24", "--hidden", "2048", "--heads", "16", "--seq", "2048", "--vocab", "50304",
+                 "--mbs", "2", "--gbs", "16"],
+    "llama-1b": ["--llama", "1", "--layers", "16", "--hidden", "2048", "--heads", "32", "--kv-heads", "8",
+                 "--ffn", "8192", "--seq", "2048", "--vocab", "128256", "--mbs", "2", "--gbs", "16"],
+}
 
 
 SKIP_NAMES = {"mcore": "megatron-core", "torch": "PyTorch compiled"}
+
+
+def check_model(model: str) -> None:
+    """A benchmark model both tessera (a TOML in benchmarks/models/) and the peers (PEER_FLAGS) run."""
+    if model not in PEER_FLAGS or not (MODELS / f"{model}.toml").is_file():
+        raise SystemExit(f"unknown model {model!r}: choose from {', '.join(sorted(PEER_FLAGS))}")
 
 
 def split_variant(layout: str) -> tuple[str, list[str]]:
@@ -58,6 +73,7 @@ def split_variant(layout: str) -> tuple[str, list[str]]:
 
 def commands(model: str, layout: str, skip: frozenset[str] = frozenset()) -> list[tuple[str, list[str], dict]]:
     """(system, command, env) of each run at ``layout``; ``skip`` holds "mcore@1gpu"-style names."""
+    check_model(model)
     base, extra = split_variant(layout)
     nproc, sets, mcore = LAYOUTS[base]
     env = {"NPROC": str(nproc)}
@@ -67,9 +83,9 @@ def commands(model: str, layout: str, skip: frozenset[str] = frozenset()) -> lis
         return out
     site = {"PYTHONPATH": "/tmp/site:" + os.environ.get("PYTHONPATH", "")}
     if f"mcore@{base}" not in skip:
-        out.append(("megatron-core", launch + [".peers/mcore_gpt_bench.py", *mcore, *PEER_MODEL[model]], site))
+        out.append(("megatron-core", launch + [".peers/mcore_gpt_bench.py", *mcore, *PEER_FLAGS[model]], site))
     if base in ("1gpu", "dp2") and f"torch@{base}" not in skip:
-        torch_cmd = [".peers/torch_gpt_bench.py", "--mbs", "2", "--gbs", "16", *PEER_MODEL[model]]
+        torch_cmd = [".peers/torch_gpt_bench.py", *PEER_FLAGS[model]]
         out.append(("PyTorch compiled" + (" + DDP" if nproc > 1 else ""),
                     (launch if nproc > 1 else [sys.executable]) + torch_cmd, {}))
     return out
@@ -101,10 +117,10 @@ AGAIN = "1gpu (again, 2nd GPU)"  # tessera's one-GPU baseline run a second time,
 def plan(model: str, layouts: list[str], skip: frozenset[str] = frozenset()) -> list[tuple[str, str, list[str], dict]]:
     """(layout, system, command, env) of every run, in order. With 1gpu and another (two-GPU)
     layout, tessera's one-GPU run comes again at the end, on the second GPU: its figure varied by
-    up to 15 % between runs on one machine (BENCHMARKS.md session 12), the GPUs train power-capped
-    and one card can hold a lower clock than the other at the cap (session 13: 1740 against
-    1800 MHz), and a two-GPU layout runs at its slower card's pace; the ratios stand on the mean
-    of both cards' runs."""
+    up to 15 % between runs on one machine (2026-11-27, 2x H200), the GPUs train power-capped and
+    one card can hold a lower clock than the other at the cap (1740 against 1800 MHz the same
+    day), and a two-GPU layout runs at its slower card's pace; the ratios stand on the mean of
+    both cards' runs (BENCHMARKS.md, One GPU)."""
     runs = [(layout, system, cmd, env) for layout in layouts for system, cmd, env in commands(model, layout, skip)]
     if "1gpu" in layouts and len(set(layouts)) > 1:
         system, cmd, env = commands(model, "1gpu")[0]
@@ -189,14 +205,20 @@ def main() -> None:
             raise SystemExit("--skip needs SYSTEM@LAYOUT[,...], e.g. --skip mcore@1gpu,torch@1gpu")
         skip, argv = parse_skip(argv[at + 1]), argv[:at] + argv[at + 2:]
     args = [a for a in argv if not a.startswith("--")]
+    if not args:
+        raise SystemExit(f"usage: compare.py MODEL [LAYOUT ...] [--skip SYSTEM@LAYOUT,...] [--dry-run]; MODEL: "
+                         f"{', '.join(sorted(PEER_FLAGS))}; LAYOUT: {', '.join(LAYOUTS)} (+key=value for a variant)")
     model, layouts, dry = args[0], args[1:] or ["1gpu"], "--dry-run" in argv
     runs = plan(model, layouts, skip)
     if dry:
         for layout, system, cmd, env in runs:
             print(" ".join(f"{k}={v}" for k, v in env.items()), " ".join(cmd))
         return
+    wheels = sorted(Path(".whl").glob("*.whl"))
+    if not wheels:
+        raise SystemExit("no megatron-core wheel in .whl/: fetch it and carry .whl/ and .peers/ (benchmarks/README.md)")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
-                    "/tmp/site", *[os.path.join(".whl", f) for f in os.listdir(".whl")]], check=True)
+                    "/tmp/site", *map(str, wheels)], check=True)
     rows = []
     # the whole run's seconds (COMPARE_BUDGET, default 3600): a run that would pass it is cut
     # short or skipped, so the table still prints inside a time-limited GPU call

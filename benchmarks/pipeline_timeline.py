@@ -4,86 +4,58 @@ warm-up. Prints each action's GPU start and length and its host launch time, bot
 step's start on the GPU (a negative launch time: the host was that far ahead), then what the
 step's GPU time is made of: the actions' own time, the waits inside them (an action on the
 critical path that starts late, or runs long while it waits for its received input), gaps
-between actions, and the tail (gradient finalisation and the optimizer).
+between actions, and the tail (gradient finalisation and the optimizer), split into its calls.
 The traced step follows an untraced one launched without synchronising, as in training, so the
-host starts it as far ahead as training's host would (until session 10 the tool synchronised
-right before the traced step, which made its first forward wait for the host's launches).
-The two clocks are tied by an event recorded on an idle GPU before the untraced step.
-`torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py parallel.pp=2 [k=v ...]`."""
+host starts it as far ahead as training's host would (a synchronised start makes the first
+forwards wait for the host's launches); the two clocks are tied by an event recorded on an idle
+GPU. Also runs at pp=1 (one GPU, dp=2: a step's first forward, last backward and tail).
+
+    torchrun --nproc-per-node 2 benchmarks/pipeline_timeline.py [MODEL] parallel.pp=2 [section.key=value ...]
+
+HOST_PROFILE=0 leaves out the last part: one more step under cProfile, by own time.
+"""
 
 import cProfile
 import io
+import itertools
 import os
 import pstats
 import sys
 import time
 
 import torch
-from bench_setup import build
+from bench_setup import setup, timed_calls
 
 from tessera.training import step as step_module
-from tessera.training.step import train_step
 
-b = build(sys.argv[1:])
-rank, topo, stage, dp, opt, data = b.rank, b.topo, b.stage, b.dp, b.opt, b.data
-
-
-def step():
-    mbs = data.next()
-    executor = stage.executor(len(mbs))
-    return executor, train_step(opt, mbs, topo, executor, dp, clip_grad=1.0, scaler=None)
-
-
-def timed_tail() -> tuple[list, list]:
-    """Wrap the calls a step makes after its last pipeline action (train_step's tail) so each
-    records a CUDA event as it is entered and left. Returns the list the events go into,
-    [(label, start, end)] as the step runs, and the patches to undo."""
-    events, patches = [], []
-
-    def wrap(owner, name, label):
-        if not hasattr(owner, name):  # e.g. FSDP (zero=3) has no parameter gathers to start
-            return
-        original = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = original(*args, **kwargs)
-            end.record()
-            events.append((label, start, end))
-            return out
-        setattr(owner, name, timed)
-        patches.append((owner, name, original))
-
-    wrap(dp, "finish_grad_sync", "wait for / finish the gradient reductions")
-    wrap(opt, "grads", "point the main params at the reduced grads")
-    wrap(step_module, "finalize_model_grads", "finalize_model_grads (TP / embedding sums)")
-    wrap(step_module, "global_grad_norm", "global gradient norm")
-    wrap(getattr(opt, "inner", None), "step", "AdamW")
-    wrap(opt, "_copy_to_model", "copy the fp32 main params into the model")
-    wrap(dp, "start_param_gather", "launch the parameter all-gathers (they run on NCCL's stream)")
-    return events, patches
-
+bench = setup(sys.argv[1:])
+rank, topo, parts = bench.rank, bench.topo, bench.parts
+dp, opt = parts.data_parallel, parts.optimizer
+TAIL = [(dp, "finish_grad_sync", "wait for / finish the gradient reductions"),
+        (opt, "grads", "point the main params at the reduced grads"),
+        (step_module, "finalize_model_grads", "finalize_model_grads (TP / embedding sums)"),
+        (step_module, "grad_norm_and_nonfinite", "global gradient norm"),
+        (getattr(opt, "inner", None), "step", "AdamW"),
+        (opt, "_copy_to_model", "copy the fp32 main params into the model"),
+        (dp, "start_param_gather", "launch the parameter all-gathers (they run on NCCL's stream)")]
 
 for _ in range(4):
-    step()
+    bench.step()
 torch.cuda.synchronize()
 if torch.distributed.is_initialized():  # one GPU runs without a process group
     torch.distributed.barrier()
 anchor = torch.cuda.Event(enable_timing=True)  # GPU idle: its time is the host's t0
 anchor.record()
 t0 = time.perf_counter()
-step()  # the untraced step: the traced one starts with the host as far ahead as in training
+bench.step()  # the untraced step: the traced one starts with the host as far ahead as in training
 begin = torch.cuda.Event(enable_timing=True)
 begin.record()  # the end of the untraced step's work on the GPU: the traced step's start
-mbs = data.next()
-executor = stage.executor(len(mbs))
+micro_batches = bench.data.next()
+executor = parts.executor(len(micro_batches))  # the one the step runs
 executor.trace = []
-tail_events, patches = timed_tail()
-train_step(opt, mbs, topo, executor, dp, clip_grad=1.0, scaler=None)
+with timed_calls(TAIL) as tail_events:
+    bench.step(micro_batches)
 host_end = time.perf_counter()
-for owner, name, original in patches:
-    setattr(owner, name, original)
 end = torch.cuda.Event(enable_timing=True)
 end.record()
 torch.cuda.synchronize()
@@ -100,7 +72,7 @@ lines, busy, previous_end = [], 0.0, None
 gaps = 0.0
 # the host's time per action: from its launch to the next action's (for the last, to the end of
 # the step's launches: the tail's included)
-host_spans = [b_[3] - a_[3] for a_, b_ in zip(trace, trace[1:])] + [host_end - trace[-1][3]]
+host_spans = [b_[3] - a_[3] for a_, b_ in itertools.pairwise(trace)] + [host_end - trace[-1][3]]
 for (op, mb, chunk, launched, s, e), span in zip(trace, host_spans):
     start, stop = begin.elapsed_time(s), begin.elapsed_time(e)
     if previous_end is not None:  # the time before the first action is reported on its own
@@ -113,7 +85,7 @@ for (op, mb, chunk, launched, s, e), span in zip(trace, host_spans):
                  f" +{span * 1e3:5.1f}")
 lines[-1] += " (to the end of the step's launches)"
 total = begin.elapsed_time(end)
-print(f"TIMELINE rank {rank} ({topo.pp_rank=}) {' '.join(sys.argv[1:])}\n" + "\n".join(lines) + "\n"
+print(f"TIMELINE rank {rank} ({topo.pp_rank=}) {' '.join(bench.overrides)}\n" + "\n".join(lines) + "\n"
       f"SUMMARY rank {rank}: step {total:.1f} ms on the GPU (host done launching at {host_ms(host_end):.1f}); "
       f"actions {busy:.1f} ms (waits for received inputs included), gaps between actions {gaps:.1f} ms, "
       f"before the first {begin.elapsed_time(trace[0][4]):.1f} ms, after the last (finalise, optimizer) "
@@ -127,14 +99,11 @@ if os.environ.get("HOST_PROFILE", "1") != "0":
     profile = cProfile.Profile()
     torch.cuda.synchronize()
     profile.enable()
-    step()
+    bench.step()
     profile.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
     body = text.getvalue()
     print(f"HOST rank {rank}: one step under cProfile, by own time\n" + body[body.find("   ncalls"):], flush=True)
-for g in b.graphs:
-    g.release()
-if torch.distributed.is_initialized():
-    torch.distributed.destroy_process_group()
+bench.close()

@@ -1,15 +1,101 @@
-"""The benchmark runner's plumbing (the GPU runs themselves happen on the GPU machine)."""
+"""The benchmark harness's plumbing (the GPU runs themselves happen on the GPU machine)."""
 
+import gzip
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tessera.config import load_config
+
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import compare  # noqa: E402
+import kernel_table  # noqa: E402
+import quick_train  # noqa: E402
+
+TINY = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=0", "model.ffn_hidden=0",
+        "model.seq_len=32", "model.vocab_size=256", "train.dtype=fp32", "train.global_batch=4"]
+
+
+def test_the_benchmark_models_load_with_their_known_shapes():
+    """benchmarks/models/*.toml through tessera's own loader, with the shapes BENCHMARKS.md reports."""
+    assert quick_train.model_names() == ["gpt-1.3b", "llama-1b"]
+    gpt = load_config(quick_train.model_config("gpt-1.3b"), [])
+    assert (gpt.model.family, gpt.model.layers, gpt.model.hidden, gpt.model.heads, gpt.model.seq_len,
+            gpt.model.vocab_size, gpt.model.tie_embeddings) == ("gpt2", 24, 2048, 16, 2048, 50304, True)
+    llama = load_config(quick_train.model_config("llama-1b"), ["parallel.tp=2"])
+    assert (llama.model.family, llama.model.layers, llama.model.hidden, llama.model.heads, llama.model.kv_heads,
+            llama.model.ffn_hidden, llama.model.vocab_size, llama.model.tie_embeddings) == (
+        "llama", 16, 2048, 32, 8, 8192, 128256, False)
+    assert llama.parallel.tp == 2  # overrides apply on top of the file
+    for cfg in (gpt, llama):
+        t = cfg.train
+        assert (t.micro_batch, t.global_batch, t.dtype, cfg.data.source) == (2, 16, "bf16", "synthetic")
+    with pytest.raises(SystemExit, match="gpt-1.3b, llama-1b"):
+        quick_train.model_config("gpt-2")
+
+
+def test_the_peers_run_each_model_with_its_shape_and_batch():
+    """compare.PEER_FLAGS says to both peers what the model's TOML says to tessera."""
+    assert sorted(compare.PEER_FLAGS) == quick_train.model_names()
+    for model, flags in compare.PEER_FLAGS.items():
+        cfg = load_config(quick_train.model_config(model), [])
+        m, t = cfg.model, cfg.train
+        given = dict(zip(flags[::2], flags[1::2]))
+        want = {"--layers": m.layers, "--hidden": m.hidden, "--heads": m.heads, "--seq": m.seq_len,
+                "--vocab": m.vocab_size, "--mbs": t.micro_batch, "--gbs": t.global_batch}
+        if m.family == "llama":
+            want |= {"--llama": 1, "--kv-heads": m.kv_heads, "--ffn": m.ffn_hidden}
+        assert given == {k: str(v) for k, v in want.items()}, model
+
+
+def test_quick_train_reports_the_median_after_warmup():
+    steps = [{"step": i, "tokens_per_s": tps, "tflops_per_gpu": tps / 100, "loss": 10 - i / 10, "mfu": 0.5,
+              "peak_mem_gib": 28.9} for i, tps in enumerate([2000, 50000, 90000, 60000, 62000, 58000, 61000], 1)]
+    steps_line, losses, result = quick_train.summary("gpt-1.3b", 2, ["parallel.zero=1"], steps)
+    assert steps_line == "STEPS tokens/s per GPU: 1,000 25,000 45,000 30,000 31,000 29,000 30,500"
+    assert losses.startswith("LOSSES 9.90000 9.80000")
+    assert result == ("RESULT gpt-1.3b nproc=2 parallel.zero=1: 30,250 tokens/s per GPU, 605.0 TFLOP/s per GPU, "
+                      "MFU 50.0%, peak memory 28.9 GiB (the logging rank)")
+    assert compare.tokens_per_gpu(result) == 30250
+
+
+def test_the_profilers_build_and_step_with_the_public_build_api():
+    """bench_setup on one CPU process: the model from its TOML with overrides, the plan, a step."""
+    code = (f"import bench_setup; b = bench_setup.setup(['gpt-1.3b', *{TINY!r}]); executor, result = b.step(); "
+            "assert b.parts.plan.schedule == 'none' and len(b.parts.chunks) == 1 and b.graphs == []; "
+            "print('LOSS', float(result.values[0])); b.close()")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")])}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=240,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "BENCH gpt-1.3b world=1 model.layers=2" in out.stdout and "schedule none" in out.stdout
+    assert 5.0 < float(out.stdout.split("LOSS ")[1].split()[0]) < 6.0  # ln(256) = 5.55 at the start
+
+
+def test_the_profilers_timed_calls_are_put_back():
+    """bench_setup.timed_calls wraps an instance's method and a module's function for the steps
+    inside, passes over what is absent, and leaves both as they were."""
+    import types
+
+    import bench_setup
+
+    class Owner:
+        def step(self):
+            return 1
+
+    owner, module = Owner(), types.ModuleType("m")
+    module.f = original = lambda: 2
+    calls = [(owner, "step", "a"), (module, "f", "b"), (owner, "absent", "c"), (None, "step", "d")]
+    with bench_setup.timed_calls(calls) as events:
+        assert "step" in vars(owner) and module.f is not original
+    assert "step" not in vars(owner) and module.f is original and owner.step() == 1 and events == []
 
 
 def test_reads_both_result_formats():
@@ -72,10 +158,11 @@ def test_variants_run_tessera_alone_and_compare_with_their_one_gpu_twin():
 
 def test_bad_layouts_and_skips_are_refused_by_name():
     for bad in (lambda: compare.split_variant("dp3"), lambda: compare.split_variant("dp2+zero"),
-                lambda: compare.parse_skip("nemo@1gpu"), lambda: compare.parse_skip("mcore@tp4")):
+                lambda: compare.parse_skip("nemo@1gpu"), lambda: compare.parse_skip("mcore@tp4"),
+                lambda: compare.commands("gpt-2", "1gpu")):
         with pytest.raises(SystemExit) as err:
             bad()
-        assert any(word in str(err.value) for word in ("dp3", "zero", "nemo", "tp4"))
+        assert any(word in str(err.value) for word in ("dp3", "zero", "nemo", "tp4", "gpt-2"))
 
 
 def test_skip_takes_both_spellings():
@@ -85,66 +172,23 @@ def test_skip_takes_both_spellings():
         assert len(out) == 1 and "quick_train.py" in out[0], spelling  # tessera alone
 
 
-def test_step_jitter_reports_every_step_and_rank_on_gloo():
-    """benchmarks/step_jitter.py on 2 CPU processes (dp=2, zero=1, a tiny model): a line per step
-    with both ranks' phases, which add up to the step, and a summary per rank."""
-    import os
-    import re
-    tiny = ["parallel.zero=1", "model.hidden=64", "model.heads=4", "model.layers=2", "model.seq_len=32",
-            "model.vocab_size=256", "train.dtype=fp32", "train.global_batch=8"]
-    env = {**os.environ, "STEPS": "4", "PYTHONPATH": str(ROOT / "src")}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "step_jitter.py",
-                          *tiny], cwd=ROOT / "benchmarks", capture_output=True, text=True, env=env, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    steps = [line for line in out.stdout.splitlines() if line.startswith("  step ")]
-    assert len(steps) == 3, out.stdout  # steps 1-3 (step 0 has no previous end)
-    for line in steps:
-        for rank_cells in line.split(":", 1)[1].split("|"):
-            step, idle, fb, sync, tail, lead = map(float, rank_cells.split())
-            assert step > 0 and step == pytest.approx(idle + fb + sync + tail, abs=0.5), line
-    assert len(re.findall(r"SUMMARY rank [01]: step median", out.stdout)) == 2
-
-
-def test_gc_probe_times_both_kinds_of_collection_on_every_rank():
-    """benchmarks/gc_probe.py on 2 CPU processes (dp=2, zero=1, a tiny model): per round and rank
-    a collection with the host ahead and one after a sync, each with what it found (nothing
-    here: training makes no garbage cycles on a CPU) and the heap frozen."""
-    import os
-    import re
-    tiny = ["parallel.zero=1", "model.hidden=64", "model.heads=4", "model.layers=2", "model.seq_len=32",
-            "model.vocab_size=256", "train.dtype=fp32", "train.global_batch=8"]
-    env = {**os.environ, "WARM": "2", "STEPS": "1", "ROUNDS": "2", "PYTHONPATH": str(ROOT / "src")}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "gc_probe.py", *tiny],
-                         cwd=ROOT / "benchmarks", capture_output=True, text=True, env=env, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = re.findall(r"GC rank ([01]) round ([01]) (host ahead |after a sync): collect [0-9.]+ ms.*found (\d+), "
-                       r"tracked after \d+ \(frozen (\d+)\)", out.stdout)
-    assert sorted((rank, rnd, kind.strip()) for rank, rnd, kind, _, _ in lines) == sorted(
-        (rank, rnd, kind) for rank in "01" for rnd in "01" for kind in ("host ahead", "after a sync")), out.stdout
-    assert all(found == "0" and int(frozen) > 0 for *_, found, frozen in lines), out.stdout
-
-
-def test_kernel_timeline_splits_time_by_what_runs_beside_what(tmp_path):
-    """kernel_timeline.py: a timeline of two streams' kernels cut into idle, NCCL alone, compute
+def test_kernel_table_splits_time_by_what_runs_beside_what(tmp_path):
+    """kernel_table.py --read: a timeline of two streams' kernels cut into idle, NCCL alone, compute
     alone, NCCL beside compute and two compute kernels at once (µs in the file, ms out)."""
-    import gzip
-
-    import kernel_timeline
-
     rows = ["0,1000,7,ncclDevKernel_AllGather", "500,2000,8,nvjet_gemm", "1500,2500,7,elementwise",
             "3000,4000,7,ncclDevKernel_ReduceScatter"]
     path = tmp_path / "kernels_x_rank0.csv.gz"
     with gzip.open(path, "wt") as f:
         f.write("\n".join(rows) + "\n")
-    loaded = kernel_timeline.load(str(path))
-    assert kernel_timeline.totals(loaded, steps=1) == pytest.approx(
+    loaded = kernel_table.load(str(path))
+    assert kernel_table.totals(loaded, steps=1) == pytest.approx(
         {"nccl alone": 1.5, "nccl beside compute": 0.5, "compute alone": 1.0, "compute x2+": 0.5, "idle": 0.5})
-    assert kernel_timeline.summary(loaded, steps=1) == pytest.approx(
-        {"busy": 3.5, "nccl": 2.0, "compute": 2.0, "beside": 0.5})  # (what kernel_table.py prints)
-    first, second = kernel_timeline.binned(loaded, 2.0)
+    assert kernel_table.summary(loaded, steps=1) == pytest.approx(
+        {"busy": 3.5, "nccl": 2.0, "compute": 2.0, "beside": 0.5})  # (what the profiling run prints)
+    first, second = kernel_table.binned(loaded, 2.0)
     assert first == (0.0, pytest.approx({"nccl alone": 0.25, "nccl beside compute": 0.25, "compute alone": 0.25,
                                          "compute x2+": 0.25}))
     assert second == (2.0, pytest.approx({"compute alone": 0.25, "idle": 0.25, "nccl alone": 0.5}))
-    out = subprocess.run([sys.executable, "benchmarks/kernel_timeline.py", str(path), "--steps", "1"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "benchmarks/kernel_table.py", "--read", str(path), "--steps", "1"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert "nccl beside compute 0.5" in out
