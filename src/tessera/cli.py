@@ -1,6 +1,7 @@
 """Command line: ``tessera train --config FILE [--set section.key=value ...]``, ``tessera config``,
 ``tessera schedule --kind interleaved --pp 4 --vpp 2 --microbatches 8 [--out schedule.svg]``,
-``tessera preprocess --input FILE.jsonl --tokenizer SPEC --output-prefix P``, ``tessera data inspect P``.
+``tessera preprocess --input FILE.jsonl --tokenizer SPEC --output-prefix P``, ``tessera data inspect P``,
+``tessera checkpoint inspect|export|import ...``.
 
 Run it under ``torchrun --nproc-per-node N`` for several processes, or give ``--nproc-per-node N``
 to ``tessera train`` itself: it checks the configuration for N processes first and then starts
@@ -52,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     add_data_commands(sub)  # preprocess, data inspect
     from tessera.checkpoint.commands import add_checkpoint_commands
 
-    add_checkpoint_commands(sub)  # checkpoint inspect
+    add_checkpoint_commands(sub)  # checkpoint inspect, export, import
     return parser
 
 

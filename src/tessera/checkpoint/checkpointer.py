@@ -5,7 +5,8 @@ What a checkpoint holds (checkpoint/store.py for the files):
 - the fp32 main parameters and Adam's moments as whole tensors, each rank writing its boxes
   (checkpoint/shards.py), and Adam's step count;
 - the step, the batch calculator's position (consumed samples: the data resumes where it
-  stopped), the learning-rate schedule's settings, the fp16 loss scaler's state, the config;
+  stopped), the learning-rate schedule's settings, the fp16 loss scaler's state, the numerics
+  guard's spike window, the config;
 - each (tp rank, pp rank)'s random streams (dropout): restored where the loading run has the
   same layout (tp, pp, vpp, dp), otherwise the loading run's own seeds stand.
 
@@ -199,7 +200,7 @@ class Checkpointer:
         if scaler is not None and meta.get("scaler") is not None:
             scaler.load_state_dict(meta["scaler"])
         if guard is not None:
-            guard.load_state_dict(meta.get("numerics"))  # (none in a checkpoint of session 26's)
+            guard.load_state_dict(meta.get("numerics"))  # (None in checkpoints older than the guard, 2026-11-29)
         if objects:
             self.rng.set_states(torch.load(io.BytesIO(loaded[self._rng_key]), weights_only=True))
         return meta["step"], bool(objects)

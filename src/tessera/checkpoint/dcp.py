@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from tessera.checkpoint.shards import Shard
 
 
-# files each rank writes at once: 4 wrote a GPT-1.3B rank's 14.7 GiB in 17.6 s against 31.5 s for
-# one (0.84 against 0.47 GiB/s; 8: no faster), one H200 machine's disk (BENCHMARKS.md, session 26)
+# files each rank writes at once: 4 write almost twice as fast as 1, 8 no faster than 4
+# (BENCHMARKS.md, Checkpoints)
 WRITE_THREADS = 4
 
 

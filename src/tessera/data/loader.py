@@ -5,7 +5,7 @@ says each step's global batch ``B``, so it may ramp up; ``global_batch=`` is a c
 (a constant calculator built internally). A step that starts with ``c`` samples consumed takes
 global samples ``[c, c + B)``; data-parallel rank ``r`` takes the ``r``-th contiguous share and cuts
 it into micro-batches. The union over ranks is the same whatever dp is, which is what makes loss
-curves layout-independent. With a constant batch, step ``t`` is ``[t * B, (t + 1) * B)`` as before.
+curves layout-independent. With a constant batch, step ``t`` is ``[t * B, (t + 1) * B)``.
 
 The loader's position is its calculator's ``consumed_samples``: every step calls ``advance()``
 once, and a calculator restored from a state dict resumes the data exactly. If the trainer shares

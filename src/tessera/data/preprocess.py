@@ -12,14 +12,13 @@ back exactly.
 
 Parallelism. With ``workers=1`` (the default) everything runs in this process and the tokenizers
 library's ``encode_batch`` spreads each chunk over all cores with its own threads: the simplest
-path, and already parallel where the time goes (encoding is ~98% of it; 1.8x from threads on
-the 2-core development box). ``workers=N`` starts N processes that each parse JSON *and* encode a
-chunk of lines (library threads off, so N is the core count used), which also parallelises the
-JSON parsing and Python glue that stay serial on the first path; use it on many-core machines.
-Each worker is started with ``spawn`` and pays the import of ``tessera.data`` (which imports
-torch), about 2 s, so it does not pay off for small inputs. Chunks are submitted a bounded
-number ahead and written in input order, so memory stays flat and the output is identical for
-any N.
+path, and already parallel where nearly all the time goes (encoding). ``workers=N`` starts N
+processes that each parse JSON *and* encode a chunk of lines (library threads off, so N is the
+core count used), which also parallelises the JSON parsing and Python glue that stay serial on
+the first path; use it on many-core machines. Each worker is a fresh ``spawn``ed interpreter
+(numpy and tokenizers, not torch), so it does not pay off for small inputs. Chunks are submitted
+a bounded number ahead and written in input order, so memory stays flat and the output is
+identical for any N.
 
 Megatron names its outputs ``{prefix}_{key}_document.bin``; here the prefix is the name itself:
 ``PREFIX.bin`` and ``PREFIX.idx``. Existing outputs are never replaced unless asked

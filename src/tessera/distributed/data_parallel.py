@@ -236,8 +236,7 @@ class DataParallel:
         # Autograd runs this hook on the stream its AccumulateGrad node was made on, after that
         # stream waited for the gradient's producer. A node made in a CUDA graph capture lives as
         # long as the graph, on the capture stream: the trainer captures on the step's own stream
-        # (training/cuda_graphs.step_stream), so there this never runs, nor for a micro-batch
-        # pair's second micro-batch (its forward reuses the first's live nodes). Graphs captured
+        # (training/cuda_graphs.step_stream), so there this never runs. Graphs captured
         # elsewhere: a bucket's reduction waits for the stream it is launched from only, so every
         # add into the buffers runs on the step's stream, after the stream that holds this
         # gradient (one reused event).

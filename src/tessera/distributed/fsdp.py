@@ -3,7 +3,7 @@
 ``fully_shard`` is applied to every transformer layer, then to each model chunk (its root:
 embedding, final norm, head), on the ``dp`` axis of the topology's mesh. TP stays tessera's own:
 the parameters FSDP shards are already each TP rank's slices, and the TP collectives run inside
-the layers as before. Each layer's parameters are all-gathered for its forward and backward and
+the layers as without FSDP. Each layer's parameters are all-gathered for its forward and backward and
 its gradients reduce-scattered (in fp32, summed: the loss is already divided by the global token
 count, so FSDP's default average over dp is turned off) as soon as its backward ends, per
 micro-batch; FSDP accumulates the sharded gradients. Parameters stay fp32 shards (they are the main parameters);

@@ -1,1 +1,1 @@
-"""Inference: sampling (KV cache and fast paths come with the inference issue)."""
+"""Inference: sampling from a trained model."""

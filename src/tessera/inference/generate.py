@@ -3,8 +3,8 @@
 Every TP rank of the last stage runs the same forward pass, gathers the full logits of the last
 position and draws with an identically seeded generator, so they agree without communication;
 with pipeline stages the context flows through the stages (forward only) and the last stage
-broadcasts the drawn token to the others. No KV cache yet: the context is re-run each step
-(fine for a short sample; the inference issue adds the cache).
+broadcasts the drawn token to the others. There is no KV cache: the context is re-run each step,
+which is fine for a short sample.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Llama's elementwise work as compiled functions, for layers that run eagerly.
 
 RMSNorm, RoPE and SwiGLU are each a handful of small kernels in eager PyTorch, every one reading
-and writing the whole activation (session 4 measured compiled Llama layers 10 % faster than
-eager ones on one GPU). Where a whole layer cannot be compiled -- zero-bubble pipeline schedules
-defer its weight gradients, CUDA-graphed layers at tp > 1 run eagerly, fused weight gradients
-mutate main_grad -- these functions can still be: each is ``torch.compile``d on its own (one
-generated kernel forward and one backward, via AOTAutograd), with no linear layer inside, so no
-graph break. Megatron gets the same from ``jit_fuser`` (torch.compile of small functions) and
-Transformer Engine's fused kernels.
+and writing the whole activation. Where a whole layer cannot be compiled -- zero-bubble pipeline
+schedules defer its weight gradients, CUDA-graphed layers at tp > 1 run eagerly, fused weight
+gradients mutate main_grad -- these functions can still be: each is ``torch.compile``d on its own
+(one generated kernel forward and one backward, via AOTAutograd), with no linear layer inside, so
+no graph break (the gain: BENCHMARKS.md, One GPU). Megatron gets the same from ``jit_fuser``
+(torch.compile of small functions) and Transformer Engine's fused kernels.
 
 ``kernels(fused, x)`` picks the compiled set for CUDA tensors when asked, and the reference ops
 (the same functions, uncompiled) otherwise: on a CPU, and inside a layer that is itself being

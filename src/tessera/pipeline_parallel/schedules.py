@@ -30,11 +30,10 @@ Kinds:
   micro-batch chunks from F to W than interleaved's rank 0 holds activations (the later ranks
   hold more than under interleaved, as deferred W's, which keep only the linear layers' inputs
   and output gradients; counted in chunks, not bytes: with uneven layouts a later rank's chunk may
-  be the larger). At the measured per-stage costs (F 12, I 16, W 8 ms, 0.2 ms per transfer) the
-  simulator gives pp=2, vpp=2, 8 micro-batches 294.8 ms against interleaved's 307.2 and ZB-H1's
-  308.8 (288 ms of work per rank). With unit costs it cuts interleaved's bubble to a third at
-  small pp, less at m = pp for pp >= 3 and for pp >= 7, where a deferral of r would do better
-  (and worse at the measured costs).
+  be the larger). With unit costs it cuts interleaved's bubble to a third at small pp, less at
+  m = pp for pp >= 3 and for pp >= 7, where a deferral of ``r`` would do better; ``2r`` is
+  chosen for the per-stage costs measured on GPUs, where it beats interleaved and ZB-H1 in the
+  simulator (BENCHMARKS.md, Pipeline parallelism).
 
 Communication is overlapped: the receive a rank needs for its next compute is posted before its
 current compute (Megatron's overlap_p2p_comm), so it arrives while the rank works.

@@ -7,19 +7,12 @@ first and last stages, which also hold the embedding and the head), or ``"balanc
 time, counting the output head as the layers it takes (a pipeline runs at the pace of its
 slowest stage). The head's one large GEMM runs at a higher rate than a layer's mix of smaller
 GEMMs, attention and memory-bound kernels, so it counts at :data:`HEAD_TIME_PER_FLOP` of its
-FLOPs: Llama-1B's untied 128k-vocabulary head, 4.0 layers by FLOPs, took 9.6 ms per
-micro-batch against 3.8 ms per layer in a step timeline (2.5 layers; 2x H200, BENCHMARKS.md
-session 14). GPT-1.3B's head (2 h V FLOPs per token forward, 1.9 layers by FLOPs, 1.1 by time)
-gives 13/11 at pp=2, 7,6,6,5 at vpp=2; Llama-1B's gives 5,5,4,2 at vpp=2 (9 layers on rank 0,
-7 on rank 1; not itself run yet: two other 9/7 layouts measured 0.827-0.833 of one GPU and the
-FLOPs split's 10/6 0.811, in different calls, so the within-call evidence is the timeline's
-38.4 against 33.1 ms per micro-batch). Megatron offers the same as ``account_for_embedding/loss_in_pipeline_split``, one layer
-each.
+FLOPs. GPT-1.3B's head (1.9 layers by FLOPs) then gives 13/11 at pp=2 and 7,6,6,5 at vpp=2;
+Llama-1B's untied 128k-vocabulary head gives 5,5,4,2 at vpp=2. Megatron offers the same as
+``account_for_embedding/loss_in_pipeline_split``, one layer each.
 
-``"auto"`` (the default) is balanced when ``vpp > 1`` and even otherwise, as measured on 2x H200
-(BENCHMARKS.md, session 13): GPT-1.3B at pp=2 vpp=2 runs 4.8 % faster balanced (7,6,6,5) than
-even (the head's GPU ran power-capped at a lower clock while the other waited); at vpp=1 the
-13/11 split measured no faster (sessions 4-5).
+``"auto"`` (the default) is balanced when ``vpp > 1`` and even otherwise: balancing speeds up
+interleaved schedules, and at vpp=1 it is no faster (BENCHMARKS.md, Pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -33,14 +26,15 @@ class LayoutError(ValueError):
     pass
 
 
-HEAD_TIME_PER_FLOP = 0.6  # the head's time per FLOP against a layer's (measured 0.62, Llama-1B, H200)
+HEAD_TIME_PER_FLOP = 0.6  # the head's time per FLOP against a layer's (BENCHMARKS.md, Pipeline parallelism)
 
 
 def balanced_layout(cfg: ModelConfig, pp: int, vpp: int = 1) -> list[int]:
     """Layers per virtual stage that minimise the busiest stage's time, the last stage carrying
-    the output head (its FLOPs times :data:`HEAD_TIME_PER_FLOP`): each layer in turn goes to the stage with the least work so far (exact
-    for identical layers), ties to the earlier stage. Every stage gets at least one layer (a
-    stage of only the head would be optimal only for toy models whose head outweighs layers)."""
+    the output head (its FLOPs times :data:`HEAD_TIME_PER_FLOP`): each layer in turn goes to the
+    stage with the least work so far (exact for identical layers), ties to the earlier stage.
+    Every stage gets at least one layer (a stage of only the head would be optimal only for toy
+    models whose head outweighs layers)."""
     stages = pp * vpp
     if stages > cfg.layers:
         raise LayoutError(f"pp*vpp = {stages} virtual stages for {cfg.layers} layers: every stage needs a layer")

@@ -44,14 +44,13 @@ def group_rank(group: Group) -> int:
 
 # -- the collectives as opaque ops for compiled code ----------------------------------------------
 # Inside torch.compile, dynamo would rewrite the in-place c10d calls of the eager path into functional
-# collectives that inductor schedules as asynchronous work with separate waits. On 2x H100 with
-# NCCL, compiled layers at tp=2 with SP drifted from one GPU (BENCHMARKS.md, session 5) while the
-# same code agreed eagerly and on gloo. These ops keep each collective one opaque, synchronous
-# call in the graph (as eager runs it: the compute stream waits for NCCL before going on), so the
-# compiler can neither reorder around it nor reuse its buffers early. The group travels by name,
-# as torch's functional collectives pass it. (Only these plain collectives: the comm-overlap and
-# async-TP functions still issue asynchronous c10d calls, which compiled code turns into
-# functional collectives.)
+# collectives that inductor schedules as asynchronous work with separate waits; compiled layers at
+# tp > 1 with SP then drifted from one GPU on NCCL (BENCHMARKS.md, Fast-path safety). These ops keep
+# each collective one opaque, synchronous call in the graph (as eager runs it: the compute stream
+# waits for NCCL), so the compiler can neither reorder around it nor reuse its buffers early. The
+# group travels by name, as torch's functional collectives pass it. (The overlapped column-parallel
+# backward below still issues asynchronous c10d calls, which compiled code turns into functional
+# collectives.)
 def _resolve_process_group(name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group as resolve  # private: late
 

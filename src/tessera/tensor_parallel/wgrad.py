@@ -97,10 +97,9 @@ class WeightGradStore:
 def _dtype_out_gemm(device: torch.device, out_dtype: torch.dtype, in_dtype: torch.dtype, accumulate: bool) -> bool:
     """Whether this torch has the ``in_dtype`` GEMM writing an ``out_dtype`` result: ``mm`` with
     ``out_dtype`` (``accumulate=False``) or ``addmm`` adding into an ``out_dtype`` matrix
-    (``accumulate=True``; whether this torch takes an fp32 added matrix with 16-bit inputs is
-    what the probe finds out). CUDA only, fp32 out for bf16/fp16 inputs. Probed once per
-    (device, dtypes, kind), never inside a CUDA graph capture (it reads the result on the host):
-    a capture's warm-up probes first."""
+    (``accumulate=True``). CUDA only, fp32 out for bf16/fp16 inputs. Probed once per (device,
+    dtypes, kind), never inside a CUDA graph capture (it reads the result on the host): a
+    capture's warm-up probes first."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("the fused weight-gradient GEMM was first probed inside a CUDA graph capture: "
                            "capture after at least one warm-up iteration")
@@ -196,9 +195,8 @@ class _DeferrableLinear(torch.autograd.Function):
 def apply_linear(function: type[torch.autograd.Function], store: WeightGradStore | None, *args):
     """``function.apply(*args)`` for a linear layer's autograd function; with a ``store`` (one of
     ``args`` too), run eagerly even inside a compiled layer (:func:`_apply_eager`). Outside
-    compiled code it is called directly: the ``torch.compiler.disable`` wrapper costs host time
-    on every call (with the autocast context skipped in ``_DeferrableLinear``, about 15 % of an
-    eager forward's host time on the CPU, benchmarks/host_forward.py, session 10)."""
+    compiled code it is called directly: the ``torch.compiler.disable`` wrapper costs host time on
+    every call (BENCHMARKS.md, Data pipeline and CPU)."""
     if store is None or not torch.compiler.is_compiling():
         return function.apply(*args)
     return _apply_eager(function, *args)
@@ -236,17 +234,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStor
 
 # -- inside compiled layers: the deferrable linear as two opaque ops ------------------------------
 # A compiled layer cannot hold the Python state a deferred weight gradient needs (the store, the
-# parameter, the pending list), so around each such linear layer the graph used to break, and
-# ~6 graphs per layer cost more host time than inductor saved (BENCHMARKS.md). Instead the
-# product is ``tessera::deferrable_linear`` and its backward ``tessera::linear_input_grad``,
-# which returns the input gradient (so the op stays in the graph) and, as a side effect when it
-# runs, files the weight-gradient GEMM in the store, fuses it into ``main_grad``, or adds it
-# (what :func:`weight_grad` does eagerly). The op finds the parameter and its store by the
-# parameter's data pointer (stable once data parallelism placed it in its buffer): registered by
-# :meth:`WeightGradStore.register`, in ``_REGISTERED`` (weak references; a registry, as torch's
-# own op registry, since compiled code passes only tensors and numbers). The side effect runs
-# where the compiled backward runs: inductor's default mode, not "reduce-overhead" (its CUDA
-# graphs would replay the GEMMs, not the Python), which tessera never asks for.
+# parameter, the pending list), and breaking the graph around each such linear layer (~6 graphs per
+# layer) costs more host time than inductor saves (BENCHMARKS.md, One GPU). So the product is
+# ``tessera::deferrable_linear`` and its backward ``tessera::linear_input_grad``, which returns the
+# input gradient (so the op stays in the graph) and, as a side effect when it runs, files the
+# weight-gradient GEMM in the store, fuses it into ``main_grad``, or adds it (what
+# :func:`weight_grad` does eagerly). The op finds the parameter and its store by the parameter's
+# data pointer (stable once data parallelism placed it in its buffer): registered by
+# :meth:`WeightGradStore.register`, in ``_REGISTERED`` (weak references; a registry, as torch's own
+# op registry, since compiled code passes only tensors and numbers). The side effect runs where the
+# compiled backward runs: inductor's default mode, not "reduce-overhead" (its CUDA graphs would
+# replay the GEMMs, not the Python), which tessera never asks for.
 _REGISTERED: dict[int, tuple] = {}
 
 
