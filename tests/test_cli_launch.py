@@ -139,3 +139,19 @@ def test_the_launcher_refuses_cuda_graphs_on_a_cpu_machine_in_one_line(tmp_path)
                           capture_output=True, text=True, timeout=60)  # (it was found by each worker, after the launch)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("tessera: config error: train.cuda_graphs: CUDA graphs need a CUDA device")
+
+
+@pytest.mark.timeout(240)
+def test_two_launches_on_one_machine_do_not_collide(tmp_path):
+    """Each launch's rendezvous takes a free local port (torchrun --standalone): two runs started
+    together on one machine both train (torch 2.11's torchrun, on its fixed default port, failed
+    the second with "address already in use")."""
+    sets = ["data.source=synthetic", "model.layers=2", "model.hidden=32", "model.heads=2", "model.seq_len=16",
+            "train.steps=2", "train.micro_batch=1", "train.global_batch=2", "train.sample_tokens=0"]
+    runs = [subprocess.Popen([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2",
+                              *(a for s in sets + [f"train.out_dir={tmp_path / str(i)}"] for a in ("--set", s))],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [run.communicate(timeout=200)[0] for run in runs]
+    for i, (run, out) in enumerate(zip(runs, outs)):
+        assert run.returncode == 0, out[-2000:]
+        assert len((tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()) == 2

@@ -117,8 +117,9 @@ def _launch(args: argparse.Namespace) -> int:
     check_out_dir_free(cfg.train.out_dir)  # (the run takes the lock; said here once, before torchrun)
     if cfg.checkpoint.dir:
         check_out_dir_free(cfg.checkpoint.dir, "checkpoint.dir", CHECKPOINT_LOCK_NAME)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
-               "-m", "tessera", "train"]
+    # --standalone: a rendezvous on a free local port, so two runs on one machine never collide
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(args.nproc_per_node), "-m", "tessera", "train"]
     command += ["--config", args.config] if args.config else []
     for item in args.overrides:
         command += ["--set", item]
