@@ -30,6 +30,7 @@ from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.topology import Topology
 from tessera.training.cuda_graphs import LayerGraphs, graph_stage
 from tessera.training.plan import ExecutionPlan, make_plan
+from tessera.training.preflight import validate
 from tessera.training.step import DTYPES
 
 
@@ -116,6 +117,7 @@ def build(cfg: Config, topo: Topology, plan: ExecutionPlan | None = None,
     the plan for the topology's device). ``chunks``: this rank's chunks from :func:`build_chunks`
     where the caller changes them first (e.g. freezes parameters)."""
     p, t = cfg.parallel, cfg.train
+    validate(cfg, topo.world_size)  # (parallel.dp resolved; idempotent)
     plan = plan or make_plan(cfg, topo.device)
     if chunks is None:
         chunks = build_chunks(cfg, topo, plan, RNGTracker.for_rank(t.seed, topo.tp_rank, topo.pp_rank, topo.device))
