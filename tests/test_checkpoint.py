@@ -113,7 +113,6 @@ def _stack(overrides, dst):
     """The trainer's pieces for one rank, untrained, with a Checkpointer saving into ``dst``."""
     from tessera.checkpoint import Checkpointer
     from tessera.optim import LRScheduler
-    from tessera.tensor_parallel import RNGTracker
     from tessera.topology import Topology
     from tessera.training.data_feed import DataFeed
     from tessera.training.build import build

@@ -18,6 +18,8 @@ it identically and its gradient shards can be summed over the embedding group.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor, nn
 
@@ -114,3 +116,27 @@ class ParamAndGradBuffer:
 
     def param_range(self, p: nn.Parameter) -> tuple[int, int]:
         return self.offsets[p]
+
+
+@dataclass
+class OptimizerRange:
+    """The part ``[lo, hi)`` of one bucket that this rank's optimizer updates: the whole bucket
+    (zero=0) or this rank's shard (zero 1/2)."""
+
+    buffer: ParamAndGradBuffer
+    bucket: Bucket
+    lo: int
+    hi: int
+    grad: Tensor  # the reduced fp32 gradient of [lo, hi)
+    own_grad: bool  # ``grad`` has storage of its own (else it is a view of the gradient buffer)
+    refresh: bool = False  # zero=0 with bf16 gradients: ``grad`` is an fp32 copy of the reduced buffer
+    fragments: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)  # (param, a, b) within the range
+
+    @property
+    def param(self) -> Tensor:
+        return self.buffer.param_data[self.lo:self.hi]
+
+    def fp32_grad(self) -> Tensor:
+        if self.refresh:
+            self.grad.copy_(self.buffer.grad_data[self.lo:self.hi])
+        return self.grad

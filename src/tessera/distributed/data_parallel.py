@@ -46,34 +46,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tessera.distributed import collectives
-from tessera.distributed.buffers import Bucket, ParamAndGradBuffer
+from tessera.distributed.buffers import Bucket, OptimizerRange, ParamAndGradBuffer
 from tessera.distributed.collectives import Pending
 from tessera.tensor_parallel.wgrad import wgrad_into
 from tessera.topology import Topology
-
-
-@dataclass
-class OptimizerRange:
-    """The part ``[lo, hi)`` of one bucket that this rank's optimizer updates: the whole bucket
-    (zero=0) or this rank's shard (zero 1/2)."""
-
-    buffer: ParamAndGradBuffer
-    bucket: Bucket
-    lo: int
-    hi: int
-    grad: Tensor  # the reduced fp32 gradient of [lo, hi)
-    own_grad: bool  # ``grad`` has storage of its own (else it is a view of the gradient buffer)
-    refresh: bool = False  # zero=0 with bf16 gradients: ``grad`` is an fp32 copy of the reduced buffer
-    fragments: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)  # (param, a, b) within the range
-
-    @property
-    def param(self) -> Tensor:
-        return self.buffer.param_data[self.lo:self.hi]
-
-    def fp32_grad(self) -> Tensor:
-        if self.refresh:
-            self.grad.copy_(self.buffer.grad_data[self.lo:self.hi])
-        return self.grad
 
 
 @dataclass(eq=False)
