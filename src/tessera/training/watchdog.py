@@ -2,11 +2,10 @@
 
 NCCL's watchdog ends a job whose eager collective waits longer than the collective timeout, but
 not every hang is one: collectives captured in CUDA graphs are not tracked, and a host blocked in
-a graph replay, a device synchronization or a Python lock waits forever (micro-batch pairs hung
-so, session 19: both ranks' hosts in a graph replay, the GPUs stopped, nothing printed). So
-the training loop arms a timer at each step's start: a step that takes longer than its limit
-dumps every thread's Python stack to stderr and ends the process with exit code 1 (torchrun then
-ends the others), which says where each rank stood.
+a graph replay, a device synchronization or a Python lock waits forever. So the training loop
+arms a timer at each step's start: a step that takes longer than its limit dumps every thread's
+Python stack to stderr and ends the process with exit code 1 (torchrun then ends the others),
+which says where each rank stood.
 
 The limit is ``train.timeout_s`` or five times the slowest step so far, whichever is longer (a
 healthy run whose steps are long is not cut short); the first step, which compiles layers and
