@@ -127,6 +127,18 @@ def test_a_removed_key_says_why_it_went():
         assert info.value.key == key.split("=")[0] and info.value.fix == "delete the setting"
 
 
+def test_an_earlier_runs_config_toml_still_loads(tmp_path):
+    """Every run writes its whole config; one written before options were removed holds them at
+    the values that asked for nothing, and loads."""
+    path = tmp_path / "config.toml"
+    path.write_text('[parallel]\ntp_microbatch_pairs = "auto"\ntp_pairs_backward = "threads"\ntp_async = "false"\n'
+                    'grad_reduce_dtype = "fp32"\n[train]\ngc_interval = 0\ncompile = "auto"\nsteps = 3\n')
+    assert load_config(path).train.steps == 3
+    path.write_text('[train]\ngc_interval = 10\n')
+    with pytest.raises(ConfigError, match="train.gc_interval: removed"):
+        load_config(path)
+
+
 def test_cuda_device_without_cuda_is_a_config_error(monkeypatch, capsys):
     """train.device=cuda on a machine without CUDA: the CLI's one line naming the key, status 2
     (it was a RuntimeError traceback on every rank)."""

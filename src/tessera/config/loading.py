@@ -19,15 +19,24 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-# keys that once existed: a config written for them gets told why they went, not "unknown key"
+# Keys that once existed, with why they went and the values that asked for nothing (their old
+# defaults): a config.toml an earlier run wrote holds those and still loads; one that turns a
+# removed feature on is refused with the reason.
 REMOVED = {
-    "parallel.tp_microbatch_pairs": "micro-batch pairs were removed: their two TP communicators could hang",
-    "parallel.tp_pairs_backward": "micro-batch pairs were removed: their two TP communicators could hang",
-    "parallel.tp_async": "async TP was removed: it measured slower than the plain collectives",
-    "parallel.grad_reduce_dtype": "removed: sending fp32 gradients in bf16 measured no faster; "
-                                  "train.grad_dtype=bf16 keeps bf16 gradients throughout",
-    "train.gc_interval": "removed: collecting at fixed steps cost more than it saved",
+    "parallel.tp_microbatch_pairs": ("micro-batch pairs were removed: their two TP communicators could hang",
+                                     ("auto", "false")),
+    "parallel.tp_pairs_backward": ("micro-batch pairs were removed: their two TP communicators could hang",
+                                   ("threads",)),
+    "parallel.tp_async": ("async TP was removed: it measured slower than the plain collectives", ("false",)),
+    "parallel.grad_reduce_dtype": ("removed: sending fp32 gradients in bf16 measured no faster; train.grad_dtype=bf16 "
+                                   "keeps bf16 gradients throughout", ("fp32",)),
+    "train.gc_interval": ("removed: collecting at fixed steps cost more than it saved", ("0",)),
 }
+
+
+def _asks_for_nothing(key: str, value: Any) -> bool:
+    """A removed key set to the value it had when off."""
+    return key in REMOVED and str(value).strip().lower() in REMOVED[key][1]
 
 
 def _all_keys() -> list[str]:
@@ -38,7 +47,7 @@ def _unknown(key: str, keys_under: list[str] = ()) -> ConfigError:
     """An unknown ``section.key``, or section (with the ``keys_under`` it was given): the closest
     known name, where one is close."""
     if key in REMOVED:
-        return ConfigError(key, REMOVED[key], "delete the setting")
+        return ConfigError(key, REMOVED[key][0], "delete the setting")
     if "." in key:
         close = difflib.get_close_matches(key, _all_keys(), n=1)
     else:
@@ -116,6 +125,8 @@ def build_config(values: dict[str, dict[str, Any]]) -> Config:
         for key, value in table.items():
             dotted = f"{name}.{key}"
             if key not in hints:
+                if _asks_for_nothing(dotted, value):
+                    continue
                 raise _unknown(dotted)
             kwargs[key] = _coerce(dotted, value, hints[key])
         sections[name] = cls(**kwargs)
