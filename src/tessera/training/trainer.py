@@ -77,7 +77,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model)
         cuda = self.device.type == "cuda"
         self.peak = peak_flops(torch.cuda.get_device_name(self.device)) if cuda else None
-        self.clock = StepClock(self.device)
+        self.clock: StepClock | None = None  # started by run(), after the resume
         self.history: list[dict] = []
         self.validated: dict[int, float] = {}  # step -> its validation loss, until its line is logged
 
@@ -86,6 +86,7 @@ class Trainer:
         """Train; the metrics logged on this rank (empty where it does not log)."""
         t = self.cfg.train
         start = self.resume()
+        self.clock = StepClock(self.device)
         pending: InFlight | None = None
         with self.checkpointer.finishing(), StepWatchdog(t.timeout_s) as watchdog:
             for step in range(start, t.steps):
