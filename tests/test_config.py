@@ -125,6 +125,8 @@ def test_a_removed_key_says_why_it_went():
         with pytest.raises(ConfigError, match=words) as info:
             load_config(None, [key])
         assert info.value.key == key.split("=")[0] and info.value.fix == "delete the setting"
+    with pytest.raises(ConfigError, match="parallel.schedule: zb-h2 was removed: it measured slower than zb-h1"):
+        load_config(None, ["parallel.schedule=zb-h2"])
 
 
 def test_an_earlier_runs_config_toml_still_loads(tmp_path):

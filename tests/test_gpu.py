@@ -135,9 +135,9 @@ def test_nccl_tensor_parallel_matches_one_gpu(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_compiled_tensor_parallel_matches_one_gpu(tmp_path):
-    """Compiled layers at tp=2 + SP follow one GPU over NCCL. They drifted (5.2e-4 by step 8,
-    session 5) while the compiled code ran dynamo's functional collectives; since the TP
-    collectives are opaque custom ops (mappings.py) this passes (session 6, 2x H100)."""
+    """Compiled layers at tp=2 + SP follow one GPU over NCCL (they drifted 5.2e-4 by step 8 while
+    the compiled code ran dynamo's functional collectives; the TP collectives are opaque custom
+    ops since: mappings.py, BENCHMARKS.md Fast-path safety)."""
     one = _train(tmp_path, "one", 1, ["train.compile=true"])
     _follows(one, _train(tmp_path, "tp2", 2, ["parallel.tp=2", "parallel.sequence_parallel=true",
                                                  "train.compile=true"]))
@@ -451,7 +451,7 @@ def test_graphed_layers_add_their_gradients_on_the_steps_stream(monkeypatch):
 _NO_EW = "train.fused_elementwise=false"
 # the fast paths, in groups that each fit one GPU call (~40 s a run): name -> overrides
 _FAST_PATH_GROUPS = {
-    # what auto picks for llama at tp=1 since session 16 (compiled layers with fused weight
+    # what auto picks for llama at tp=1 (compiled layers with fused weight
     # gradients, one graph per layer around tessera::deferrable_linear; fused cross entropy), and
     # compiled layers without the fusion (auto's pick before)
     "compiled": {"fast": [], "unfused": ["train.grad_accum_fusion=false", "train.compile=true"]},

@@ -41,13 +41,13 @@ def test_gpt_1_3b_at_pp2_moves_two_layers_off_the_head_stage():
     cfg = ModelConfig(hidden=2048, heads=16, layers=24, seq_len=2048, vocab_size=50304)
     assert balanced_layout(cfg, 2) == [13, 11]
     assert busiest(cfg, [13, 11]) < busiest(cfg, [12, 12])
-    assert balanced_layout(cfg, 2, 2) == [7, 6, 6, 5]  # measured fastest at vpp=2 (session 13)
+    assert balanced_layout(cfg, 2, 2) == [7, 6, 6, 5]  # measured fastest at vpp=2 (BENCHMARKS.md, Pipeline parallelism)
     # the head is what the split accounts for: the whole model's FLOPs are the layers' plus it
     assert flops_per_token(cfg) == pytest.approx(24 * layer_flops_per_token(cfg) + 6.0 * head_matmul_weights(cfg))
 
 
 def test_the_head_counts_at_its_time_not_its_flops():
-    """Llama-1B's untied 128k head is 4.0 layers by FLOPs but ran in 2.5 layers' time (session 14):
+    """Llama-1B's untied 128k head is 4.0 layers by FLOPs but ran in 2.5 layers' time (2026-11-27):
     by FLOPs the split would be 10/6 per rank (0.811 of one GPU), by time 9/7 (0.827-0.833)."""
     llama = ModelConfig(family="llama", hidden=2048, heads=32, kv_heads=8, ffn_hidden=8192, layers=16,
                         seq_len=2048, vocab_size=128256, tie_embeddings=False)

@@ -34,6 +34,11 @@ REMOVED = {
 }
 
 
+# values that once existed, likewise
+REMOVED_VALUES = {("parallel.schedule", "zb-h2"): "zb-h2 was removed: it measured slower than zb-h1 at pp=2 "
+                                                 "(BENCHMARKS.md, Pipeline parallelism)"}
+
+
 def _asks_for_nothing(key: str, value: Any) -> bool:
     """A removed key set to the value it had when off."""
     return key in REMOVED and str(value).strip().lower() in REMOVED[key][1]
@@ -104,6 +109,8 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
                           f"choose one of {', '.join(map(str, choices))}" if choices else f"give {a_or_an(base.__name__)} value")
     if base is float and not math.isfinite(value):  # no setting means anything at inf or nan
         raise ConfigError(key, f"{value} is not a finite number", "give a finite value")
+    if (key, value) in REMOVED_VALUES:
+        raise ConfigError(key, REMOVED_VALUES[key, value], f"choose one of {', '.join(map(str, choices))}")
     if choices and value not in choices:
         names = ", ".join(map(str, choices))
         raise ConfigError(key, f"'{value}' is not one of {names}", f"choose one of {names}")

@@ -5,7 +5,7 @@ and writing the whole activation. Where a whole layer cannot be compiled -- zero
 schedules defer its weight gradients, CUDA-graphed layers at tp > 1 run eagerly, fused weight
 gradients mutate main_grad -- these functions can still be: each is ``torch.compile``d on its own
 (one generated kernel forward and one backward, via AOTAutograd), with no linear layer inside, so
-no graph break (the gain: BENCHMARKS.md, One GPU). Megatron gets the same from ``jit_fuser``
+no graph break (the gain: BENCHMARKS.md, Pipeline parallelism and Tensor parallelism). Megatron gets the same from ``jit_fuser``
 (torch.compile of small functions) and Transformer Engine's fused kernels.
 
 ``kernels(fused, x)`` picks the compiled set for CUDA tensors when asked, and the reference ops
