@@ -21,6 +21,7 @@ from tessera.checkpoint import checkpoints, dcp, store
 from tessera.checkpoint.shards import flat_boxes
 from tessera.config import ConfigError, load_config
 from tessera.testing import run_ranks
+from training_runs import train_histories
 
 BASE = ["model.hidden=32", "model.layers=2", "model.heads=4", "model.seq_len=16", "model.vocab_size=100",
         "train.micro_batch=1", "train.global_batch=12", "train.seed=3", "train.log_every=1",
@@ -29,20 +30,9 @@ BASE = ["model.hidden=32", "model.layers=2", "model.heads=4", "model.seq_len=16"
 LLAMA = ["model.family=llama", "model.kv_heads=2", "model.tie_embeddings=false"]
 
 
-def _train_runs(rank, world, runs):
-    """Each run's metrics on the logging rank (None elsewhere)."""
-    from tessera.training.trainer import train
-
-    out = []
-    for overrides in runs:
-        history = train(load_config(None, BASE + overrides))
-        out.append(history or None)
-    return out
-
-
 def histories(world, runs, timeout=240):
-    by_rank = run_ranks(_train_runs, world, runs, timeout=timeout)
-    return [next(h[i] for h in by_rank if h[i] is not None) for i in range(len(runs))]
+    """Each run's metrics (``BASE + overrides``, the trainer on ``world`` ranks)."""
+    return train_histories(world, BASE, runs, timeout)
 
 
 def curve(history, keys=("loss", "grad_norm", "lr")):
@@ -113,14 +103,15 @@ def _stack(overrides, dst):
     """The trainer's pieces for one rank, untrained, with a Checkpointer saving into ``dst``."""
     from tessera.checkpoint import Checkpointer
     from tessera.optim import LRScheduler
-    from tessera.tensor_parallel import RNGTracker
     from tessera.topology import Topology
-    from tessera.training.data_feed import DataFeed
     from tessera.training.build import build
+    from tessera.training.data_feed import DataFeed
+    from tessera.training.preflight import validate
 
     cfg = load_config(None, BASE + overrides + [f"checkpoint.dir={dst}", "train.steps=5"])
     p = cfg.parallel
     topo = Topology.build(tp=p.tp, pp=p.pp, dp=p.dp)
+    cfg = validate(cfg, topo.world_size)  # (parallel.dp resolved, as the trainer's preflight does)
     parts = build(cfg, topo)
     checkpointer = Checkpointer(cfg, topo, parts.chunks, parts.data_parallel, parts.optimizer, parts.rng,
                                 log=lambda line: None)

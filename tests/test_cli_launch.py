@@ -102,7 +102,7 @@ def test_the_launched_commands_exit_status_is_returned():
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_ends_a_run_with_one_line(tmp_path):
-    from test_train_e2e import TINY
+    from training_runs import TINY
 
     sets = [a for s in TINY + ["train.steps=100000", "train.log_every=1", f"train.out_dir={tmp_path}"]
             for a in ("--set", s)]

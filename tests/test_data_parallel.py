@@ -13,9 +13,8 @@ import math
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
-from shards import assert_close, compare_to_full, param_kind
+from parity import assert_close, assert_same_params, assert_same_training, compare_to_full, param_kind, tp_close
 from tessera.config import load_config
 from tessera.distributed.memory import bytes_per_parameter, memory_report
 from tessera.models import GPTModel
@@ -23,137 +22,11 @@ from tessera.optim import DynamicLossScaler
 from tessera.tensor_parallel import RNGTracker
 from tessera.testing import run_ranks
 from tessera.topology import Topology
-from tessera.training.step import train_step
 from tessera.training.build import build, build_chunks
 from tessera.training.plan import make_plan
 from tessera.training.preflight import validate
-
-GLOBAL, SEQ, VOCAB, STEPS = 8, 16, 64, 5
-BASE = ["model.hidden=32", "model.layers=2", "model.heads=2", f"model.seq_len={SEQ}", f"model.vocab_size={VOCAB}",
-        "train.micro_batch=1", f"train.global_batch={GLOBAL}", "optim.lr=1e-2", "optim.warmup=0",
-        "optim.clip_grad=0.5", "optim.weight_decay=0.1", "optim.eps=1e-6", "parallel.bucket_size=3000", "train.seed=7"]
-
-
-
-def _graph_breaks() -> int:
-    """Dynamo's graph breaks so far in this process (0 where nothing was compiled)."""
-    import torch._dynamo.utils
-    return sum(torch._dynamo.utils.counters["graph_break"].values())
-
-def global_batch(step: int) -> dict[str, torch.Tensor]:
-    """The same batch every step (so 5 steps visibly lower the loss)."""
-    g = torch.Generator().manual_seed(1000)
-    rows = torch.randint(0, VOCAB, (GLOBAL, SEQ + 1), generator=g)
-    mask = (torch.rand(GLOBAL, SEQ, generator=g) > 0.4).float()
-    mask[:, 0] = 1.0
-    return {"tokens": rows[:, :-1], "labels": rows[:, 1:], "loss_mask": mask}
-
-
-def my_micro_batches(step: int, topo: Topology, micro: int = 1) -> list[dict]:
-    """This dp rank's contiguous share of the step's global batch, cut into micro-batches."""
-    share = GLOBAL // topo.dp
-    batch = {k: v[topo.dp_rank * share:(topo.dp_rank + 1) * share] for k, v in global_batch(step).items()}
-    return [{k: v[i:i + micro] for k, v in batch.items()} for i in range(0, share, micro)]
-
-
-def _recording_order(log: list[str]):
-    """Patches that append "p2p" for every pipeline send / receive issued and "sum" for every
-    all-reduce DataParallel issues (the tied embedding's sum over the embedding group)."""
-    from tessera.distributed import collectives
-    from tessera.pipeline_parallel.p2p import P2P
-    send, recv, all_reduce = P2P.send, P2P.recv, collectives.all_reduce
-
-    def patched(fn, tag):
-        def call(*args, **kwargs):
-            log.append(tag)
-            return fn(*args, **kwargs)
-        return call
-    return [(P2P, "send", send, patched(send, "p2p")), (P2P, "recv", recv, patched(recv, "p2p")),
-            (collectives, "all_reduce", all_reduce, patched(all_reduce, "sum"))]
-
-
-def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None, prepare=None, setup=None) -> dict:
-    """``prepare(parts, data_parallel)``: called once built, before the first step; ``setup(chunks)``:
-    before data parallelism wraps the model chunks."""
-    cfg = load_config(None, BASE + overrides)
-    validate(cfg, topo.world_size)
-    plan = make_plan(cfg, topo.device)
-    chunks = build_chunks(cfg, topo, plan, RNGTracker.for_rank(cfg.train.seed, topo.tp_rank, topo.pp_rank))
-    if setup is not None:
-        setup(chunks)
-    stage = build(cfg, topo, plan, chunks=chunks)
-    data_parallel, optimizer = stage.data_parallel, stage.optimizer
-    if prepare is not None:
-        prepare(stage, data_parallel)
-    memory = memory_report(data_parallel, optimizer)
-    fused = []  # weights whose gradient the GEMM added straight into main_grad
-    store = stage.wgrad_store
-    if store is not None and store.fuse:
-        inner = data_parallel.accumulate_product
-        data_parallel.accumulate_product = lambda p, *ab: (fused.append(p), inner(p, *ab))
-    # how many deferred weight-gradient computations (W) ran after the tied embedding's sum over
-    # the embedding group had started (its overlap with backward)
-    w_after_tied = []
-    if store is not None:
-        run_w = store.run
-        store.run = lambda key: (w_after_tied.append(bool(getattr(data_parallel, "tied_reduced", ()))), run_w(key))
-    # the optimizer's updates (S) and parameter gathers started (G, with the buckets' count), in
-    # order; the buckets in the order their gathers start, and in the order the forward first
-    # waits for them (forward pre-hooks)
-    opt_events, gathered, waited = [], [], []
-    if hasattr(optimizer, "inner") and hasattr(data_parallel, "start_param_gather"):
-        inner_step, gather, wait = optimizer.inner.step, data_parallel.start_param_gather, data_parallel.wait_param_gather
-
-        def key(rng):  # (model chunk, bucket)
-            return data_parallel.buffers.index(rng.buffer), rng.bucket.index
-
-        def recording_gather():  # the buckets in the order start_param_gather starts them
-            before = set(data_parallel._gathers)
-            out = gather()
-            started = [b for b in data_parallel._gathers if b not in before]  # dicts keep insertion order
-            opt_events.append(f"G{len(started)}")
-            gathered.extend(key(next(r for r in data_parallel.ranges if r.bucket is b)) for b in started)
-            return out
-
-        def recording_wait(buckets=None):
-            pending = set(data_parallel._gathers)
-            waited.extend(key(next(r for r in data_parallel.ranges if r.bucket is b))
-                          for b in (buckets or []) if b in pending)
-            return wait(buckets)
-
-        optimizer.inner.step = lambda *a, **k: (opt_events.append("S"), inner_step(*a, **k))[1]
-        data_parallel.start_param_gather = recording_gather
-        data_parallel.wait_param_gather = recording_wait
-    losses, norms, skipped, order = [], [], [], []
-    breaks = _graph_breaks()
-    patches = _recording_order(log := []) if topo.pp > 1 else []
-    for owner, name, _, new in patches:
-        setattr(owner, name, new)
-    for step in range(STEPS):
-        micro_batches = my_micro_batches(step, topo)
-        if hook is not None:
-            hook(step, stage)
-        log.clear() if patches else None
-        r = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)), data_parallel,
-                       clip_grad=cfg.optim.clip_grad, scaler=scaler)
-        order.append("".join(t[0] for t in log) if patches else "")
-        losses.append(r.loss)
-        norms.append(r.grad_norm)
-        skipped.append(r.skipped)
-    for owner, name, old, _ in patches:
-        setattr(owner, name, old)
-    data_parallel.wait_param_gather()
-    params = {}
-    for chunk in stage.chunks:
-        for name, p in chunk.named_parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p  # FSDP: gather the dp shards
-            params[name] = full.detach().float().clone()
-    return dict(losses=losses, norms=norms, skipped=skipped, params=params, memory=memory,
-                state_bytes=optimizer.state_bytes(), tp_rank=topo.tp_rank, pp_rank=topo.pp_rank,
-                dp_rank=topo.dp_rank, schedule=stage.plan.schedule, fused_calls=len(fused),
-                w_after_tied=sum(w_after_tied), tied_by_dp=bool(getattr(data_parallel, "tied_reduced", ())),
-                order=order, opt_events=opt_events, ranges=len(getattr(data_parallel, "ranges", ())),
-                gathered=gathered, waited=waited, graph_breaks=_graph_breaks() - breaks)
+from tessera.training.step import train_step
+from training_runs import BASE, GLOBAL, SEQ, STEPS, VOCAB, my_micro_batches, train_run
 
 
 def _dp_worker(rank: int, world: int, runs: list[tuple[str, int, int, list[str]]]) -> dict:
@@ -206,19 +79,6 @@ def reference() -> dict:
     return results(1)[0]["zero0"]
 
 
-def assert_same_training(run: dict, ref: dict, what: str, rel: float = 1e-5) -> None:
-    for step, (a, b) in enumerate(zip(ref["losses"], run["losses"])):
-        assert b == pytest.approx(a, rel=rel), f"{what}: loss at step {step + 1}: {b} vs {a}"
-    for step, (a, b) in enumerate(zip(ref["norms"], run["norms"])):
-        assert b == pytest.approx(a, rel=rel), f"{what}: grad norm at step {step + 1}: {b} vs {a}"
-
-
-def assert_same_params(got: dict[str, torch.Tensor], ref: dict, what: str, check=None) -> None:
-    assert set(got) == set(ref["params"]), what
-    for name, p in got.items():
-        (check or assert_close)(p, ref["params"][name], f"{what}: {name}")
-
-
 def test_reference_trains():
     ref = reference()
     assert ref["losses"][-1] < ref["losses"][0]
@@ -240,11 +100,6 @@ def test_dp_and_zero_match_one_rank(world, zero):
         assert_same_params(run["params"], ref, f"dp={world} zero={zero} rank {r}")
 
 
-def _tp_close(actual, expected, what):
-    """tp=2 splits every matmul's sum differently; after 5 Adam steps that is ~1e-6 here."""
-    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_with_tp2_pp2_dp2(zero):
@@ -263,7 +118,7 @@ def test_zero_with_tp2_pp2_dp2(zero):
                 source = "embedding.weight" if name == "output.weight" else name  # the tied copy
                 kind, sizes = param_kind(model, source) if name != "output.weight" else ("vocab", None)
                 compare_to_full(kind, sizes, [s["params"][name] for s in shards], ref["params"][source],
-                                f"zero={zero} pp{pp_rank} dp{dp_rank} {name}", VOCAB, check=_tp_close)
+                                f"zero={zero} pp{pp_rank} dp{dp_rank} {name}", VOCAB, check=tp_close)
 
 
 def assert_pipeline_run_matches(run: dict, ref: dict, what: str, check=None) -> None:
@@ -286,7 +141,7 @@ def test_interleaved_zb_at_dp2_matches_one_rank(name):
         assert run["schedule"] == "interleaved-zb"
         # (compiled layers fuse differently: one element of 4096 off by 1.8e-6 after 5 steps)
         assert_pipeline_run_matches(run, ref, f"{name} pp rank {run['pp_rank']} dp rank {run['dp_rank']}",
-                                    check=_tp_close if name.endswith("compiled") else None)
+                                    check=tp_close if name.endswith("compiled") else None)
     assert any(r[name]["fused_calls"] for r in results(4)) == name.endswith("fused")
     if name.endswith("compiled"):  # the deferred W's through the opaque ops: one graph per layer
         assert all(r[name]["graph_breaks"] == 0 for r in results(4))
@@ -342,7 +197,7 @@ def test_grad_accum_fusion_matches_one_rank():
         run = out["zero1-fused-compiled"]
         assert run["fused_calls"] == 8 * (GLOBAL // 2) * STEPS, run["fused_calls"]
         assert_same_training(run, ref, f"fused compiled dp=2 rank {r}")
-        assert_same_params(run["params"], ref, f"fused compiled dp=2 rank {r}", check=_tp_close)
+        assert_same_params(run["params"], ref, f"fused compiled dp=2 rank {r}", check=tp_close)
     ranks = [out["zero1-fused"] for out in results(8)]
     assert ranks[0]["schedule"] == "zb-h1"
     assert all(r["fused_calls"] > 0 for r in ranks)

@@ -9,7 +9,7 @@ import torch
 
 from tessera.checkpoint import dcp
 from tessera.config import ConfigError, load_config
-from tessera.testing import run_ranks
+from training_runs import train_histories
 
 BASE = ["model.hidden=32", "model.layers=4", "model.heads=4", "model.seq_len=16", "model.vocab_size=100",
         "train.micro_batch=1", "train.global_batch=8", "train.seed=5", "train.log_every=1", "train.steps=4",
@@ -19,15 +19,9 @@ PACKED = ["data.source=builtin", "model.vocab_size=256", "data.eod_id=0", "data.
           "data.reset_attention_mask=true", "data.eod_mask_loss=true"]
 
 
-def _train_runs(rank, world, runs):
-    from tessera.training.trainer import train
-
-    return [train(load_config(None, BASE + overrides)) or None for overrides in runs]
-
-
 def histories(world, runs, timeout=240):
-    by_rank = run_ranks(_train_runs, world, runs, timeout=timeout)
-    return [next(h[i] for h in by_rank if h[i] is not None) for i in range(len(runs))]
+    """Each run's metrics (``BASE + overrides``, the trainer on ``world`` ranks)."""
+    return train_histories(world, BASE, runs, timeout)
 
 
 def valid(history):

@@ -7,8 +7,9 @@ import sys
 import numpy as np
 import pytest
 
+from parity import assert_same_curve
 from tessera.data import IndexedDatasetWriter
-from test_train_e2e import assert_same_curve, run_train
+from training_runs import run_train
 
 EOD = 1
 

@@ -34,7 +34,7 @@ from tessera.tensor_parallel.random import RNGTracker
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
-from shards import assert_close, compare_to_full, param_kind
+from parity import assert_close, compare_to_full, param_kind
 
 SEED = 1234
 VOCAB = 100  # not a multiple of tp * vocab_pad_multiple for any tp here

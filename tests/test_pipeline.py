@@ -36,7 +36,8 @@ from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
-from shards import assert_close, compare_to_full, param_kind, shared_result
+from parity import assert_close, compare_to_full, param_kind
+from training_runs import shared_result
 
 SEED = 1234
 VOCAB, HIDDEN, SEQ, BATCH = 50, 32, 8, 2

@@ -32,7 +32,6 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from shards import shared_result
 from tessera.config import ModelConfig, load_config
 from tessera.inference.generate import generate
 from tessera.models.transformer import TPContext
@@ -47,6 +46,7 @@ from tessera.training.step import train_step
 from tessera.training.build import build, build_chunks
 from tessera.training.plan import make_plan
 from tessera.training.preflight import validate
+from training_runs import shared_result
 
 STEPS, SAVE = 5, 3
 SEQ, VOCAB = 16, 64
