@@ -42,7 +42,7 @@ from training_runs import shared_result
 SEED = 1234
 VOCAB, HIDDEN, SEQ, BATCH = 50, 32, 8, 2
 PAD = 8  # padded vocabulary: 56 at tp=1, 64 at tp=2 (only the first VOCAB rows are compared)
-# fp32 tolerances as in test_model_parity: the summation order differs between layouts (per
+# fp32 tolerances as in test_tensor_parallel_model: the summation order differs between layouts (per
 # micro-batch accumulation, tied-copy all-reduce, TP partial sums), which costs a few ulp of the
 # largest terms, so the absolute tolerance is relative to the tensor's largest magnitude.
 
