@@ -388,31 +388,61 @@ def test_one_run_at_a_time_saves_into_a_checkpoint_dir(tmp_path):
     assert [s for s, _ in checkpoints(f"{tmp_path}/both")] == [1]
 
 
-_SLOW_SAVE = """
-import sys, time
-import tessera.checkpoint.dcp as dcp
-from tessera.config import load_config
-from tessera.training.trainer import train
-real = dcp.write
-def slow(*args):
-    time.sleep(4)  # a large model's save on a slow shared file system, past train.timeout_s
-    real(*args)
-dcp.write = slow
-train(load_config(None, sys.argv[2:]))
-print("finished")
-"""
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_slow_save_is_not_cut_short_by_the_step_watchdog(tmp_path, mode):
-    """train.timeout_s=2 and a save of 4 s (also the next save's wait for a background one): the
-    watchdog pauses around saves; the run finishes with its checkpoints."""
-    sets = BASE + ["train.steps=4", "checkpoint.save_every=2", "train.timeout_s=2", f"checkpoint.dir={tmp_path}/ck",
-                   f"train.out_dir={tmp_path}/out", f"checkpoint.async_save={mode == 'async'}"]
-    proc = subprocess.run([sys.executable, "-c", _SLOW_SAVE, "-", *sets], capture_output=True, text=True, timeout=100,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr[-2000:]
+def test_a_slow_save_is_not_cut_short_by_the_step_watchdog(tmp_path, monkeypatch, mode):
+    """train.timeout_s=2 and saves of 400 s (a large model's on a slow shared file system; in the
+    background, the next save's wait for it): the watchdog's timer is off while the run saves or
+    waits for a save, the save's time is not counted into the next step's limit, and the run
+    finishes with its checkpoints. On a clock of the test's own, with a stand-in for the timer
+    that records when it would have gone off (steps take 0.1 s)."""
+    import threading
+
+    from tessera.checkpoint import Checkpointer
+    from tessera.training import trainer
+    from tessera.training.watchdog import StepWatchdog
+
+    now, deadline, limits, fired = [0.0], [None], [], []
+    training_waits = threading.Event()  # the training thread waits for a background save
+
+    def arm(seconds):
+        limits.append(seconds)
+        deadline[0] = now[0] + seconds
+
+    def elapse(seconds, what):
+        now[0] += seconds
+        if deadline[0] is not None and now[0] > deadline[0]:
+            fired.append(what)
+
+    real_write, real_wait, real_step = dcp.write, Checkpointer.wait, trainer.train_step
+
+    def slow_write(*args):
+        if threading.current_thread() is not threading.main_thread():
+            assert training_waits.wait(60), "no one waited for the background save"
+        elapse(400.0, f"a save ({mode})")
+        real_write(*args)
+
+    def wait(self):
+        training_waits.set()
+        try:
+            return real_wait(self)
+        finally:
+            training_waits.clear()
+
+    def step(*args, **kwargs):
+        result = real_step(*args, **kwargs)
+        elapse(0.1, "a step")
+        return result
+    monkeypatch.setattr(trainer, "StepWatchdog", lambda timeout_s: StepWatchdog(
+        timeout_s, arm=arm, disarm=lambda: deadline.__setitem__(0, None), clock=lambda: now[0]))
+    monkeypatch.setattr(trainer, "train_step", step)
+    monkeypatch.setattr(dcp, "write", slow_write)
+    monkeypatch.setattr(Checkpointer, "wait", wait)
+    history = _train_here(tmp_path, "out", ["train.steps=4", "checkpoint.save_every=2", "train.timeout_s=2",
+                                            f"checkpoint.dir={tmp_path}/ck", f"checkpoint.async_save={mode == 'async'}"])
+    assert [m["step"] for m in history] == [1, 2, 3, 4] and now[0] > 800
+    assert fired == [], f"the step timer would have ended the run during {fired}"
+    assert limits and set(limits) == {2.0}, limits  # (a save counted into a step would raise its limit)
     assert [s for s, _ in checkpoints(f"{tmp_path}/ck")] == [2, 4]
 
 
@@ -420,17 +450,21 @@ def test_a_slow_save_is_not_cut_short_by_the_step_watchdog(tmp_path, mode):
 def test_a_background_save_outlives_a_failing_step(tmp_path, monkeypatch):
     """checkpoint.async_save: step 4 fails while step 3's checkpoint is being written; the run
     finishes that write before it stops, so a restart goes on from step 3."""
+    import threading
+
     from tessera.training import trainer
 
-    real_write, real_step, calls = dcp.write, trainer.train_step, []
+    real_write, real_step, calls, failed = dcp.write, trainer.train_step, [], threading.Event()
 
     def slow_write(*args):
-        time.sleep(1.0)
+        assert failed.wait(60), "step 4 never failed"
+        time.sleep(1.0)  # still writing while the error goes up
         real_write(*args)
 
     def failing_step(*args, **kwargs):
         calls.append(1)
         if len(calls) == 4:
+            failed.set()
             raise RuntimeError("step 4 failed")
         return real_step(*args, **kwargs)
     monkeypatch.setattr(dcp, "write", slow_write)
