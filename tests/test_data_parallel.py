@@ -459,7 +459,7 @@ def test_capture_lifts_the_gather_hooks_and_puts_them_back():
                                      ("hooked after a failure", True)], (name, run["record"])
             a, b = run["plain"], run["lifted"]
             assert a["waited"] and b["waited"] == a["waited"], name
-            assert b["losses"] == a["losses"], name
+            assert b["losses"] == a["losses"] and b["norms"] == a["norms"], name
 
 
 def test_parameter_without_gradient_this_step_reduces_zeros():
@@ -771,25 +771,26 @@ def _resume_worker(rank: int, world: int, overrides: list[str]) -> dict:
         return cfg, parts, parts.data_parallel, parts.optimizer
 
     def steps(cfg, stage, dp, opt, first, n):
-        losses = []
+        curve = []  # (loss, grad norm) per step
         for s in range(first, first + n):
             mbs = my_micro_batches(s, topo)
-            losses.append(train_step(opt, mbs, topo, stage.executor(len(mbs)), dp, clip_grad=cfg.optim.clip_grad).loss)
+            r = train_step(opt, mbs, topo, stage.executor(len(mbs)), dp, clip_grad=cfg.optim.clip_grad)
+            curve.append((r.loss, r.grad_norm))
         dp.wait_param_gather()
-        return losses
+        return curve
 
     straight = built()
-    straight_losses = steps(*straight, 0, 4)
+    straight_curve = steps(*straight, 0, 4)
     saved = built()
-    losses = steps(*saved, 0, 2)
+    curve = steps(*saved, 0, 2)
     model_state, opt_state = (copy.deepcopy(saved[1].model.state_dict()), copy.deepcopy(saved[3].state_dict()))
     resumed = built()
     resumed[1].model.load_state_dict(model_state)
     resumed[3].load_state_dict(opt_state)
-    losses += steps(*resumed, 2, 2)
+    curve += steps(*resumed, 2, 2)
     full = lambda p: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float()
     a, b = dict(straight[1].model.named_parameters()), dict(resumed[1].model.named_parameters())
-    out = {"straight": straight_losses, "resumed": losses,
+    out = {"straight": straight_curve, "resumed": curve,
            "param_diff": max((full(a[k]) - full(b[k])).abs().max().item() for k in a)}
     if resumed[3].__class__.__name__ == "MainParamOptimizer":
         bad = {k: v for k, v in opt_state.items() if k != "main_params"}
@@ -814,7 +815,8 @@ def _resume_worker(rank: int, world: int, overrides: list[str]) -> dict:
                          ids=["bf16", "bf16-zero1-dp2", "fp16-zero2-dp2", "fp32-zero1-dp2"])
 def test_resuming_from_state_dicts_continues_exactly(world, extra):
     """A 16-bit model's fp32 main parameters travel in the optimizer's state dict (before, a
-    resumed bf16 run updated the initial fp32 copies and wrote them over the loaded weights)."""
+    resumed bf16 run updated the initial fp32 copies and wrote them over the loaded weights): the
+    resumed steps' losses and gradient norms are the straight run's, to the bit."""
     for out in run_ranks(_resume_worker, world, extra, timeout=280):
         assert out["resumed"] == out["straight"], out
         assert out["param_diff"] == 0.0, out

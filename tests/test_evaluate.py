@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parity import assert_same_curve
 from tessera.checkpoint import dcp
 from tessera.config import ConfigError, load_config
 from training_runs import train_histories
@@ -71,6 +72,7 @@ def test_every_layout_gives_the_same_validation_loss(tmp_path, data):
         got = histories(world, [extra + layout + [f"train.out_dir={out}/{i}"]])[0]
         assert [s for s, _ in valid(got)] == [s for s, _ in valid(reference)], layout
         assert [v for _, v in valid(got)] == pytest.approx([v for _, v in valid(reference)], rel=1e-5), layout
+        assert_same_curve(reference, got, rel=1e-5, what=str(layout))  # the training between, norms too
 
 
 @pytest.mark.timeout(300)

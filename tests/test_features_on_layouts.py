@@ -354,6 +354,6 @@ def test_dropout_keeps_replicas_identical():
     moved.init_weights(7)
     assert not torch.equal(dict(moved.named_parameters())["final_norm.weight"], a["params"]["final_norm.weight"])
     a, b = out[0]["dropout-dp2-zero1"], out[1]["dropout-dp2-zero1"]
-    assert a["losses"] == b["losses"]
+    assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
     for n in a["params"]:
         assert torch.equal(a["params"][n], b["params"][n]), f"dropout dp=2: {n} diverged"
