@@ -74,7 +74,8 @@ LAYOUTS = {
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [n if n == "dp2-zero2-bf16-rampup" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in LAYOUTS])  # (one 2-rank layout in the fast subset)
 def test_a_resumed_run_continues_bit_for_bit(tmp_path, name):
     world, layout = LAYOUTS[name]
     straight, resumed = histories(world, [
@@ -136,6 +137,7 @@ RESHARD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_a_checkpoint_loads_into_any_layout_as_the_same_whole_tensors(tmp_path, family):
@@ -213,6 +215,7 @@ def _refusal(overrides):
     return err.value.key, str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
     _train_here(tmp_path, "out", ["train.steps=4", "checkpoint.save_every=2", f"checkpoint.dir={tmp_path}/ck"])
@@ -273,6 +276,7 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
                                              "train.global_batch=24"]), 1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tessera_train_resumes_through_the_launcher(tmp_path):
     """Two processes under torchrun (the README's command), the second run from the first's step 2."""
@@ -367,6 +371,7 @@ def test_a_finetune_takes_the_weights_only_and_a_restart_goes_on_from_its_own_ch
     assert curve(later) == curve(straight)[2:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_one_run_at_a_time_saves_into_a_checkpoint_dir(tmp_path):
     """Two runs saving into one checkpoint.dir would replace each other's checkpoints: while one

@@ -100,6 +100,7 @@ def test_the_launched_commands_exit_status_is_returned():
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers put back
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ctrl_c_ends_a_run_with_one_line(tmp_path):
     from training_runs import TINY
@@ -119,6 +120,7 @@ def test_ctrl_c_ends_a_run_with_one_line(tmp_path):
     assert run.returncode == 130 and err.strip().splitlines() == ["tessera: interrupted"], err[-2000:]
 
 
+@pytest.mark.slow
 def test_the_launcher_refuses_an_out_dir_a_running_run_holds(tmp_path):
     from tessera.training.metrics import lock_out_dir
 
@@ -132,6 +134,7 @@ def test_the_launcher_refuses_an_out_dir_a_running_run_holds(tmp_path):
     assert proc.stderr.startswith(f"tessera: config error: train.out_dir: {tmp_path} is in use by another run (host ")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a CPU machine's refusal")
 def test_the_launcher_refuses_cuda_graphs_on_a_cpu_machine_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2", "--set",

@@ -90,7 +90,7 @@ def test_reference_trains():
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, *(pytest.param(w, marks=pytest.mark.slow) for w in (2, 4))])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_dp_and_zero_match_one_rank(world, zero):
     ref = reference()
@@ -100,6 +100,7 @@ def test_dp_and_zero_match_one_rank(world, zero):
         assert_same_params(run["params"], ref, f"dp={world} zero={zero} rank {r}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_with_tp2_pp2_dp2(zero):
@@ -131,6 +132,7 @@ def assert_pipeline_run_matches(run: dict, ref: dict, what: str, check=None) -> 
         (check or assert_close)(p, ref["params"][source], f"{what}: {pname}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["izb-zero0", "izb-zero1-fused", "izb-zero1-compiled"])
 def test_interleaved_zb_at_dp2_matches_one_rank(name):
@@ -147,6 +149,7 @@ def test_interleaved_zb_at_dp2_matches_one_rank(name):
         assert all(r[name]["graph_breaks"] == 0 for r in results(4))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["pp2-zero0", "pp2-zero1", "pp2-zero0-no-overlap", "pp2-zero1-1f1b"])
 def test_tied_embedding_sum_overlaps_backward_at_pp2(name):
@@ -177,6 +180,7 @@ def test_tied_embedding_sum_overlaps_backward_at_pp2(name):
         assert first["w_after_tied"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_grad_accum_fusion_matches_one_rank():
     """Weight gradients added straight into the buckets (train.grad_accum_fusion) at dp=2 for zero
@@ -205,6 +209,7 @@ def test_grad_accum_fusion_matches_one_rank():
         assert_same_training(r, ref, f"fused tp2 pp2 dp2 rank tp{r['tp_rank']} dp{r['dp_rank']}", rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_overlap_on_and_off_are_identical():
     for out in results(2):
@@ -215,6 +220,7 @@ def test_overlap_on_and_off_are_identical():
                 assert torch.equal(on["params"][name], off["params"][name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_param_gathers_start_after_the_update_in_the_order_the_forward_waits():
     """zero 1/2: one optimizer update, then every bucket's all-gather; the gathers start in the
@@ -233,6 +239,7 @@ def test_param_gathers_start_after_the_update_in_the_order_the_forward_waits():
         assert b["waited"] == b["gathered"][:len(b["waited"])], (b["gathered"][:b["ranges"]], b["waited"][:b["ranges"]])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bf16_trains_close_to_fp32():
     ref = reference()
@@ -246,6 +253,7 @@ def test_bf16_trains_close_to_fp32():
                 assert (p - q).abs().max() < 0.05, name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_model_state_bytes_follow_zero():
     by_world = {w: results(w)[0] for w in (1, 2, 4)}
@@ -349,6 +357,7 @@ def _graphed_fused_worker(rank: int, world: int) -> dict:
     return dict(eager=eager, graphed=graphed, launched=launched, refused=refused)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fused_weight_gradients_replayed_by_graphs_match_eager_fusion():
     """train.cuda_graphs with fused weight gradients, replayed without CUDA at dp=2 zero=1: the
@@ -385,6 +394,7 @@ def _frozen_embedding_graphed_worker(rank: int, world: int) -> dict:
     return dict(eager=eager, graphed=graphed, launched=launched)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_graphed_fused_layer_whose_input_needs_no_gradient_still_reports_its_weights():
     """A frozen embedding: the first graphed layer's input needs no gradient, yet its replayed
@@ -445,6 +455,7 @@ def _capture_lift_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_capture_lifts_the_gather_hooks_and_puts_them_back():
     """cuda_graphs.capture at dp=2 under zero 1/2's overlapped gather: make_graphed_callables
@@ -675,6 +686,7 @@ def _frozen_memory_worker(rank: int, world: int, zero: int) -> tuple[int, int, i
     return report.numel, trainable, report.grads
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_memory_report_counts_trainable_parameters_at_every_zero():
     """A frozen embedding has no gradient and is left out of the count, under FSDP as under
@@ -809,6 +821,7 @@ def _resume_worker(rank: int, world: int, overrides: list[str]) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world,extra", [(1, ["train.dtype=bf16"]), (2, ["train.dtype=bf16", "parallel.zero=1"]),
                                          (2, ["train.dtype=fp16", "parallel.zero=2"]), (2, ["parallel.zero=1"])],
@@ -851,6 +864,7 @@ def _failed_zero_bubble_step_worker(rank: int, world: int, fail: bool) -> dict:
     return {"loss": float(r.loss), "norm": float(r.grad_norm)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_failed_zero_bubble_step_leaves_no_weight_gradient_to_the_next():
     """The weight gradients a failed step deferred (its W never ran) are dropped, not added to

@@ -60,6 +60,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("data", ["synthetic", "packed"])
 def test_every_layout_gives_the_same_validation_loss(tmp_path, data):
@@ -75,6 +76,7 @@ def test_every_layout_gives_the_same_validation_loss(tmp_path, data):
         assert_same_curve(reference, got, rel=1e-5, what=str(layout))  # the training between, norms too
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_taking_the_validation_loss_leaves_training_as_it_was(tmp_path):
     """Bit for bit, with dropout (eval mode draws no masks) at pp=2 x dp=2 under zero 1's

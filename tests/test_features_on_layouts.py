@@ -226,6 +226,7 @@ def test_references_train_and_differ():
     assert ref("fp16")["skipped"] == [False] * STEPS
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", ["llama-zero1", "llama-zero3", "llama-tp2-sp"])
 def test_llama_trains_as_on_one_rank(name):
@@ -236,6 +237,7 @@ def test_llama_trains_as_on_one_rank(name):
     check_run(name, 2, "llama")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name,reference", [("llama-packed-tp2-sp", "llama-packed"), ("llama-packed-pp2", "llama-packed"),
                                             ("gpt2-packed-tp2-sp", "gpt2-packed"), ("gpt2-packed-pp2", "gpt2-packed")])
@@ -282,6 +284,7 @@ def test_fp16_loss_scaling_at_pp2(name, reference):
     assert ref(reference)["scale"] == (2.0**11 if "overflow" in name else 2.0**12)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", ["ramp-dp2-zero1", "ramp-dp2-zero2", "ramp-pp2", "ramp-pp2-vpp2"])
 def test_batch_rampup_trains_as_on_one_rank(name):
@@ -296,6 +299,7 @@ def test_batch_rampup_trains_as_on_one_rank(name):
     check_run(name, 2, "ramp", check=tp_close)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["vpp2-dp2-zero2", "vpp2-dp2-zero3"])
 def test_interleaved_pipeline_with_zero2_and_zero3_at_dp2(name):
@@ -320,6 +324,7 @@ def _check_bf16_follows(run: dict, expected: dict, what: str) -> None:
                                    msg=lambda m: f"{what}: {pname}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_zero3_bf16_follows_zero0_bf16_from_the_same_config():
     """zero=3 (FSDP: fp32 shards, bf16 compute through its MixedPrecisionPolicy, fp32 reduction)
@@ -331,6 +336,7 @@ def test_zero3_bf16_follows_zero0_bf16_from_the_same_config():
         _check_bf16_follows(run, ref("llama-bf16"), f"zero3 bf16 dp{run['dp_rank']}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dropout_keeps_replicas_identical():
     """Dropout's masks depend on the layout by design (RNGTracker: a default stream per pipeline

@@ -60,6 +60,7 @@ def _two_rank_sample_worker(rank: int, world: int) -> dict:
     return {"pp2-vpp2": _sample(1, 2, 2)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sampling_at_tp2_pp2_and_with_two_chunks_matches_one_process():
     """generate() over tp=2 x pp=2 (with and without SP), and over two model chunks per rank

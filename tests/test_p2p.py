@@ -13,7 +13,7 @@
   as soon as one exits, which is the event under test here).
 
 The multi-rank cases of one world size run in ONE ``run_ranks`` call; the parent checks the
-results. Rank processes re-import this module, so it does not import pytest (~1 s per rank).
+results.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pickle
 import queue
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -558,6 +559,7 @@ def test_dead_rank_cascades_down_the_pipeline():
     _assert_clear_error(reports[0]["recv"], "rank 0 waiting on rank 1, which failed")
 
 
+@pytest.mark.slow
 def test_stuck_peer_times_out_at_the_collective_timeout():
     """A peer alive but silent: the receive ends in a timeout error, at the collective timeout
     (4 s: not early), not never."""

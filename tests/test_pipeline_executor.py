@@ -11,7 +11,6 @@ renegotiated.
 
 All cases of one world size run in ONE ``run_ranks`` call (the worker loops over them and returns
 gradients; the parent compares them with the reference, computed here without a process group).
-Rank processes re-import this module to find the worker, so pytest is not imported at module level.
 """
 
 from __future__ import annotations
@@ -319,18 +318,22 @@ def check_world(world_size: int) -> None:
         check_case(case, per_rank, reference(case), str(case))
 
 
+@pytest.mark.slow
 def test_pipeline_pp2_matches_reference():
     check_world(2)
 
 
+@pytest.mark.slow
 def test_pipeline_pp3_odd_ring_matches_reference():
     check_world(3)
 
 
+@pytest.mark.slow
 def test_pipeline_pp4_and_pp2_tp2_match_reference():
     check_world(4)
 
 
+@pytest.mark.slow
 def test_pipeline_pp4_tp2_matches_reference():
     check_world(8)
 
@@ -349,6 +352,7 @@ def test_case_matrix_covers_every_kind_and_size():
         assert {c.sp for c in cases} == {True, False} and len({c.kind for c in cases}) >= 2
 
 
+@pytest.mark.slow
 def test_uneven_layout_places_layers_as_given():
     res = results(2)
     for case, per_rank in res["cases"]:
@@ -361,6 +365,7 @@ def test_uneven_layout_places_layers_as_given():
             assert got == [expected[c * case.pp + r["pp_rank"]] for c in range(case.vpp)], (str(case), got)
 
 
+@pytest.mark.slow
 def test_peak_in_flight_is_bounded_by_the_schedule():
     """1f1b and zb-h1 hold at most pp - rank micro-batches' activations (exactly pp on rank 0);
     zb-h1 holds at most pp micro-batches from F to W (deferred W's included); gpipe holds all m;
@@ -405,6 +410,7 @@ def test_shape_change_within_a_step_is_refused():
     assert messages[1] is None
 
 
+@pytest.mark.slow
 def test_new_step_with_other_shapes_renegotiates():
     res = results(2)["renegotiate"]
     assert len(res) == len(RENEGOTIATE)

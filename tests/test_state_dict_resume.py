@@ -211,7 +211,8 @@ def results(world: int) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if world > 1 else name
+                                  for name, world in NAMES.items()])  # (dp=2, pp=2: one run of ~15 s)
 def test_resumed_run_continues_exactly(name):
     """Save at step 3 of 5, load into a fresh stack (other initial weights), train steps 4-5:
     the same losses, gradient norms, skipped steps and parameters as the run that went on.

@@ -42,6 +42,7 @@ def test_a_failing_rank_is_reported_before_the_deadline():
         run_ranks(_one_fails, 2, timeout=200)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hang_hits_the_deadline():
     """Rank 0 sleeps 10 minutes (rank 1 waits for it): the deadline (3 s) ends the call, naming

@@ -6,6 +6,8 @@ import pytest
 from parity import assert_same_curve
 from training_runs import run_train
 
+pytestmark = pytest.mark.slow  # (tessera train runs, 20 s to 2 min each)
+
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("family,extra", [

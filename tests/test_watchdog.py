@@ -104,6 +104,7 @@ def _run(tmp_path, hang_at: int, seconds: float, timeout_s: float):
                            str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=240)
 
 
+@pytest.mark.slow
 def test_a_hung_step_ends_the_run_with_every_threads_stack(tmp_path):
     """The second step (the first one timed: steps before it, slow on a loaded machine, cannot
     end the run first) sleeps 100 s (a hang) under a 2 s limit: the run ends in that step with
@@ -116,6 +117,7 @@ def test_a_hung_step_ends_the_run_with_every_threads_stack(tmp_path):
     assert "in step" in out.stderr and re.search(r'trainer\.py", line \d+ in run\n', out.stderr), out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_slow_step_within_its_limit_does_not_end_the_run(tmp_path):
     """A step 1 s slower than the others, well under its limit (60 s: a loaded machine's steps
     stay far below it): the run finishes. The limit's arithmetic is tested above on a clock of

@@ -12,7 +12,7 @@
 - ``shared_result``: one multi-rank call's result shared by the tests that read it.
 
 Rank processes import this module to find ``train_histories``' worker, and the test modules
-that import it to find theirs: it imports no pytest (about 1 s of CPU per rank).
+that import it to find theirs: it imports no pytest (about 0.1 s of CPU per rank).
 """
 
 from __future__ import annotations
