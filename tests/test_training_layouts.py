@@ -59,7 +59,7 @@ def test_pipeline_layouts_give_the_same_losses(tmp_path):
     assert_same_curve(reference, curve)
     curve, stdout = run_train(tmp_path / "five-vpp2-auto", 2, five + ["parallel.pp=2", "parallel.vpp=2"])
     assert_same_curve(reference, curve)
-    assert "layers per stage [2, 1, 1, 1], pp_layout=auto" in stdout, stdout[-2000:]
+    assert "layers per stage [2, 1, 1, 1] (pp_layout=auto)" in stdout, stdout[-2000:]
 
 
 @pytest.mark.timeout(300)
