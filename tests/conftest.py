@@ -1,3 +1,6 @@
+"""Puts src/ on the path of the processes tests start, and skips the gpu-marked tests without
+CUDA. How the suite is organised, its markers and the fast subset: tests/README.md."""
+
 import os
 
 import pytest

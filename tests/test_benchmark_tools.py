@@ -64,6 +64,7 @@ def test_quick_train_reports_the_median_after_warmup():
     assert compare.tokens_per_gpu(result) == 30250
 
 
+@pytest.mark.slow
 def test_the_profilers_build_and_step_with_the_public_build_api():
     """bench_setup on one CPU process: the model from its TOML with overrides, the plan, a step."""
     code = (f"import bench_setup; b = bench_setup.setup(['gpt-1.3b', *{TINY!r}]); executor, result = b.step(); "

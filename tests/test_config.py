@@ -70,6 +70,7 @@ HEADS_MESSAGE = ("tessera: config error: model.heads: 3 heads are not divisible 
                  "choose heads as a multiple of parallel.tp")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_torchrun_bad_config_stops_every_rank():
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -80,6 +81,7 @@ def test_torchrun_bad_config_stops_every_rank():
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_launcher_refuses_before_starting_processes():
     proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2", *BAD_HEADS],

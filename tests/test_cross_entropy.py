@@ -141,6 +141,7 @@ def test_fused_path_saves_no_fp32_copy_of_the_logits():
     assert saved_bytes(False) >= logits.numel() * 4
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_compiled_kernels_equal_eager_and_survive_many_shapes():
     """The fused path's compiled kernels (as on CUDA; here inductor's CPU backend) equal the eager

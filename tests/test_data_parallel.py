@@ -13,9 +13,8 @@ import math
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
-from shards import assert_close, compare_to_full, param_kind
+from parity import assert_close, assert_same_params, assert_same_training, compare_to_full, param_kind, tp_close
 from tessera.config import load_config
 from tessera.distributed.memory import bytes_per_parameter, memory_report
 from tessera.models import GPTModel
@@ -23,137 +22,11 @@ from tessera.optim import DynamicLossScaler
 from tessera.tensor_parallel import RNGTracker
 from tessera.testing import run_ranks
 from tessera.topology import Topology
-from tessera.training.step import train_step
 from tessera.training.build import build, build_chunks
 from tessera.training.plan import make_plan
 from tessera.training.preflight import validate
-
-GLOBAL, SEQ, VOCAB, STEPS = 8, 16, 64, 5
-BASE = ["model.hidden=32", "model.layers=2", "model.heads=2", f"model.seq_len={SEQ}", f"model.vocab_size={VOCAB}",
-        "train.micro_batch=1", f"train.global_batch={GLOBAL}", "optim.lr=1e-2", "optim.warmup=0",
-        "optim.clip_grad=0.5", "optim.weight_decay=0.1", "optim.eps=1e-6", "parallel.bucket_size=3000", "train.seed=7"]
-
-
-
-def _graph_breaks() -> int:
-    """Dynamo's graph breaks so far in this process (0 where nothing was compiled)."""
-    import torch._dynamo.utils
-    return sum(torch._dynamo.utils.counters["graph_break"].values())
-
-def global_batch(step: int) -> dict[str, torch.Tensor]:
-    """The same batch every step (so 5 steps visibly lower the loss)."""
-    g = torch.Generator().manual_seed(1000)
-    rows = torch.randint(0, VOCAB, (GLOBAL, SEQ + 1), generator=g)
-    mask = (torch.rand(GLOBAL, SEQ, generator=g) > 0.4).float()
-    mask[:, 0] = 1.0
-    return {"tokens": rows[:, :-1], "labels": rows[:, 1:], "loss_mask": mask}
-
-
-def my_micro_batches(step: int, topo: Topology, micro: int = 1) -> list[dict]:
-    """This dp rank's contiguous share of the step's global batch, cut into micro-batches."""
-    share = GLOBAL // topo.dp
-    batch = {k: v[topo.dp_rank * share:(topo.dp_rank + 1) * share] for k, v in global_batch(step).items()}
-    return [{k: v[i:i + micro] for k, v in batch.items()} for i in range(0, share, micro)]
-
-
-def _recording_order(log: list[str]):
-    """Patches that append "p2p" for every pipeline send / receive issued and "sum" for every
-    all-reduce DataParallel issues (the tied embedding's sum over the embedding group)."""
-    from tessera.distributed import collectives
-    from tessera.pipeline_parallel.p2p import P2P
-    send, recv, all_reduce = P2P.send, P2P.recv, collectives.all_reduce
-
-    def patched(fn, tag):
-        def call(*args, **kwargs):
-            log.append(tag)
-            return fn(*args, **kwargs)
-        return call
-    return [(P2P, "send", send, patched(send, "p2p")), (P2P, "recv", recv, patched(recv, "p2p")),
-            (collectives, "all_reduce", all_reduce, patched(all_reduce, "sum"))]
-
-
-def train_run(topo: Topology, overrides: list[str], *, scaler=None, hook=None, prepare=None, setup=None) -> dict:
-    """``prepare(parts, data_parallel)``: called once built, before the first step; ``setup(chunks)``:
-    before data parallelism wraps the model chunks."""
-    cfg = load_config(None, BASE + overrides)
-    validate(cfg, topo.world_size)
-    plan = make_plan(cfg, topo.device)
-    chunks = build_chunks(cfg, topo, plan, RNGTracker.for_rank(cfg.train.seed, topo.tp_rank, topo.pp_rank))
-    if setup is not None:
-        setup(chunks)
-    stage = build(cfg, topo, plan, chunks=chunks)
-    data_parallel, optimizer = stage.data_parallel, stage.optimizer
-    if prepare is not None:
-        prepare(stage, data_parallel)
-    memory = memory_report(data_parallel, optimizer)
-    fused = []  # weights whose gradient the GEMM added straight into main_grad
-    store = stage.wgrad_store
-    if store is not None and store.fuse:
-        inner = data_parallel.accumulate_product
-        data_parallel.accumulate_product = lambda p, *ab: (fused.append(p), inner(p, *ab))
-    # how many deferred weight-gradient computations (W) ran after the tied embedding's sum over
-    # the embedding group had started (its overlap with backward)
-    w_after_tied = []
-    if store is not None:
-        run_w = store.run
-        store.run = lambda key: (w_after_tied.append(bool(getattr(data_parallel, "tied_reduced", ()))), run_w(key))
-    # the optimizer's updates (S) and parameter gathers started (G, with the buckets' count), in
-    # order; the buckets in the order their gathers start, and in the order the forward first
-    # waits for them (forward pre-hooks)
-    opt_events, gathered, waited = [], [], []
-    if hasattr(optimizer, "inner") and hasattr(data_parallel, "start_param_gather"):
-        inner_step, gather, wait = optimizer.inner.step, data_parallel.start_param_gather, data_parallel.wait_param_gather
-
-        def key(rng):  # (model chunk, bucket)
-            return data_parallel.buffers.index(rng.buffer), rng.bucket.index
-
-        def recording_gather():  # the buckets in the order start_param_gather starts them
-            before = set(data_parallel._gathers)
-            out = gather()
-            started = [b for b in data_parallel._gathers if b not in before]  # dicts keep insertion order
-            opt_events.append(f"G{len(started)}")
-            gathered.extend(key(next(r for r in data_parallel.ranges if r.bucket is b)) for b in started)
-            return out
-
-        def recording_wait(buckets=None):
-            pending = set(data_parallel._gathers)
-            waited.extend(key(next(r for r in data_parallel.ranges if r.bucket is b))
-                          for b in (buckets or []) if b in pending)
-            return wait(buckets)
-
-        optimizer.inner.step = lambda *a, **k: (opt_events.append("S"), inner_step(*a, **k))[1]
-        data_parallel.start_param_gather = recording_gather
-        data_parallel.wait_param_gather = recording_wait
-    losses, norms, skipped, order = [], [], [], []
-    breaks = _graph_breaks()
-    patches = _recording_order(log := []) if topo.pp > 1 else []
-    for owner, name, _, new in patches:
-        setattr(owner, name, new)
-    for step in range(STEPS):
-        micro_batches = my_micro_batches(step, topo)
-        if hook is not None:
-            hook(step, stage)
-        log.clear() if patches else None
-        r = train_step(optimizer, micro_batches, topo, stage.executor(len(micro_batches)), data_parallel,
-                       clip_grad=cfg.optim.clip_grad, scaler=scaler)
-        order.append("".join(t[0] for t in log) if patches else "")
-        losses.append(r.loss)
-        norms.append(r.grad_norm)
-        skipped.append(r.skipped)
-    for owner, name, old, _ in patches:
-        setattr(owner, name, old)
-    data_parallel.wait_param_gather()
-    params = {}
-    for chunk in stage.chunks:
-        for name, p in chunk.named_parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p  # FSDP: gather the dp shards
-            params[name] = full.detach().float().clone()
-    return dict(losses=losses, norms=norms, skipped=skipped, params=params, memory=memory,
-                state_bytes=optimizer.state_bytes(), tp_rank=topo.tp_rank, pp_rank=topo.pp_rank,
-                dp_rank=topo.dp_rank, schedule=stage.plan.schedule, fused_calls=len(fused),
-                w_after_tied=sum(w_after_tied), tied_by_dp=bool(getattr(data_parallel, "tied_reduced", ())),
-                order=order, opt_events=opt_events, ranges=len(getattr(data_parallel, "ranges", ())),
-                gathered=gathered, waited=waited, graph_breaks=_graph_breaks() - breaks)
+from tessera.training.step import train_step
+from training_runs import BASE, GLOBAL, SEQ, STEPS, VOCAB, my_micro_batches, train_run
 
 
 def _dp_worker(rank: int, world: int, runs: list[tuple[str, int, int, list[str]]]) -> dict:
@@ -206,19 +79,6 @@ def reference() -> dict:
     return results(1)[0]["zero0"]
 
 
-def assert_same_training(run: dict, ref: dict, what: str, rel: float = 1e-5) -> None:
-    for step, (a, b) in enumerate(zip(ref["losses"], run["losses"])):
-        assert b == pytest.approx(a, rel=rel), f"{what}: loss at step {step + 1}: {b} vs {a}"
-    for step, (a, b) in enumerate(zip(ref["norms"], run["norms"])):
-        assert b == pytest.approx(a, rel=rel), f"{what}: grad norm at step {step + 1}: {b} vs {a}"
-
-
-def assert_same_params(got: dict[str, torch.Tensor], ref: dict, what: str, check=None) -> None:
-    assert set(got) == set(ref["params"]), what
-    for name, p in got.items():
-        (check or assert_close)(p, ref["params"][name], f"{what}: {name}")
-
-
 def test_reference_trains():
     ref = reference()
     assert ref["losses"][-1] < ref["losses"][0]
@@ -230,7 +90,7 @@ def test_reference_trains():
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, *(pytest.param(w, marks=pytest.mark.slow) for w in (2, 4))])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_dp_and_zero_match_one_rank(world, zero):
     ref = reference()
@@ -240,11 +100,7 @@ def test_dp_and_zero_match_one_rank(world, zero):
         assert_same_params(run["params"], ref, f"dp={world} zero={zero} rank {r}")
 
 
-def _tp_close(actual, expected, what):
-    """tp=2 splits every matmul's sum differently; after 5 Adam steps that is ~1e-6 here."""
-    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
-
-
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_with_tp2_pp2_dp2(zero):
@@ -263,7 +119,7 @@ def test_zero_with_tp2_pp2_dp2(zero):
                 source = "embedding.weight" if name == "output.weight" else name  # the tied copy
                 kind, sizes = param_kind(model, source) if name != "output.weight" else ("vocab", None)
                 compare_to_full(kind, sizes, [s["params"][name] for s in shards], ref["params"][source],
-                                f"zero={zero} pp{pp_rank} dp{dp_rank} {name}", VOCAB, check=_tp_close)
+                                f"zero={zero} pp{pp_rank} dp{dp_rank} {name}", VOCAB, check=tp_close)
 
 
 def assert_pipeline_run_matches(run: dict, ref: dict, what: str, check=None) -> None:
@@ -276,6 +132,7 @@ def assert_pipeline_run_matches(run: dict, ref: dict, what: str, check=None) -> 
         (check or assert_close)(p, ref["params"][source], f"{what}: {pname}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["izb-zero0", "izb-zero1-fused", "izb-zero1-compiled"])
 def test_interleaved_zb_at_dp2_matches_one_rank(name):
@@ -286,12 +143,13 @@ def test_interleaved_zb_at_dp2_matches_one_rank(name):
         assert run["schedule"] == "interleaved-zb"
         # (compiled layers fuse differently: one element of 4096 off by 1.8e-6 after 5 steps)
         assert_pipeline_run_matches(run, ref, f"{name} pp rank {run['pp_rank']} dp rank {run['dp_rank']}",
-                                    check=_tp_close if name.endswith("compiled") else None)
+                                    check=tp_close if name.endswith("compiled") else None)
     assert any(r[name]["fused_calls"] for r in results(4)) == name.endswith("fused")
     if name.endswith("compiled"):  # the deferred W's through the opaque ops: one graph per layer
         assert all(r[name]["graph_breaks"] == 0 for r in results(4))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["pp2-zero0", "pp2-zero1", "pp2-zero0-no-overlap", "pp2-zero1-1f1b"])
 def test_tied_embedding_sum_overlaps_backward_at_pp2(name):
@@ -322,6 +180,7 @@ def test_tied_embedding_sum_overlaps_backward_at_pp2(name):
         assert first["w_after_tied"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_grad_accum_fusion_matches_one_rank():
     """Weight gradients added straight into the buckets (train.grad_accum_fusion) at dp=2 for zero
@@ -342,7 +201,7 @@ def test_grad_accum_fusion_matches_one_rank():
         run = out["zero1-fused-compiled"]
         assert run["fused_calls"] == 8 * (GLOBAL // 2) * STEPS, run["fused_calls"]
         assert_same_training(run, ref, f"fused compiled dp=2 rank {r}")
-        assert_same_params(run["params"], ref, f"fused compiled dp=2 rank {r}", check=_tp_close)
+        assert_same_params(run["params"], ref, f"fused compiled dp=2 rank {r}", check=tp_close)
     ranks = [out["zero1-fused"] for out in results(8)]
     assert ranks[0]["schedule"] == "zb-h1"
     assert all(r["fused_calls"] > 0 for r in ranks)
@@ -350,6 +209,7 @@ def test_grad_accum_fusion_matches_one_rank():
         assert_same_training(r, ref, f"fused tp2 pp2 dp2 rank tp{r['tp_rank']} dp{r['dp_rank']}", rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_overlap_on_and_off_are_identical():
     for out in results(2):
@@ -360,6 +220,7 @@ def test_overlap_on_and_off_are_identical():
                 assert torch.equal(on["params"][name], off["params"][name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_param_gathers_start_after_the_update_in_the_order_the_forward_waits():
     """zero 1/2: one optimizer update, then every bucket's all-gather; the gathers start in the
@@ -378,6 +239,7 @@ def test_param_gathers_start_after_the_update_in_the_order_the_forward_waits():
         assert b["waited"] == b["gathered"][:len(b["waited"])], (b["gathered"][:b["ranges"]], b["waited"][:b["ranges"]])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bf16_trains_close_to_fp32():
     ref = reference()
@@ -391,6 +253,7 @@ def test_bf16_trains_close_to_fp32():
                 assert (p - q).abs().max() < 0.05, name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_model_state_bytes_follow_zero():
     by_world = {w: results(w)[0] for w in (1, 2, 4)}
@@ -494,6 +357,7 @@ def _graphed_fused_worker(rank: int, world: int) -> dict:
     return dict(eager=eager, graphed=graphed, launched=launched, refused=refused)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fused_weight_gradients_replayed_by_graphs_match_eager_fusion():
     """train.cuda_graphs with fused weight gradients, replayed without CUDA at dp=2 zero=1: the
@@ -530,6 +394,7 @@ def _frozen_embedding_graphed_worker(rank: int, world: int) -> dict:
     return dict(eager=eager, graphed=graphed, launched=launched)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_graphed_fused_layer_whose_input_needs_no_gradient_still_reports_its_weights():
     """A frozen embedding: the first graphed layer's input needs no gradient, yet its replayed
@@ -590,6 +455,7 @@ def _capture_lift_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_capture_lifts_the_gather_hooks_and_puts_them_back():
     """cuda_graphs.capture at dp=2 under zero 1/2's overlapped gather: make_graphed_callables
@@ -604,7 +470,7 @@ def test_capture_lifts_the_gather_hooks_and_puts_them_back():
                                      ("hooked after a failure", True)], (name, run["record"])
             a, b = run["plain"], run["lifted"]
             assert a["waited"] and b["waited"] == a["waited"], name
-            assert b["losses"] == a["losses"], name
+            assert b["losses"] == a["losses"] and b["norms"] == a["norms"], name
 
 
 def test_parameter_without_gradient_this_step_reduces_zeros():
@@ -820,6 +686,7 @@ def _frozen_memory_worker(rank: int, world: int, zero: int) -> tuple[int, int, i
     return report.numel, trainable, report.grads
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_memory_report_counts_trainable_parameters_at_every_zero():
     """A frozen embedding has no gradient and is left out of the count, under FSDP as under
@@ -916,25 +783,26 @@ def _resume_worker(rank: int, world: int, overrides: list[str]) -> dict:
         return cfg, parts, parts.data_parallel, parts.optimizer
 
     def steps(cfg, stage, dp, opt, first, n):
-        losses = []
+        curve = []  # (loss, grad norm) per step
         for s in range(first, first + n):
             mbs = my_micro_batches(s, topo)
-            losses.append(train_step(opt, mbs, topo, stage.executor(len(mbs)), dp, clip_grad=cfg.optim.clip_grad).loss)
+            r = train_step(opt, mbs, topo, stage.executor(len(mbs)), dp, clip_grad=cfg.optim.clip_grad)
+            curve.append((r.loss, r.grad_norm))
         dp.wait_param_gather()
-        return losses
+        return curve
 
     straight = built()
-    straight_losses = steps(*straight, 0, 4)
+    straight_curve = steps(*straight, 0, 4)
     saved = built()
-    losses = steps(*saved, 0, 2)
+    curve = steps(*saved, 0, 2)
     model_state, opt_state = (copy.deepcopy(saved[1].model.state_dict()), copy.deepcopy(saved[3].state_dict()))
     resumed = built()
     resumed[1].model.load_state_dict(model_state)
     resumed[3].load_state_dict(opt_state)
-    losses += steps(*resumed, 2, 2)
+    curve += steps(*resumed, 2, 2)
     full = lambda p: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float()
     a, b = dict(straight[1].model.named_parameters()), dict(resumed[1].model.named_parameters())
-    out = {"straight": straight_losses, "resumed": losses,
+    out = {"straight": straight_curve, "resumed": curve,
            "param_diff": max((full(a[k]) - full(b[k])).abs().max().item() for k in a)}
     if resumed[3].__class__.__name__ == "MainParamOptimizer":
         bad = {k: v for k, v in opt_state.items() if k != "main_params"}
@@ -953,13 +821,15 @@ def _resume_worker(rank: int, world: int, overrides: list[str]) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world,extra", [(1, ["train.dtype=bf16"]), (2, ["train.dtype=bf16", "parallel.zero=1"]),
                                          (2, ["train.dtype=fp16", "parallel.zero=2"]), (2, ["parallel.zero=1"])],
                          ids=["bf16", "bf16-zero1-dp2", "fp16-zero2-dp2", "fp32-zero1-dp2"])
 def test_resuming_from_state_dicts_continues_exactly(world, extra):
     """A 16-bit model's fp32 main parameters travel in the optimizer's state dict (before, a
-    resumed bf16 run updated the initial fp32 copies and wrote them over the loaded weights)."""
+    resumed bf16 run updated the initial fp32 copies and wrote them over the loaded weights): the
+    resumed steps' losses and gradient norms are the straight run's, to the bit."""
     for out in run_ranks(_resume_worker, world, extra, timeout=280):
         assert out["resumed"] == out["straight"], out
         assert out["param_diff"] == 0.0, out
@@ -994,6 +864,7 @@ def _failed_zero_bubble_step_worker(rank: int, world: int, fail: bool) -> dict:
     return {"loss": float(r.loss), "norm": float(r.grad_norm)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_failed_zero_bubble_step_leaves_no_weight_gradient_to_the_next():
     """The weight gradients a failed step deferred (its W never ran) are dropped, not added to

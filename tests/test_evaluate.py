@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parity import assert_same_curve
 from tessera.checkpoint import dcp
 from tessera.config import ConfigError, load_config
-from tessera.testing import run_ranks
+from training_runs import train_histories
 
 BASE = ["model.hidden=32", "model.layers=4", "model.heads=4", "model.seq_len=16", "model.vocab_size=100",
         "train.micro_batch=1", "train.global_batch=8", "train.seed=5", "train.log_every=1", "train.steps=4",
@@ -19,15 +20,9 @@ PACKED = ["data.source=builtin", "model.vocab_size=256", "data.eod_id=0", "data.
           "data.reset_attention_mask=true", "data.eod_mask_loss=true"]
 
 
-def _train_runs(rank, world, runs):
-    from tessera.training.trainer import train
-
-    return [train(load_config(None, BASE + overrides)) or None for overrides in runs]
-
-
 def histories(world, runs, timeout=240):
-    by_rank = run_ranks(_train_runs, world, runs, timeout=timeout)
-    return [next(h[i] for h in by_rank if h[i] is not None) for i in range(len(runs))]
+    """Each run's metrics (``BASE + overrides``, the trainer on ``world`` ranks)."""
+    return train_histories(world, BASE, runs, timeout)
 
 
 def valid(history):
@@ -65,6 +60,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("data", ["synthetic", "packed"])
 def test_every_layout_gives_the_same_validation_loss(tmp_path, data):
@@ -77,8 +73,10 @@ def test_every_layout_gives_the_same_validation_loss(tmp_path, data):
         got = histories(world, [extra + layout + [f"train.out_dir={out}/{i}"]])[0]
         assert [s for s, _ in valid(got)] == [s for s, _ in valid(reference)], layout
         assert [v for _, v in valid(got)] == pytest.approx([v for _, v in valid(reference)], rel=1e-5), layout
+        assert_same_curve(reference, got, rel=1e-5, what=str(layout))  # the training between, norms too
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_taking_the_validation_loss_leaves_training_as_it_was(tmp_path):
     """Bit for bit, with dropout (eval mode draws no masks) at pp=2 x dp=2 under zero 1's
@@ -106,24 +104,33 @@ def test_a_validation_split_without_samples_is_refused(tmp_path):
 @pytest.mark.timeout(120)
 def test_the_step_after_a_validation_loss_or_a_save_is_timed_on_its_own(tmp_path, monkeypatch):
     """tokens/s and MFU of the step after a pause between steps (a validation loss, a checkpoint's
-    save; 1 s each here) are that step's, not the pause's."""
-    import time
-
+    save) are that step's, not the pause's. Timed on a clock of the test's own (the step clock's
+    and the steps' finishing times): each step takes 1 s, each pause 100 s."""
     from tessera.checkpoint import dcp
     from tessera.training import trainer
+    from tessera.training.step import StepClock
 
-    real_valid, real_write = trainer.validation_loss, dcp.write
+    now, pauses = [0.0], []
+    real_valid, real_write, real_step = trainer.validation_loss, dcp.write, trainer.train_step
 
-    def slow_valid(*args):
-        time.sleep(1.0)
-        return real_valid(*args)
+    def pausing(fn, what):
+        def pause(*args):
+            now[0] += 100.0
+            pauses.append(what)
+            return fn(*args)
+        return pause
 
-    def slow_write(*args):
-        time.sleep(1.0)
-        real_write(*args)
-    monkeypatch.setattr(trainer, "validation_loss", slow_valid)
-    monkeypatch.setattr(dcp, "write", slow_write)
+    def one_second_step(*args, **kwargs):
+        result = real_step(*args, **kwargs)
+        now[0] += 1.0
+        result.finished_at = now[0]
+        return result
+    monkeypatch.setattr(trainer, "StepClock", lambda device: StepClock(device, clock=lambda: now[0]))
+    monkeypatch.setattr(trainer, "train_step", one_second_step)
+    monkeypatch.setattr(trainer, "validation_loss", pausing(real_valid, "valid"))
+    monkeypatch.setattr(dcp, "write", pausing(real_write, "save"))
     history = trainer.train(load_config(None, BASE + ["train.steps=5", f"train.out_dir={tmp_path}/out",
-                                                      f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=2"]))
-    times = {m["step"]: m["step_time_s"] for m in history}
-    assert times[3] < 0.5 and times[5] < 0.5, times  # after the 2 s of pauses behind steps 2 and 4
+                                                      f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=3"]))
+    # a validation loss after steps 2, 4 and the last, a save after steps 3 and the last
+    assert pauses == ["valid", "save", "valid", "valid", "save"], pauses
+    assert [m["step_time_s"] for m in history] == [1.0] * 5  # (steps 3, 4, 5: after a pause of 100 s)

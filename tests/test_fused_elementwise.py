@@ -32,6 +32,7 @@ def test_reference_functions_are_the_layers_maths():
     torch.testing.assert_close(fused.rope(q, q, cos, sin)[1], q * cos + rotated * sin)
 
 
+@pytest.mark.slow
 def test_functions_compile_whole_and_match_the_reference():
     torch.manual_seed(0)
     x, w, y = torch.randn(8, 2, 16), torch.randn(16), torch.randn(8, 2, 24)

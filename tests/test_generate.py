@@ -39,6 +39,41 @@ def test_every_rank_samples_what_one_process_samples(tp, pp, sp):
         assert ids == one
 
 
+# -- tp x pp, and two model chunks per rank ----------------------------------------------------------------
+CFG_4 = ModelConfig(vocab_size=50, hidden=32, heads=4, layers=4, seq_len=8)  # 4 layers: vpp=2 at pp=2
+
+
+def _sample(tp: int, pp: int, vpp: int, sp: bool = False) -> list[int]:
+    topo = Topology.build(tp=tp, pp=pp)
+    chunks = build_stage_chunks(CFG_4, TPContext(group=topo.group("tp"), sequence_parallel=sp), topo.pp_rank,
+                                topo.pp, vpp, None, topo.device)
+    for chunk in chunks:
+        chunk.init_weights(7)
+    return generate(chunks, PROMPT, NEW, topo=topo, p2p=P2P(topo) if pp > 1 else None, seed=3)
+
+
+def _four_rank_sample_worker(rank: int, world: int) -> dict:
+    return {"tp2-pp2": _sample(2, 2, 1), "tp2-sp-pp2": _sample(2, 2, 1, sp=True), "tp2-pp2-vpp2": _sample(2, 2, 2)}
+
+
+def _two_rank_sample_worker(rank: int, world: int) -> dict:
+    return {"pp2-vpp2": _sample(1, 2, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sampling_at_tp2_pp2_and_with_two_chunks_matches_one_process():
+    """generate() over tp=2 x pp=2 (with and without SP), and over two model chunks per rank
+    (vpp=2: the context goes around the pipeline twice), gives every rank the ids one process
+    draws from the same weights and seed."""
+    one = _sample(1, 1, 1)
+    assert len(one) == len(PROMPT) + NEW and one[:3] == PROMPT
+    for out in run_ranks(_two_rank_sample_worker, 2, timeout=120):
+        assert out["pp2-vpp2"] == one
+    for out in run_ranks(_four_rank_sample_worker, 4, timeout=180):
+        assert out == dict.fromkeys(("tp2-pp2", "tp2-sp-pp2", "tp2-pp2-vpp2"), one)
+
+
 CFG_ODD = ModelConfig(vocab_size=50, hidden=32, heads=4, layers=2, seq_len=7)  # seq_len not divisible by tp=2
 
 

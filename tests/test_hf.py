@@ -51,6 +51,7 @@ def cli(*args) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("family", list(MODELS))
 def test_a_trained_checkpoint_exports_to_transformers(tmp_path, family):
@@ -83,6 +84,7 @@ def _hf_model(family: str):
     return transformers.LlamaForCausalLM(config).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("family", list(MODELS))
 def test_a_transformers_model_imports_and_a_run_starts_from_it(tmp_path, family):
@@ -118,6 +120,7 @@ def test_a_transformers_model_imports_and_a_run_starts_from_it(tmp_path, family)
     assert history[0]["loss"] == pytest.approx(want.item(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_import_refuses_what_it_cannot_read(tmp_path):
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text('{"model_type": "bert"}')
@@ -160,6 +163,7 @@ def test_import_refuses_models_tessera_does_not_compute(tmp_path):
     assert torch.equal(whole["embedding.weight"], state["transformer.wte.weight"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_an_export_carries_the_datas_tokenizer(tmp_path):
     """A run on `tessera preprocess`'d text: the export holds its tokenizer, which transformers'
@@ -211,6 +215,7 @@ def test_an_export_carries_the_datas_tokenizer(tmp_path):
     assert done.returncode == 0 and "no tokenizer" in done.stdout and not (tmp_path / "hf2" / "tokenizer.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_an_export_from_elsewhere_writes_the_weights_and_says_where_it_looked(tmp_path, monkeypatch):
     """A run's tokenizer named relative to where it ran, exported from another folder: the

@@ -7,8 +7,9 @@ import sys
 import numpy as np
 import pytest
 
+from parity import assert_same_curve
 from tessera.data import IndexedDatasetWriter
-from test_train_e2e import assert_same_curve, run_train
+from training_runs import run_train
 
 EOD = 1
 
@@ -21,6 +22,7 @@ def write_corpus(prefix, seed, docs=60):
             writer.add_document(np.append(rng.integers(2, 64, n), EOD))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_blended_packed_indexed_data_on_every_layout(tmp_path):
     write_corpus(tmp_path / "a", 1)
@@ -38,6 +40,7 @@ def test_blended_packed_indexed_data_on_every_layout(tmp_path):
     assert_same_curve(reference, layout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("paths,problem", [
     ("0.5,{a},x,{a}", "weight"),
     ("{missing}", "not found"),
@@ -65,6 +68,7 @@ def test_a_split_that_leaves_training_no_sample_is_refused_up_front(tmp_path, sp
     check_runnable(load_config(None, ["data.source=indexed", f"data.paths={tmp_path / 'a'}", "data.split=1,1,0"]), 1)
 
 
+@pytest.mark.slow
 def test_token_ids_past_the_model_vocabulary_stop_the_run(tmp_path):
     """The corpus holds ids up to 63; a 32-id model would otherwise train on zero embeddings
     under a vocab-parallel layout (no rank owns the id) or fail on one device."""
@@ -77,6 +81,7 @@ def test_token_ids_past_the_model_vocabulary_stop_the_run(tmp_path):
     assert "model.vocab_size: sample" in proc.stderr and "outside the model's vocabulary [0, 32)" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_bad_id_in_one_ranks_share_is_said_by_that_rank(tmp_path):
     """One document holds id 200; with this seed its sample falls in dp rank 1's share, so
@@ -96,6 +101,7 @@ def test_a_bad_id_in_one_ranks_share_is_said_by_that_rank(tmp_path):
     assert "tessera: rank 1: config error: model.vocab_size: sample 285 holds token id 200" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_jsonl_to_training(tmp_path):
     """The whole pipeline: text -> `tessera preprocess` (a BPE trained on it) -> `tessera train`."""

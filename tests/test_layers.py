@@ -274,7 +274,7 @@ def _layers_rank(rank: int, tp: int) -> list:
 def test_layers_match_unsharded_maths(tp):
     labels = verify(run_ranks(_layers_rank, tp, timeout=TIMEOUT))
     assert all(lab == labels[0] for lab in labels)
-    assert len(labels[0]) == 110, len(labels[0])
+    assert len(labels[0]) == 110, len(labels[0])  # every check above ran
 
 
 @pytest.mark.parametrize("tp,pad_multiple,expected", [

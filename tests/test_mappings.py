@@ -269,6 +269,7 @@ def _compiled_rank(rank: int, tp: int) -> list:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_compiled_tp_collectives_are_opaque_synchronous_ops():
     """Under torch.compile the TP collectives are tessera's custom ops (one synchronous call each,

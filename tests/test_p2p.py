@@ -13,7 +13,7 @@
   as soon as one exits, which is the event under test here).
 
 The multi-rank cases of one world size run in ONE ``run_ranks`` call; the parent checks the
-results. Rank processes re-import this module, so it does not import pytest (~1 s per rank).
+results.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pickle
 import queue
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -161,15 +162,18 @@ def _two_rank_worker(rank: int, world_size: int) -> dict:
         early = p2p.recv("F", 0, 1)  # shape known: payload posted now, before the send
         dist.barrier()
         out["early_second"] = early.wait()
+        late = p2p.recv("F", 0, 2)
         out["wait_called"] = time.time()  # wall clock: both ranks are on this host
-        out["waited"] = p2p.recv("F", 0, 2).wait()  # rank 0 sends 0.5 s later
+        dist.barrier()  # (rank 0 sends only after this rank is about to wait: the order is certain)
+        out["waited"] = late.wait()  # rank 0 sends 0.5 s later
         out["wait_returned"] = time.time()
     else:
         dist.barrier()
         p2p.send("F", 1, 0, payload((3, 2), torch.float32, 0))
         dist.barrier()
         p2p.send("F", 1, 1, payload((3, 2), torch.float32, 1))
-        time.sleep(0.5)
+        dist.barrier()
+        time.sleep(0.5)  # (the receiver waits meanwhile)
         out["sent"] = time.time()
         p2p.send("F", 1, 2, payload((3, 2), torch.float32, 2))
         p2p.wait_sends()
@@ -406,7 +410,9 @@ def test_one_stream_from_two_peers_negotiates_per_peer():
 # run_ranks kills every rank as soon as one exits with an error, and a rank that exits cleanly
 # but never reports reads as a hang; so these scenarios run in processes started here. The
 # parent waits for the surviving ranks' reports with its own deadline: a rank that hangs fails
-# the test (and is killed), it cannot stall the suite.
+# the test (and is killed), it cannot stall the suite. Where a peer dies, the collective timeout
+# is set far beyond that wait, so an error that comes at all comes from the peer's death (a
+# closed connection), however slowly a loaded machine runs; the waits are generous.
 def _mp_context():
     from tessera import testing
 
@@ -493,10 +499,10 @@ def _failure_worker(rank: int, world_size: int, port: int, pg_timeout: float, sc
 
 
 def run_failure(scenario: str, world_size: int, pg_timeout: float, reporting: list[int],
-                grace: float) -> tuple[dict, str | None]:
+                wait: float) -> tuple[dict, str | None]:
     """Start ``world_size`` ranks on ``scenario``; the reports of ``reporting`` ranks, waiting at
-    most ``pg_timeout + grace`` seconds after they start, and a message naming the ranks that
-    did not report in time (None if all did). Every process is killed at the end."""
+    most ``wait`` seconds after they start, and a message naming the ranks that did not report
+    in time (None if all did). Every process is killed at the end."""
     ctx = _mp_context()
     q = ctx.Queue()
     port = free_port()
@@ -505,7 +511,7 @@ def run_failure(scenario: str, world_size: int, pg_timeout: float, reporting: li
     for p in procs:
         p.start()
     reports: dict[int, dict] = {}
-    deadline = time.monotonic() + pg_timeout + grace
+    deadline = time.monotonic() + wait
     try:
         while set(reporting) - set(reports) and time.monotonic() < deadline:
             try:
@@ -521,40 +527,44 @@ def run_failure(scenario: str, world_size: int, pg_timeout: float, reporting: li
                 p.kill()
             p.join(timeout=10)
     missing = sorted(set(reporting) - set(reports))
-    hung = (f"{scenario}: ranks {missing} hung: no error within {pg_timeout + grace:.0f}s "
+    hung = (f"{scenario}: ranks {missing} hung: no error within {wait:.0f}s "
             f"(collective timeout {pg_timeout:.0f}s)") if missing else None
     return reports, hung
 
 
-def _assert_clear_error(attempt: tuple[str, float], limit: float, what: str) -> None:
-    message, seconds = attempt
+def _assert_clear_error(attempt: tuple[str, float], what: str, words=("peer", "closed", "reset")) -> None:
+    message, _ = attempt
     assert message != "no error", f"{what}: completed although the peer is gone"
     assert message.startswith("RuntimeError") or message.startswith("DistBackendError"), f"{what}: {message}"
-    assert any(w in message.lower() for w in ("peer", "timed out", "closed", "reset")), f"{what}: unclear: {message}"
-    assert seconds < limit, f"{what}: took {seconds:.1f}s, more than the collective timeout {limit:.0f}s"
+    assert any(w in message.lower() for w in words), f"{what}: unclear: {message}"
 
 
-PG_TIMEOUT = 20.0  # the error must come well within it
+# A dead peer's collective timeout: past the test's wait (and pytest's), so it never fires there.
+DEAD_PEER_TIMEOUT, WAIT = 900.0, 120.0
 
 
 def test_dead_rank_ends_the_waiting_rank_with_an_error():
-    reports, hung = run_failure("dies", 2, PG_TIMEOUT, reporting=[0], grace=15)
+    reports, hung = run_failure("dies", 2, DEAD_PEER_TIMEOUT, reporting=[0], wait=WAIT)
     assert hung is None, hung
     r0 = reports[0]
     _assert_equal(r0["first"], torch.ones(3), "the message sent before dying")
     for what in ("recv_posted", "recv_header", "send"):
-        _assert_clear_error(r0[what], PG_TIMEOUT, f"rank 0 {what} after rank 1 died")
+        _assert_clear_error(r0[what], f"rank 0 {what} after rank 1 died")
 
 
 def test_dead_rank_cascades_down_the_pipeline():
-    reports, hung = run_failure("cascade", 3, PG_TIMEOUT, reporting=[0, 1], grace=15)
+    reports, hung = run_failure("cascade", 3, DEAD_PEER_TIMEOUT, reporting=[0, 1], wait=WAIT)
     assert hung is None, hung
-    _assert_clear_error(reports[1]["recv"], PG_TIMEOUT, "rank 1 waiting on dead rank 2")
-    _assert_clear_error(reports[0]["recv"], PG_TIMEOUT, "rank 0 waiting on rank 1, which failed")
+    _assert_clear_error(reports[1]["recv"], "rank 1 waiting on dead rank 2")
+    _assert_clear_error(reports[0]["recv"], "rank 0 waiting on rank 1, which failed")
 
 
-def test_stuck_peer_times_out_within_the_collective_timeout():
+@pytest.mark.slow
+def test_stuck_peer_times_out_at_the_collective_timeout():
+    """A peer alive but silent: the receive ends in a timeout error, at the collective timeout
+    (4 s: not early), not never."""
     timeout = 4.0
-    reports, hung = run_failure("stuck", 2, timeout, reporting=[0], grace=8)
+    reports, hung = run_failure("stuck", 2, timeout, reporting=[0], wait=timeout + WAIT)
     assert hung is None, hung
-    _assert_clear_error(reports[0]["recv"], timeout + 4, "rank 0 waiting on a peer that never sends")
+    _assert_clear_error(reports[0]["recv"], "rank 0 waiting on a peer that never sends", words=("timed out",))
+    assert reports[0]["recv"][1] >= timeout / 2, reports[0]["recv"]

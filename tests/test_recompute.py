@@ -47,7 +47,8 @@ LAYOUTS = {
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [name if name == "pp2-zb-h1" else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in LAYOUTS])
 def test_recomputed_layers_give_the_same_run_to_the_bit(tmp_path, name):
     world, layout = LAYOUTS[name]
     runs = [layout + [f"train.out_dir={tmp_path}/{what}", *extra] for what, extra in

@@ -159,6 +159,7 @@ def test_bad_settings_are_refused():
             load_config(None, BASE + [f"{key}={value}"])
 
 
+@pytest.mark.slow
 def test_the_command_says_it_once_and_exits_3(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in ["src", os.environ.get("PYTHONPATH", "")] if p)}
     sets = [a for o in BASE + [f"train.out_dir={tmp_path}", "train.inject_fault_step=2"] for a in ("--set", o)]
@@ -187,6 +188,7 @@ def _ranks(rank, world, runs):
     return out
 
 
+@pytest.mark.slow
 def test_every_rank_reaches_the_same_verdict(tmp_path):
     runs = [[f"train.out_dir={tmp_path}/a", "parallel.pp=2", "parallel.dp=2", "parallel.zero=1",
              "train.inject_fault_step=2", "train.inject_fault=nan_once"],

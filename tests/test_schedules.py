@@ -294,6 +294,7 @@ def test_png_without_matplotlib_says_what_to_do(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.startswith("tessera: cannot draw")
 
 
+@pytest.mark.slow
 def test_python_dash_m(tmp_path):
     done = subprocess.run([sys.executable, "-m", "tessera", "schedule", "--kind", "gpipe", "--pp", "2",
                            "--microbatches", "4"], capture_output=True, text=True, timeout=60)

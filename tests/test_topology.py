@@ -5,15 +5,13 @@ Expected values are computed here from the documented layout (tp fastest, then c
     global_rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 independently of the helpers in ``tessera.topology``.
-
-Every rank process re-imports this module to find its worker function, so it does not import
-pytest at module level (that costs ~1 s of CPU per rank): test functions import it locally.
 """
 
 from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -172,6 +170,7 @@ def test_layouts_world4():
     _check_partition(results, 4)
 
 
+@pytest.mark.slow
 def test_layouts_world8():
     results = run_ranks(_layouts_worker, 8, LAYOUTS_8, timeout=150)
     assert len(results) == 8
@@ -179,8 +178,6 @@ def test_layouts_world8():
 
 
 def test_single_rank_without_process_group():
-    import pytest
-
     assert not dist.is_initialized()
     topo = Topology.build()
     assert (topo.tp, topo.cp, topo.dp, topo.pp, topo.rank, topo.world_size) == (1, 1, 1, 1, 0, 1)

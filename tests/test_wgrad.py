@@ -109,6 +109,7 @@ def _llama(store=None):
     return model
 
 
+@pytest.mark.slow
 def test_compiled_layers_defer_weight_grads_without_a_graph_break():
     """Layers compiled whole (inductor's CPU backend) with a store whose weights are registered:
     one graph for all three layers and no break (tessera::deferrable_linear and
@@ -137,6 +138,7 @@ def test_compiled_layers_defer_weight_grads_without_a_graph_break():
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_an_unregistered_weight_breaks_the_graph_and_a_lost_store_is_named():
     import torch._dynamo
 

@@ -109,10 +109,12 @@ class StepResult:
 
 class StepClock:
     """Time per step where the step's work runs: between CUDA events on a GPU (the host runs a
-    step ahead, so its clock would time the launches), on the host clock elsewhere."""
+    step ahead, so its clock would time the launches), on the host clock elsewhere (``clock``,
+    the one ``StepResult.finished_at`` is read from; tests give a stand-in)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.last_time, self.last_event = time.perf_counter(), None
+    def __init__(self, device: torch.device, clock=time.perf_counter) -> None:
+        self._clock = clock
+        self.last_time, self.last_event = clock(), None
         self._restart: tuple | None = None  # (the step launched before a pause, the pause's end: event, time)
         self._lapped: StepResult | None = None  # the step timed last
         if device.type == "cuda":
@@ -142,9 +144,9 @@ class StepClock:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         if after is self._lapped:
-            self.last_event, self.last_time, self._restart = event or self.last_event, time.perf_counter(), None
+            self.last_event, self.last_time, self._restart = event or self.last_event, self._clock(), None
         else:
-            self._restart = (after, event, time.perf_counter())
+            self._restart = (after, event, self._clock())
 
 
 def _sum_over(x: torch.Tensor, group) -> torch.Tensor:

@@ -18,12 +18,12 @@ def _sum_ranks(rank, world_size):
 def _one_fails(rank, world_size):
     if rank == 1:
         raise ValueError("shape mismatch on purpose")
-    dist.barrier()
+    time.sleep(600)  # (a rank waiting for its failed peer, until killed)
 
 
 def _hangs(rank, world_size):
     if rank == 0:
-        time.sleep(60)
+        time.sleep(600)
     dist.barrier()
 
 
@@ -33,15 +33,19 @@ def test_results_by_rank():
     assert [o[1][-1].item() for o in out] == [0.0, 1.0, 2.0, 3.0]
 
 
-def test_failing_rank_is_reported_fast():
-    start = time.monotonic()
+@pytest.mark.timeout(300)
+def test_a_failing_rank_is_reported_before_the_deadline():
+    """Rank 1 fails while rank 0 would run on for 10 minutes: the failure, with its traceback,
+    comes before the deadline (which would raise TimeoutError instead) and the other rank is
+    killed."""
     with pytest.raises(RankError, match="rank 1 of 2 failed(.|\n)*shape mismatch on purpose"):
-        run_ranks(_one_fails, 2, timeout=60)
-    assert time.monotonic() - start < 30
+        run_ranks(_one_fails, 2, timeout=200)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_hang_hits_the_deadline():
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match="did not finish within 3s"):
+    """Rank 0 sleeps 10 minutes (rank 1 waits for it): the deadline (3 s) ends the call, naming
+    the ranks still running."""
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 3s"):
         run_ranks(_hangs, 2, timeout=3)
-    assert time.monotonic() - start < 20

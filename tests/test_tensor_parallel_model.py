@@ -16,15 +16,13 @@ Mapping a rank's shard to the slice of the full tensor:
   padding rows must be zero (weights and gradients);
 - everything else is replicated. Under sequence parallelism parameters tagged
   ``sequence_parallel`` hold partial gradients that are all-reduced over TP before comparing.
-
-Every rank process re-imports this module to find its worker function, so it does not import
-pytest at module level (that costs ~1 s of CPU per rank).
 """
 
 from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -34,7 +32,7 @@ from tessera.tensor_parallel.random import RNGTracker
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
-from shards import assert_close, compare_to_full, param_kind
+from parity import assert_close, compare_to_full, param_kind
 
 SEED = 1234
 VOCAB = 100  # not a multiple of tp * vocab_pad_multiple for any tp here
@@ -197,6 +195,7 @@ def test_weights_identical_tp2():
     check_weights(2)
 
 
+@pytest.mark.slow
 def test_weights_identical_tp4():
     check_weights(4)
 
@@ -205,6 +204,7 @@ def test_logits_and_loss_tp2():
     check_logits_and_loss(2)
 
 
+@pytest.mark.slow
 def test_logits_and_loss_tp4():
     check_logits_and_loss(4)
 
@@ -213,6 +213,7 @@ def test_grads_tp2():
     check_grads(2)
 
 
+@pytest.mark.slow
 def test_grads_tp4():
     check_grads(4)
 

@@ -1,8 +1,9 @@
 """Layouts x features that the other parity tests leave out, each against one process.
 
-Every run trains the tiny model of test_data_parallel (its ``train_run``: the trainer's Stage,
-data parallelism, optimizer and ``train_step``) for its 5 steps with clipping on, and compares
-the losses, gradient norms and final parameters with the same features run on one process.
+Every run trains the tiny model of the data-parallel tests (``training_runs.train_run``: the
+trainer's Stage, data parallelism, optimizer and ``train_step``) for its 5 steps with clipping
+on, and compares the losses, gradient norms and final parameters with the same features run on
+one process.
 What this file adds, per run set (one ``run_ranks`` call per world size, as there):
 
 - the llama family (GQA with kv_heads == tp, RoPE, SwiGLU, untied output layer) under dp=2 with
@@ -22,8 +23,8 @@ What this file adds, per run set (one ``run_ranks`` call per world size, as ther
   ``parallel.schedule=auto`` picks for vpp > 1 with zero >= 2 (only zero 0/1 were trained
   interleaved at dp=2).
 
-Batches are test_data_parallel's (patched into its ``my_micro_batches``: packed or ramped ones),
-not the DataFeed's. Rank processes re-import this module to find the worker, as in the other parity tests.
+Batches are the data-parallel tests' (``training_runs.global_batch``), packed or ramped here, not
+the DataFeed's. Rank processes re-import this module to find the worker, as in the other parity tests.
 """
 
 from __future__ import annotations
@@ -31,16 +32,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import test_data_parallel as tdp
-from shards import assert_close, compare_to_full, param_kind, shared_result
+from parity import assert_close, assert_same_training, compare_to_full, param_kind, tp_close
 from tessera.config import load_config
 from tessera.models import GPTModel
 from tessera.models.packed import document_fields
 from tessera.optim import DynamicLossScaler, LRScheduler
 from tessera.testing import run_ranks
 from tessera.topology import Topology
-
-from test_data_parallel import BASE, GLOBAL, SEQ, STEPS, VOCAB, assert_same_params, assert_same_training
+from training_runs import BASE, GLOBAL, SEQ, STEPS, VOCAB, global_batch, shared_result, train_run
 
 EOD = 0
 LLAMA = ["model.family=llama", "model.heads=4", "model.kv_heads=2", "model.tie_embeddings=false"]
@@ -56,7 +55,7 @@ def packed_batch(step: int) -> dict[str, torch.Tensor]:
     """test_data_parallel's global batch with end-of-document tokens in it: every sample holds 2-4
     documents; positions restart after each EOD, attention stays within a document, and the
     prediction made at an EOD carries no loss."""
-    batch = tdp.global_batch(step)
+    batch = global_batch(step)
     tokens = batch["tokens"].clone()
     tokens[tokens == EOD] = 1  # EODs only where put
     g = torch.Generator().manual_seed(2000)
@@ -75,7 +74,7 @@ def ramp_size(step: int) -> int:
 
 def micro_batches(step: int, topo: Topology, kind: str | None) -> list[dict]:
     """This dp rank's contiguous share of the step's global batch, one sample per micro-batch."""
-    batch = packed_batch(step) if kind == PACKED else tdp.global_batch(step)
+    batch = packed_batch(step) if kind == PACKED else global_batch(step)
     rows = ramp_size(step) if kind == RAMP else GLOBAL
     share = rows // topo.dp
     batch = {k: v[topo.dp_rank * share:(topo.dp_rank + 1) * share] for k, v in batch.items()}
@@ -83,18 +82,6 @@ def micro_batches(step: int, topo: Topology, kind: str | None) -> list[dict]:
 
 
 # -- the runs --------------------------------------------------------------------------------------------
-def _with_schedule(overrides: list[str]):
-    """train_step with the trainer's LRScheduler applied before each step (train_run has none)."""
-    scheduler = LRScheduler(load_config(None, BASE + overrides).optim, STEPS)
-    real, step = tdp.train_step, [0]
-
-    def scheduled(optimizer, *args, **kwargs):
-        scheduler.apply(optimizer, step[0])
-        step[0] += 1
-        return real(optimizer, *args, **kwargs)
-    return scheduled
-
-
 def _overflow_on_first_stage(step: int, stage) -> None:
     """At step 3 an inf in the gradient that reaches layer 0's output, on the first pipeline
     stage only (the output layer is untied): the gradients of layer 0 and of the embedding are
@@ -110,14 +97,16 @@ def _overflow_on_first_stage(step: int, stage) -> None:
 
 
 def one_run(topo: Topology, overrides: list[str], batches: str | None, overflow: bool) -> dict:
-    tdp.my_micro_batches = lambda step, t: micro_batches(step, t, batches)
-    real = tdp.train_step
-    tdp.train_step = _with_schedule(overrides)
+    """train_run with the trainer's LRScheduler applied before each step (train_run has none)."""
+    scheduler = LRScheduler(load_config(None, BASE + overrides).optim, STEPS)
     scaler = DynamicLossScaler(init_scale=2.0**12) if "train.dtype=fp16" in overrides else None
-    try:
-        out = tdp.train_run(topo, overrides, scaler=scaler, hook=_overflow_on_first_stage if overflow else None)
-    finally:
-        tdp.train_step = real
+
+    def before_step(step: int, stage) -> None:
+        scheduler.apply(stage.optimizer, step)
+        if overflow:
+            _overflow_on_first_stage(step, stage)
+    out = train_run(topo, overrides, batches=lambda step, t: micro_batches(step, t, batches), scaler=scaler,
+                    hook=before_step)
     out["scale"] = scaler.scale if scaler is not None else None
     return out
 
@@ -185,22 +174,16 @@ def ref(name: str) -> dict:
 
 
 # -- comparison ------------------------------------------------------------------------------------------
-def _tp_close(actual, expected, what):
-    """As test_data_parallel's: tp=2 splits every matmul's sum differently; after 5 Adam steps
-    that is ~1e-6 here (Adam moves the weights whose gradient is rounding noise by up to lr)."""
-    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
-
-
 def check_run(name: str, world: int, ref_name: str, *, rel: float | None = None, check=None) -> None:
     """Every rank of run ``name`` against the one-process run ``ref_name``: losses and gradient
     norms on the last pipeline stage, every parameter (TP shards gathered; the last stage's tied
     output copy against the embedding). Tolerances: test_data_parallel's for dp and pp (fp32 sums
-    in another order: ~1e-7 relative per step; parameters within shards.assert_close), and its
-    TP ones (rel 1e-4, _tp_close) where tp > 1."""
+    in another order: ~1e-7 relative per step; parameters within parity.assert_close), and its
+    TP ones (rel 1e-4, tp_close) where tp > 1."""
     tp, pp, overrides = SPEC[name]
     reference = ref(ref_name)
     rel = rel or (1e-4 if tp > 1 else 1e-5)
-    check = check or (_tp_close if tp > 1 else assert_close)
+    check = check or (tp_close if tp > 1 else assert_close)
     ranks = [r[name] for r in results(world)]
     assert len(ranks) == world
     model = GPTModel(load_config(None, BASE + overrides).model)  # for the kinds of the parameters
@@ -243,6 +226,7 @@ def test_references_train_and_differ():
     assert ref("fp16")["skipped"] == [False] * STEPS
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", ["llama-zero1", "llama-zero3", "llama-tp2-sp"])
 def test_llama_trains_as_on_one_rank(name):
@@ -253,6 +237,7 @@ def test_llama_trains_as_on_one_rank(name):
     check_run(name, 2, "llama")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name,reference", [("llama-packed-tp2-sp", "llama-packed"), ("llama-packed-pp2", "llama-packed"),
                                             ("gpt2-packed-tp2-sp", "gpt2-packed"), ("gpt2-packed-pp2", "gpt2-packed")])
@@ -299,20 +284,22 @@ def test_fp16_loss_scaling_at_pp2(name, reference):
     assert ref(reference)["scale"] == (2.0**11 if "overflow" in name else 2.0**12)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", ["ramp-dp2-zero1", "ramp-dp2-zero2", "ramp-pp2", "ramp-pp2-vpp2"])
 def test_batch_rampup_trains_as_on_one_rank(name):
     """A global batch of 4 samples for 2 steps, then 8: at dp=2 (2 then 4 micro-batches per rank)
     under zero=1 and zero=2 (whose per-micro-batch reduction rounds follow the count), and at
     pp=2 under ZB-H1 and interleaved-ZB (one schedule per micro-batch count). Parameters within
-    _tp_close: at dp=2 a few weights whose gradient is rounding noise end up at 0.8 of
-    shards.assert_close's tolerance (Adam moves them by up to lr); a wrong micro-batch count or
+    tp_close: at dp=2 a few weights whose gradient is rounding noise end up at 0.8 of
+    parity.assert_close's tolerance (Adam moves them by up to lr); a wrong micro-batch count or
     share moves every weight by ~lr = 1e-2."""
     want = {"ramp-pp2": "zb-h1", "ramp-pp2-vpp2": "interleaved-zb"}.get(name, "none")
     assert all(r[name]["schedule"] == want for r in results(2)), name
-    check_run(name, 2, "ramp", check=_tp_close)
+    check_run(name, 2, "ramp", check=tp_close)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["vpp2-dp2-zero2", "vpp2-dp2-zero3"])
 def test_interleaved_pipeline_with_zero2_and_zero3_at_dp2(name):
@@ -337,6 +324,7 @@ def _check_bf16_follows(run: dict, expected: dict, what: str) -> None:
                                    msg=lambda m: f"{what}: {pname}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_zero3_bf16_follows_zero0_bf16_from_the_same_config():
     """zero=3 (FSDP: fp32 shards, bf16 compute through its MixedPrecisionPolicy, fp32 reduction)
@@ -348,6 +336,7 @@ def test_zero3_bf16_follows_zero0_bf16_from_the_same_config():
         _check_bf16_follows(run, ref("llama-bf16"), f"zero3 bf16 dp{run['dp_rank']}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dropout_keeps_replicas_identical():
     """Dropout's masks depend on the layout by design (RNGTracker: a default stream per pipeline
@@ -371,6 +360,6 @@ def test_dropout_keeps_replicas_identical():
     moved.init_weights(7)
     assert not torch.equal(dict(moved.named_parameters())["final_norm.weight"], a["params"]["final_norm.weight"])
     a, b = out[0]["dropout-dp2-zero1"], out[1]["dropout-dp2-zero1"]
-    assert a["losses"] == b["losses"]
+    assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
     for n in a["params"]:
         assert torch.equal(a["params"][n], b["params"][n]), f"dropout dp=2: {n} diverged"

@@ -11,7 +11,6 @@ renegotiated.
 
 All cases of one world size run in ONE ``run_ranks`` call (the worker loops over them and returns
 gradients; the parent compares them with the reference, computed here without a process group).
-Rank processes re-import this module to find the worker, so pytest is not imported at module level.
 """
 
 from __future__ import annotations
@@ -36,12 +35,13 @@ from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
-from shards import assert_close, compare_to_full, param_kind, shared_result
+from parity import assert_close, compare_to_full, param_kind
+from training_runs import shared_result
 
 SEED = 1234
 VOCAB, HIDDEN, SEQ, BATCH = 50, 32, 8, 2
 PAD = 8  # padded vocabulary: 56 at tp=1, 64 at tp=2 (only the first VOCAB rows are compared)
-# fp32 tolerances as in test_model_parity: the summation order differs between layouts (per
+# fp32 tolerances as in test_tensor_parallel_model: the summation order differs between layouts (per
 # micro-batch accumulation, tied-copy all-reduce, TP partial sums), which costs a few ulp of the
 # largest terms, so the absolute tolerance is relative to the tensor's largest magnitude.
 
@@ -318,18 +318,22 @@ def check_world(world_size: int) -> None:
         check_case(case, per_rank, reference(case), str(case))
 
 
+@pytest.mark.slow
 def test_pipeline_pp2_matches_reference():
     check_world(2)
 
 
+@pytest.mark.slow
 def test_pipeline_pp3_odd_ring_matches_reference():
     check_world(3)
 
 
+@pytest.mark.slow
 def test_pipeline_pp4_and_pp2_tp2_match_reference():
     check_world(4)
 
 
+@pytest.mark.slow
 def test_pipeline_pp4_tp2_matches_reference():
     check_world(8)
 
@@ -348,6 +352,7 @@ def test_case_matrix_covers_every_kind_and_size():
         assert {c.sp for c in cases} == {True, False} and len({c.kind for c in cases}) >= 2
 
 
+@pytest.mark.slow
 def test_uneven_layout_places_layers_as_given():
     res = results(2)
     for case, per_rank in res["cases"]:
@@ -360,6 +365,7 @@ def test_uneven_layout_places_layers_as_given():
             assert got == [expected[c * case.pp + r["pp_rank"]] for c in range(case.vpp)], (str(case), got)
 
 
+@pytest.mark.slow
 def test_peak_in_flight_is_bounded_by_the_schedule():
     """1f1b and zb-h1 hold at most pp - rank micro-batches' activations (exactly pp on rank 0);
     zb-h1 holds at most pp micro-batches from F to W (deferred W's included); gpipe holds all m;
@@ -404,6 +410,7 @@ def test_shape_change_within_a_step_is_refused():
     assert messages[1] is None
 
 
+@pytest.mark.slow
 def test_new_step_with_other_shapes_renegotiates():
     res = results(2)["renegotiate"]
     assert len(res) == len(RENEGOTIATE)

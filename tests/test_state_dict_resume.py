@@ -1,6 +1,5 @@
 """Resuming from the pieces' state dicts (docs/architecture.md: "a run resumed from state dicts
-continues exactly"), and two gaps the parity tests leave: sampling at tp x pp and with several
-model chunks, and the DataFeed's dp split under a batch ramp-up.
+continues exactly").
 
 Every resume run mirrors the trainer's loop (training/trainer.py): the parts ``build`` assembles
 (DataParallel + MainParamOptimizer, or FSDP + FSDPOptimizer), DataFeed
@@ -19,7 +18,7 @@ loop starts at SAVE, which a checkpoint would have to store (or recount from the
 consumed samples, as ``steps_done`` does).
 
 One ``run_ranks`` call per world size (each worker loops over its runs), as
-test_layout_gaps does.
+test_features_on_layouts does.
 """
 
 from __future__ import annotations
@@ -32,21 +31,17 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from shards import shared_result
-from tessera.config import ModelConfig, load_config
-from tessera.inference.generate import generate
-from tessera.models.transformer import TPContext
+from tessera.config import load_config
 from tessera.optim import DynamicLossScaler, LRScheduler, MicroBatchCalculator
-from tessera.pipeline_parallel.p2p import P2P
-from tessera.pipeline_parallel.stage import build_stage_chunks
 from tessera.tensor_parallel import RNGTracker
 from tessera.testing import run_ranks
 from tessera.topology import Topology
-from tessera.training.data_feed import DataFeed, build_source
+from tessera.training.data_feed import DataFeed
 from tessera.training.step import train_step
 from tessera.training.build import build, build_chunks
 from tessera.training.plan import make_plan
 from tessera.training.preflight import validate
+from training_runs import shared_result
 
 STEPS, SAVE = 5, 3
 SEQ, VOCAB = 16, 64
@@ -216,7 +211,8 @@ def results(world: int) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if world > 1 else name
+                                  for name, world in NAMES.items()])  # (dp=2, pp=2: one run of ~15 s)
 def test_resumed_run_continues_exactly(name):
     """Save at step 3 of 5, load into a fresh stack (other initial weights), train steps 4-5:
     the same losses, gradient norms, skipped steps and parameters as the run that went on.
@@ -250,85 +246,3 @@ def test_ramp_is_mid_ramp_at_the_save():
     calc = MicroBatchCalculator.from_config(cfg.train, 1)
     batches = [calc.advance() for _ in range(STEPS)]
     assert batches == [2, 2, 4, 6, 8] and sum(batches[:SAVE]) == 8
-
-
-# -- sampling at tp x pp and with two model chunks per rank -----------------------------------------------
-GEN_CFG = ModelConfig(vocab_size=50, hidden=32, heads=4, layers=4, seq_len=8)
-PROMPT, NEW = [1, 2, 3], 10
-
-
-def _sample(tp: int, pp: int, vpp: int, sp: bool = False) -> list[int]:
-    topo = Topology.build(tp=tp, pp=pp)
-    chunks = build_stage_chunks(GEN_CFG, TPContext(group=topo.group("tp"), sequence_parallel=sp), topo.pp_rank,
-                                topo.pp, vpp, None, topo.device)
-    for chunk in chunks:
-        chunk.init_weights(7)
-    return generate(chunks, PROMPT, NEW, topo=topo, p2p=P2P(topo) if pp > 1 else None, seed=3)
-
-
-def _four_rank_worker(rank: int, world: int) -> dict:
-    return {"tp2-pp2": _sample(2, 2, 1), "tp2-sp-pp2": _sample(2, 2, 1, sp=True),
-            "tp2-pp2-vpp2": _sample(2, 2, 2), "feed": _feed_split(Topology.build(tp=2, dp=2))}
-
-
-def _two_rank_worker(rank: int, world: int) -> dict:
-    return {"pp2-vpp2": _sample(1, 2, 2)}
-
-
-@pytest.mark.timeout(240)
-def test_sampling_at_tp2_pp2_and_with_two_chunks_matches_one_process():
-    """generate() over tp=2 x pp=2 (with and without SP), and over two model chunks per rank
-    (vpp=2: the context goes around the pipeline twice), gives every rank the ids one process
-    draws from the same weights and seed (test_generate covers tp=2 and pp=2 alone)."""
-    one = _sample(1, 1, 1)
-    assert len(one) == len(PROMPT) + NEW and one[:3] == PROMPT
-    for out in run_ranks(_two_rank_worker, 2, timeout=120):
-        assert out["pp2-vpp2"] == one
-    four = run_ranks(_four_rank_worker, 4, timeout=180)
-    for out in four:
-        assert {k: v for k, v in out.items() if k != "feed"} == dict.fromkeys(("tp2-pp2", "tp2-sp-pp2", "tp2-pp2-vpp2"), one)
-    _check_feed_split([out["feed"] for out in four], dp=2)  # (tp=2 x dp=2, in the same run)
-
-
-# -- the DataFeed's dp split under a ramp-up ------------------------------------------------------------------
-FEED = ["data.source=synthetic", f"model.seq_len={SEQ}", f"model.vocab_size={VOCAB}", "train.micro_batch=1",
-        "train.global_batch=16", "train.steps=8", "train.batch_rampup=4,4,24", "train.seed=3"]
-# one increment per 8 samples: steps 3 and 4 start exactly on a slice boundary (8, 16 consumed)
-FEED_BATCHES = [4, 4, 8, 12, 16, 16, 16, 16]
-
-
-def _feed_split(topo: Topology) -> dict:
-    """Each step's rows on this rank, as the global sample numbers they are (the source's rows
-    are unique: 17 random ids of 64), and the feed's state after the steps."""
-    cfg = validate(load_config(None, FEED + [f"parallel.tp={topo.tp}", f"parallel.dp={topo.dp}"]), topo.world_size)
-    feed, source = DataFeed(cfg, topo), build_source(cfg)
-    index = {tuple(source[i][:-1]): i for i in range(sum(FEED_BATCHES) + 32)}
-    steps = []
-    for _ in FEED_BATCHES:
-        rows = torch.cat([mb["tokens"] for mb in feed.next()])
-        steps.append([index.get(tuple(r.tolist()), -1) for r in rows])
-    return {"dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank, "steps": steps, "state": feed.state_dict()}
-
-
-def _check_feed_split(ranks: list[dict], dp: int) -> None:
-    consumed = 0
-    for t, batch in enumerate(FEED_BATCHES):
-        by_dp = {}
-        for r in ranks:
-            got = r["steps"][t]
-            assert len(got) == batch // dp, (t, r["dp_rank"], got)
-            assert by_dp.setdefault(r["dp_rank"], got) == got, f"step {t}: TP ranks of dp {r['dp_rank']} differ"
-        # dp rank d takes the d-th contiguous share: every sample of the global batch exactly once
-        assert [i for d in range(dp) for i in by_dp[d]] == list(range(consumed, consumed + batch)), (t, by_dp)
-        consumed += batch
-    assert all(r["state"]["consumed_samples"] == consumed for r in ranks)
-
-
-@pytest.mark.parametrize("dp", [1, 2, 4])
-def test_feed_splits_each_ramped_global_batch_over_dp_exactly_once(dp):
-    """DataFeed (one process per dp rank, tp=1): under a ramp-up of 4 -> 16 samples every global
-    batch is split into dp contiguous shares that together hold samples [c, c + G_t) once each,
-    G_t following the calculator (4, 4, 8, 12, 16, ...); tp=2 x dp=2 (the TP broadcast of the
-    stacked batch) in the sampling test's 4-rank run."""
-    ranks = [_feed_split(Topology(tp=1, cp=1, dp=dp, pp=1, rank=r, device=torch.device("cpu"))) for r in range(dp)]
-    _check_feed_split(ranks, dp)

@@ -1,33 +1,12 @@
 """End to end: `tessera train` gives the same per-step losses (and gradient norms) at tp=1, tp=2
 and tp=2 x dp=2 from the same seed and data: the layout never changes the maths."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-TINY = ["model.hidden=64", "model.layers=2", "model.heads=4", "model.seq_len=32", "train.micro_batch=2",
-        "train.global_batch=8", "train.steps=10", "train.log_every=5", "optim.warmup=3", "optim.lr=1e-3"]
+from parity import assert_same_curve
+from training_runs import run_train
 
-
-def run_train(out_dir, nproc, overrides, timeout=180):
-    sets = [arg for item in TINY + overrides + [f"train.out_dir={out_dir}"] for arg in ("--set", item)]
-    command = [sys.executable, "-m", "tessera", "train", *sets]
-    if nproc > 1:
-        command[4:4] = ["--nproc-per-node", str(nproc)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines], proc.stdout
-
-
-def assert_same_curve(reference, other, rel=1e-4):
-    assert [m["step"] for m in other] == [m["step"] for m in reference]
-    for a, b in zip(reference, other):
-        assert b["loss"] == pytest.approx(a["loss"], rel=rel), (a["step"], a["loss"], b["loss"])
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel), (a["step"], a["grad_norm"], b["grad_norm"])
-        assert b["lr"] == a["lr"] and b["tokens"] == a["tokens"]
+pytestmark = pytest.mark.slow  # (tessera train runs, 20 s to 2 min each)
 
 
 @pytest.mark.timeout(400)
