@@ -144,6 +144,7 @@ def test_the_launcher_refuses_cuda_graphs_on_a_cpu_machine_in_one_line(tmp_path)
     assert proc.stderr.startswith("tessera: config error: train.cuda_graphs: CUDA graphs need a CUDA device")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_launches_on_one_machine_do_not_collide(tmp_path):
     """Each launch's rendezvous takes a free local port (torchrun --standalone): two runs started

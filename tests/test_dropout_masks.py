@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shards import shared_result
+from training_runs import shared_result
 from tessera.config import load_config
 from tessera.tensor_parallel import RNGTracker
 from tessera.testing import run_ranks

@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from shards import shared_result
+from training_runs import shared_result
 from tessera.config import load_config
 from tessera.optim import LRScheduler
 from tessera.tensor_parallel import RNGTracker
