@@ -41,8 +41,8 @@ BY_NAME = {case.name: case for case in CASES}
 
 def documents(layout: str | None, b: int, s: int, c: int, gen: torch.Generator) -> torch.Tensor | None:
     """[b, s] document ids. random: documents of random lengths (crossing chunk and rank boundaries)
-    with a one-token document somewhere; edges: a document starting at every chunk boundary,
-    one-token documents first and last; one: each sample a single document."""
+    with a one-token document somewhere; edges: documents of two chunks, starting at chunk
+    boundaries, and one-token documents first and last; one: each sample a single document."""
     if layout is None:
         return None
     starts = torch.zeros(b, s, dtype=torch.bool)
@@ -52,7 +52,7 @@ def documents(layout: str | None, b: int, s: int, c: int, gen: torch.Generator) 
             p = int(torch.randint(0, s - 1, (1,), generator=gen))
             starts[row, p] = starts[row, p + 1] = True  # token p alone
     elif layout == "edges":
-        starts[:, ::c] = True
+        starts[:, ::2 * c] = True  # two chunks each: across a rank boundary
         starts[:, [1, s - 1]] = True
     starts[:, 0] = False
     return torch.cumsum(starts.long(), dim=1)
@@ -140,7 +140,7 @@ def test_block_plan_covers_exactly_the_causal_pairs(cp):
 def test_block_forward_is_attention_with_its_log_sum_exp():
     """The reference block against SDPA with the same mask; rows that see no key: out 0, lse -inf."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, 4, 5, 8, generator=gen), torch.randn(2, 2, 7, 8, generator=gen), torch.randn(2, 2, 7, 8, generator=gen)
+    q, k, v = (torch.randn(shape, generator=gen) for shape in [(2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)])
     doc_q, doc_k = torch.tensor([[0, 0, 1, 1, 9]] * 2), torch.tensor([[0, 0, 0, 1, 1, 1, 2]] * 2)
     out, lse = block_forward(q, k, v, causal=False, scale=0.3, doc_q=doc_q, doc_k=doc_k)
     mask = (doc_q[:, :, None] == doc_k[:, None, :]).unsqueeze(1)
@@ -153,8 +153,9 @@ def test_block_forward_is_attention_with_its_log_sum_exp():
 
 def test_merge_is_softmax_over_the_union_and_keeps_empty_rows_finite():
     gen = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(1, 2, 6, 8, generator=gen), torch.randn(1, 2, 10, 8, generator=gen), torch.randn(1, 2, 10, 8, generator=gen)
-    halves = [block_forward(q, k[:, :, part], v[:, :, part], causal=False, scale=0.25) for part in (slice(0, 4), slice(4, 10))]
+    q, k, v = (torch.randn(shape, generator=gen) for shape in [(1, 2, 6, 8), (1, 2, 10, 8), (1, 2, 10, 8)])
+    halves = [block_forward(q, k[:, :, part], v[:, :, part], causal=False, scale=0.25)
+              for part in (slice(0, 4), slice(4, 10))]
     out, lse = merge(*halves[0], *halves[1])
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, scale=0.25), **TOL)
     empty = (torch.zeros(1, 2, 6, 8), torch.full((1, 2, 6), float("-inf")))
@@ -170,6 +171,9 @@ def simulate_ring(q, k, v, docs, dout, cp):
     scale, s_local = q.shape[-1] ** -0.5, q.shape[2] // cp
     qs, ks, vs, dos = ([zigzag(t, r, cp, dim=2) for r in range(cp)] for t in (q, k, v, dout))
     ds = [None if docs is None else zigzag(docs, r, cp, dim=1) for r in range(cp)]
+
+    def doc_rows(r, rows):
+        return None if docs is None else ds[r][:, rows]
     outs, lses = [], []
     for r in range(cp):
         out = torch.zeros(qs[r].shape, dtype=torch.float32, device=q.device)
@@ -177,8 +181,8 @@ def simulate_ring(q, k, v, docs, dout, cp):
         for i in range(cp):
             j = (r - i) % cp
             p = block_plan(r, j, s_local)
-            block = block_forward(qs[r][:, :, p.q], ks[j][:, :, p.kv], vs[j][:, :, p.kv], causal=p.causal, scale=scale,
-                                  doc_q=None if docs is None else ds[r][:, p.q], doc_k=None if docs is None else ds[j][:, p.kv])
+            block = block_forward(qs[r][:, :, p.q], ks[j][:, :, p.kv], vs[j][:, :, p.kv], causal=p.causal,
+                                  scale=scale, doc_q=doc_rows(r, p.q), doc_k=doc_rows(j, p.kv))
             out[:, :, p.q], lse[:, :, p.q] = merge(out[:, :, p.q], lse[:, :, p.q], *block)
         outs.append(out.to(q.dtype))
         lses.append(lse)
@@ -189,8 +193,7 @@ def simulate_ring(q, k, v, docs, dout, cp):
             p = block_plan(r, j, s_local)
             dq, dk, dv = block_backward(dos[r][:, :, p.q], qs[r][:, :, p.q], ks[j][:, :, p.kv], vs[j][:, :, p.kv],
                                         outs[r][:, :, p.q], lses[r][:, :, p.q], causal=p.causal, scale=scale,
-                                        doc_q=None if docs is None else ds[r][:, p.q],
-                                        doc_k=None if docs is None else ds[j][:, p.kv])
+                                        doc_q=doc_rows(r, p.q), doc_k=doc_rows(j, p.kv))
             dqs[r][:, :, p.q] += dq
             dks[j][:, :, p.kv] += dk
             dvs[j][:, :, p.kv] += dv
@@ -343,9 +346,13 @@ def test_blocks_in_bf16_on_cuda_match_full_flash_attention(hkv, with_docs):
     assert uses_flash(q, docs) != with_docs
     got = simulate_ring(q, k, v, docs, dout, cp)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    mask = None if docs is None else (torch.ones(s, s, dtype=torch.bool, device="cuda").tril()
-                                      & (docs[:, :, None] == docs[:, None, :])).unsqueeze(1)
-    out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=mask is None, enable_gqa=hkv != hq)
+    full_q, full_k, full_v = leaves[0], *(t.repeat_interleave(hq // hkv, dim=1) for t in leaves[1:])  # flash: no GQA
+    if docs is None:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(full_q, full_k, full_v, is_causal=True)
+    else:
+        mask = torch.ones(s, s, dtype=torch.bool, device="cuda").tril() & (docs[:, :, None] == docs[:, None, :])
+        out = F.scaled_dot_product_attention(full_q, full_k, full_v, attn_mask=mask.unsqueeze(1))
     out.backward(dout)
     expected = [out.detach()] + [t.grad for t in leaves]
     for what, a, ref in zip(["out", "dq", "dk", "dv"], got, expected):
