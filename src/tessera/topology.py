@@ -44,9 +44,11 @@ class Topology:
 
     ``groups[axis]`` is this rank's group along ``axis`` (``tp``, ``cp``, ``dp``, ``pp``), plus
     ``mp`` (tp x pp: the ranks holding one copy of the model), ``embedding`` (the first and
-    last pipeline stage, which both hold a tied embedding), and ``dp_scalars`` (the dp ranks
-    again, on a communicator of their own, for the step's small reductions). A group is ``None``
-    when it would contain only this rank, and collectives over ``None`` are no-ops.
+    last pipeline stage, which both hold a tied embedding), ``dp_cp`` (dp x cp: the ranks whose
+    gradients are summed, as the weights are replicated over cp; ``dp`` itself where cp=1) and
+    ``dp_scalars`` (the dp x cp ranks again, on a communicator of their own, for the step's small
+    reductions). A group is ``None`` when it would contain only this rank, and collectives over
+    ``None`` are no-ops. ``dp_mesh`` is the dp x cp ranks as a one-dimensional mesh (FSDP2).
     """
 
     tp: int
@@ -56,6 +58,7 @@ class Topology:
     rank: int
     device: torch.device
     mesh: DeviceMesh | None = None
+    dp_mesh: DeviceMesh | None = None
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
     timeout: datetime.timedelta | None = None
 
@@ -91,6 +94,8 @@ class Topology:
                 raise RuntimeError("a multi-rank topology needs torch.distributed to be initialised")
             return cls(tp=1, cp=1, dp=1, pp=1, rank=0, device=device)
         world = dist.get_world_size()
+        if world % (tp * pp * cp):
+            raise ValueError(f"tp*cp*pp = {tp}*{cp}*{pp} does not divide the world size {world}")
         dp = dp or world // (tp * pp * cp)
         if tp * cp * dp * pp != world:
             raise ValueError(f"tp*cp*dp*pp = {tp}*{cp}*{dp}*{pp} != world size {world}")
@@ -110,11 +115,19 @@ class Topology:
         for name, members in (("mp", topo._mp_ranks()), ("embedding", topo._embedding_ranks())):
             group = topo.new_groups(members)
             topo.groups[name] = group if len(topo.ranks_of(name)) > 1 else None
-        # The step's small reductions over dp (token count, loss) on their own communicator: NCCL
-        # runs one communicator's work in order, so on "dp" they would queue behind zero 1/2's
-        # parameter all-gather, and the compute stream, waiting for them, would wait for the
-        # whole gather the next forward is meant to overlap.
-        topo.groups["dp_scalars"] = topo.new_groups(topo.all_ranks_along("dp")) if dp > 1 else None
+        # Gradients are summed over dp x cp (the weights are replicated over cp).
+        if cp == 1:
+            topo.groups["dp_cp"], topo.dp_mesh = topo.groups["dp"], topo.mesh["dp"]
+        else:
+            group = topo.new_groups(topo._dp_cp_ranks())
+            topo.groups["dp_cp"] = group if dp * cp > 1 else None
+            topo.dp_mesh = DeviceMesh.from_group(group, device.type, mesh=topo.ranks_of("dp_cp"),
+                                                 mesh_dim_names=("dp_cp",))
+        # The step's small reductions over dp x cp (token count, loss) on their own communicator:
+        # NCCL runs one communicator's work in order, so on "dp_cp" they would queue behind zero
+        # 1/2's parameter all-gather, and the compute stream, waiting for them, would wait for
+        # the whole gather the next forward is meant to overlap.
+        topo.groups["dp_scalars"] = topo.new_groups(topo._dp_cp_ranks()) if dp * cp > 1 else None
         return topo
 
     # -- coordinates ------------------------------------------------------------------------
@@ -143,6 +156,16 @@ class Topology:
         return self.coords.cp
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same parameters and sum their gradients: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place among them (its shard under zero 1-3)."""
+        return self.dp_rank * self.cp + self.cp_rank
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -159,6 +182,8 @@ class Topology:
             return next(r for r in self._mp_ranks() if self.rank in r)
         if axis == "embedding":
             return next((r for r in self._embedding_ranks() if self.rank in r), [self.rank])
+        if axis == "dp_cp":
+            return next(r for r in self._dp_cp_ranks() if self.rank in r)
         size = getattr(self, axis)
         here = self.coords
         return [rank_of(Coordinates(**{**here.__dict__, axis: i}), self.tp, self.cp, self.dp)
@@ -177,6 +202,11 @@ class Topology:
                 out.append([rank_of(Coordinates(tp=t, cp=cp_rank, dp=dp_rank, pp=p), self.tp, self.cp, self.dp)
                             for p in range(self.pp) for t in range(self.tp)])
         return out
+
+    def _dp_cp_ranks(self) -> list[list[int]]:
+        """Per (tp, pp): the dp x cp ranks, in the order of their dp_cp_rank."""
+        return [[rank_of(Coordinates(tp=t, cp=c, dp=d, pp=p), self.tp, self.cp, self.dp)
+                 for d in range(self.dp) for c in range(self.cp)] for p in range(self.pp) for t in range(self.tp)]
 
     def _embedding_ranks(self) -> list[list[int]]:
         stages = sorted({0, self.pp - 1})

@@ -62,9 +62,9 @@ class Checkpointer:
         self.cfg, self.topo, self.chunks = cfg, topo, chunks
         self.data_parallel, self.optimizer, self.rng, self.log = data_parallel, optimizer, rng, log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        # the dp replicas share their streams; a run of another layout draws in another order
+        # the dp (and cp) replicas share their streams; a run of another layout draws in another order
         self._rng_key = (f"rng.tp{topo.tp_rank}_of_{topo.tp}.pp{topo.pp_rank}_of_{topo.pp}"
-                         f".vpp{cfg.parallel.vpp}.dp{topo.dp}")
+                         f".vpp{cfg.parallel.vpp}.dp{topo.dp}" + (f".cp{topo.cp}" if topo.cp > 1 else ""))
         self.background = cfg.checkpoint.async_save and bool(cfg.checkpoint.dir)
         self._group = None
         if self.background and dist.is_initialized():  # (made on every rank alike: the config is the same)
@@ -74,8 +74,8 @@ class Checkpointer:
 
     def _shards(self, moments: dict[Tensor, tuple[Tensor, Tensor]], saving: bool):
         t = self.topo
-        return optimizer_shards(self.chunks, self.optimizer, self.cfg.model.vocab_size, t.tp_rank, t.dp_rank,
-                                t.dp, moments, saving=saving)
+        return optimizer_shards(self.chunks, self.optimizer, self.cfg.model.vocab_size, t.tp_rank, t.dp_cp_rank,
+                                t.dp_cp, moments, saving=saving)
 
     def _adam_step(self) -> float:
         for state in self.optimizer.inner.state.values():
@@ -97,7 +97,7 @@ class Checkpointer:
             moments[tensor] = (state["exp_avg"], state["exp_avg_sq"]) if "exp_avg" in state else \
                 (torch.zeros_like(tensor), torch.zeros_like(tensor))
         objects = {}
-        if self.rng is not None and self.topo.dp_rank == 0:
+        if self.rng is not None and self.topo.dp_cp_rank == 0:
             buf = io.BytesIO()
             torch.save(self.rng.get_states(), buf)
             objects[self._rng_key] = buf.getvalue()
@@ -107,7 +107,7 @@ class Checkpointer:
             meta = {"step": step, "adam_step": self._adam_step(), "batches": data_feed.state_dict(),
                     "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
                     "numerics": guard.state_dict() if guard is not None else None,
-                    "layout": {"tp": t.tp, "pp": t.pp, "dp": t.dp, "vpp": p.vpp, "zero": p.zero,
+                    "layout": {"tp": t.tp, "cp": t.cp, "pp": t.pp, "dp": t.dp, "vpp": p.vpp, "zero": p.zero,
                                "dtype": self.cfg.train.dtype},
                     "config": to_dict(self.cfg)}
         partial = _broadcast(store.begin_save(self.cfg.checkpoint.dir, step) if self.rank == 0 else None)

@@ -117,8 +117,11 @@ class ParallelConfig:
     """Pipeline-parallel size: the layers are cut into this many stages."""
     vpp: int = 1
     """Virtual pipeline stages (model chunks) per rank, for the interleaved schedules."""
+    cp: int = 1
+    """Context-parallel size: each sample's sequence is split over this many ranks (2*cp chunks,
+    rank r holding chunks r and 2*cp-1-r), its attention run as ring attention among them."""
     dp: int = 0
-    """Data-parallel size; 0 derives it as world_size / (tp * pp)."""
+    """Data-parallel size; 0 derives it as world_size / (tp * cp * pp)."""
     sequence_parallel: bool = False
     """Split activations along the sequence inside TP regions (norms, dropout) and replace
     all-reduces by all-gather / reduce-scatter pairs."""
@@ -150,7 +153,7 @@ class ParallelConfig:
         check(self.zero in (0, 1, 2, 3), "parallel.zero", f"{self.zero!r} is not 0, 1, 2 or 3",
               "use 0 (replicated), 1 (distributed optimizer), 2 (+ sharded gradients) or 3 (FSDP)")
         check(self.bucket_size >= 1, "parallel.bucket_size", "must be >= 1", "give elements per bucket, e.g. 40000000")
-        for name in ("tp", "pp", "vpp"):
+        for name in ("tp", "cp", "pp", "vpp"):
             check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1", "use 1 for no parallelism on this axis")
         check(self.dp >= 0, "parallel.dp", "must be >= 0", "use 0 to derive it from the world size")
 

@@ -81,7 +81,8 @@ class DataParallel:
                  overlap_param_gather: bool = True, embedding_group: dist.ProcessGroup | None = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero 0, 1, 2, not {zero} (zero=3 is FSDP)")
-        self.group, self.dp_size, self.dp_rank = topo.group("dp"), topo.dp, topo.dp_rank
+        # the ranks holding these parameters: dp, and cp (which splits the sequence, not the weights)
+        self.group, self.dp_size, self.dp_rank = topo.group("dp_cp"), topo.dp_cp, topo.dp_cp_rank
         self.device, self._stream, self._stream_id, self._handover = torch.device(topo.device), None, 0, None
         self.zero, self.sharded = zero, zero >= 1
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather

@@ -32,9 +32,9 @@ class FullyShardedDataParallel:
     sharded = True
 
     def __init__(self, chunks: list[nn.Module], topo: Topology, *, compute_dtype: torch.dtype = torch.float32):
-        if topo.mesh is None:
+        if topo.dp_mesh is None:
             raise RuntimeError("zero=3 (FSDP) needs torch.distributed initialised (the dp mesh)")
-        mesh = topo.mesh["dp"]
+        mesh = topo.dp_mesh  # dp x cp: the weights are replicated over cp
         policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                       reduce_dtype=torch.float32)
         for chunk in chunks:

@@ -29,7 +29,7 @@ def _last_stage_logits(chunks: list[GPTModel], tokens: torch.Tensor, topo: Topol
     for c, chunk in enumerate(chunks):
         stage = c * pp + rank
         x = p2p.recv("F", (rank - 1) % pp, (stage - 1) // pp).wait() if stage > 0 else None
-        out = chunk(tokens=tokens if stage == 0 else None, hidden=x)
+        out = chunk(tokens=tokens if stage == 0 else None, hidden=x, context_parallel=False)  # whole contexts
         if stage < last:
             p2p.send("F", (rank + 1) % pp, c, out)
         else:

@@ -26,7 +26,8 @@ from tessera.tensor_parallel.layers import (
     init_vocab_rows,
     padded_vocab_size,
 )
-from tessera.tensor_parallel.mappings import gather_from_tp_region, scatter_to_sequence_region
+from tessera.context_parallel import positions
+from tessera.tensor_parallel.mappings import gather_from_tp_region, group_rank, group_size, scatter_to_sequence_region
 from tessera.tensor_parallel.random import recompute, stable_seed
 from tessera.tensor_parallel.wgrad import WeightGradStore
 
@@ -137,14 +138,24 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: Tensor | None = None, labels: Tensor | None = None,
                 hidden: Tensor | None = None, position_ids: Tensor | None = None,
-                document_ids: Tensor | None = None):
+                document_ids: Tensor | None = None, *, context_parallel: bool = True):
         """First stage: ``tokens`` [b, s]; later stages: ``hidden`` from the previous stage.
         Packed sequences (every stage): ``position_ids`` and ``document_ids`` [b, s] (models/packed.py).
+        With a context-parallel group (``TPContext.cp_group``) the inputs are this rank's two chunks
+        of each sample (context_parallel/chunks.py), attended by ring attention;
+        ``context_parallel=False``: they are whole samples (generation), attended here.
 
         Last stage with ``labels`` [b, s]: per-token loss [b, s] (fp32). Last stage without
         labels: local logits [s, b, padded_vocab / tp]. Other stages: the hidden stream."""
+        cp = self.tp.cp_group if context_parallel and group_size(self.tp.cp_group) > 1 else None
+        if cp is not None and position_ids is None:  # this rank's tokens' places in the sample
+            b, s = tokens.shape if tokens is not None else (hidden.shape[1], hidden.shape[0] * (
+                self.tp.size if self.tp.sequence_parallel else 1))
+            where = positions(s * group_size(cp), group_rank(cp), group_size(cp), (tokens if tokens is not None
+                                                                                 else hidden).device)
+            position_ids = where.expand(b, s)
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
-        seq = PackedSequence(position_ids, document_ids)
+        seq = PackedSequence(position_ids, document_ids, cp_group=cp)
         for i, layer in enumerate(self.layers.values()):
             if i < self.recompute_layers and torch.is_grad_enabled():
                 x = recompute(layer, x, seq, tracker=self.tp.rng)
@@ -164,6 +175,6 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def full_logits(self, tokens: Tensor) -> Tensor:
         """[b, s] -> [b, s, vocab_size] gathered over TP (for generation and tests)."""
-        logits = gather_from_tp_region(self(tokens), self.tp.group)  # self(): forward pre-hooks run
+        logits = gather_from_tp_region(self(tokens, context_parallel=False), self.tp.group)  # (pre-hooks run)
         return logits[..., : self.cfg.vocab_size].transpose(0, 1)
 

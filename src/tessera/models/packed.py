@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tessera.context_parallel import ring_attention
+
 try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # older torch: the mask path only
@@ -48,13 +50,17 @@ def document_fields(tokens: Tensor, eod: int, *, reset_position_ids: bool, reset
 class PackedSequence:
     """Per-micro-batch positions and document layout, shared by every layer of a forward."""
 
-    def __init__(self, position_ids: Tensor | None = None, document_ids: Tensor | None = None):
-        self.position_ids, self.document_ids = position_ids, document_ids
+    def __init__(self, position_ids: Tensor | None = None, document_ids: Tensor | None = None, cp_group=None):
+        """``cp_group``: the tokens are this rank's chunks of each sample (context parallelism):
+        attention runs as ring attention over that group."""
+        self.position_ids, self.document_ids, self.cp_group = position_ids, document_ids, cp_group
         self._mask: Tensor | None = None
         self._cu_seqlens: Tensor | None = None
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float, enable_gqa: bool) -> Tensor:
         """Causal attention, within documents when ``document_ids`` is set. q, k, v: [b, heads, s, d]."""
+        if self.cp_group is not None:  # (no dropout with cp: preflight refuses it)
+            return ring_attention(q, k, v, self.cp_group, document_ids=self.document_ids)
         if self.document_ids is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa)
         if (q.is_cuda and varlen_attn is not None and dropout_p == 0.0 and not enable_gqa

@@ -33,6 +33,7 @@ class TPContext:
 
     group: Group = None
     sequence_parallel: bool = False
+    cp_group: Group = None  # context parallelism: the ranks sharing each sample's sequence (ring attention)
     rng: RNGTracker | None = None
     fused_cross_entropy: bool | None = None  # the compiled vocab-parallel loss (None: on CUDA only)
     comm_overlap: bool = False  # column layers overlap their input-gradient reduction with the W GEMM

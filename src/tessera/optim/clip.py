@@ -59,7 +59,7 @@ def grad_norm_and_nonfinite(grads: Grads, topo: Topology, sharded: bool = False,
         others = norms([g for g, p in grads if not counts_once_here(p, topo.tp_rank)])
         bad = (~torch.isfinite(counted)).sum() + (~torch.isfinite(others)).sum()
         sq = torch.stack([sq, bad.float()])
-    for axis in ("mp", "dp") if sharded else ("mp",):
+    for axis in ("mp", "dp_cp") if sharded else ("mp",):
         if topo.group(axis) is not None:
             dist.all_reduce(sq, group=topo.group(axis))
     return (sq[0].sqrt(), sq[1]) if count_nonfinite else (sq.sqrt(), None)

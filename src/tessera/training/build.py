@@ -74,7 +74,7 @@ class Parts:
 def build_topology(cfg: Config, device: torch.device) -> Topology:
     """The rank grid and its process groups (after ``launch.init_distributed``; ``cfg`` validated)."""
     p = cfg.parallel
-    return Topology.build(tp=p.tp, pp=p.pp, dp=p.dp, device=device,
+    return Topology.build(tp=p.tp, cp=p.cp, pp=p.pp, dp=p.dp, device=device,
                           timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
 
 
@@ -82,7 +82,7 @@ def build_chunks(cfg: Config, topo: Topology, plan: ExecutionPlan, rng: RNGTrack
     """This rank's model chunks, initialised from the seed (the same full weights on any layout),
     with recomputation and compilation as the config and plan say."""
     p, t = cfg.parallel, cfg.train
-    tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng,
+    tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng, cp_group=topo.group("cp"),
                    fused_cross_entropy=plan.fused_cross_entropy, comm_overlap=plan.comm_overlap,
                    fused_elementwise=plan.fused_elementwise)
     chunks = build_stage_chunks(cfg.model, tp, topo.pp_rank, p.pp, p.vpp, list(plan.layout), topo.device)

@@ -10,6 +10,9 @@
   :class:`MicroBatchCalculator` position, which is what a resumed run restores.
 - Packed sequences: positions, document ids and the EOD loss mask are computed from the tokens
   on each rank after the broadcast (models/packed.py), rather than broadcast.
+- Context parallelism: the cp ranks of a dp rank read the same samples; each keeps its two
+  chunks of every field along the sequence (context_parallel/chunks.py), computed from the whole
+  sample first (document ids and positions run across chunk boundaries).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 import torch
 
 from tessera.config import Config
+from tessera.context_parallel import zigzag
 from tessera.data import MicroBatches, SyntheticTokens
 from tessera.data.indexed_source import builtin_prefix, default_cache_dir, indexed_source
 from tessera.models.packed import document_fields
@@ -90,6 +94,8 @@ class DataFeed:
         self.header = [(k, tuple(v.shape[1:]), v.dtype) for k, v in stacked.items()]
         if self.packing:
             stacked = self._add_document_fields(stacked)
+        if self.topo.cp > 1:  # this rank's chunks of each sample: [m, b, s] -> [m, b, 2s / 2cp]
+            stacked = {k: zigzag(v, self.topo.cp_rank, self.topo.cp, dim=2) for k, v in stacked.items()}
         count = next(iter(stacked.values())).shape[0]
         return [{k: v[i] for k, v in stacked.items()} for i in range(count)]
 

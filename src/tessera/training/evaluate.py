@@ -69,7 +69,7 @@ def validation_loss(chunks, topo: Topology, feed: DataFeed, batches: int, p2p=No
                     module.reshard()
     if not topo.is_last_stage:
         return None
-    group = topo.group("dp_scalars") or topo.group("dp")
+    group = topo.group("dp_scalars") or topo.group("dp_cp")
     if group is not None:
         torch.distributed.all_reduce(total, group=group)
     return float(total[0] / total[1].clamp(min=1))

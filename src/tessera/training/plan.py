@@ -85,6 +85,8 @@ def check_graphable(cfg: Config, schedule: str) -> None:
     check(schedule in ("none", "1f1b"), key, f"schedule {schedule} runs several forwards before their backwards, "
           "and each graphed layer keeps one micro-batch's activations", f"use parallel.schedule=auto (none at "
           f"pp=1) {fix}")
+    check(p.cp == 1, key, f"ring attention (cp={p.cp}) exchanges its key and value blocks from Python, step by "
+          "step", f"use parallel.cp=1 {fix}")
     check(cfg.model.dropout == 0, key, "dropout's random streams are not captured", f"set model.dropout=0 {fix}")
     check(t.recompute == "none", key, "a graphed layer's backward does not run its forward again (train.recompute)",
           f"set train.recompute=none {fix}")
@@ -120,8 +122,8 @@ def make_plan(cfg: Config, device: torch.device) -> ExecutionPlan:
     graphed = resolve(t.cuda_graphs, cuda and p.tp > 1 and t.compile is not True and _graphable(cfg, schedule))
     # tp = 1: inductor fuses llama's many small elementwise kernels; not around deferred weight
     # gradients (eager layers with compiled elementwise functions measured faster there)
-    compiled = resolve(t.compile, cuda and p.tp == 1 and m.family == "llama" and not split and not graphed
-                       and t.recompute == "none")
+    compiled = resolve(t.compile, cuda and p.tp == 1 and p.cp == 1 and m.family == "llama" and not split
+                       and not graphed and t.recompute == "none")
     # tp = 1: one fp32-accumulating GEMM per weight gradient instead of a GEMM and an add; in
     # compiled layers only where auto compiled them (the combination measured for llama)
     fuse = resolve(t.grad_accum_fusion, cuda and p.tp == 1 and p.zero < 3 and not graphed

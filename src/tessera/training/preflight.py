@@ -26,12 +26,14 @@ def validate(cfg: Config, world_size: int) -> Config:
     """The sizes checked against each other and the world size, and the combinations no layout
     runs. Returns ``cfg`` with ``parallel.dp`` resolved."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    mp = p.tp * p.pp
-    check(world_size % mp == 0, "parallel.tp",
-          f"tp*pp = {p.tp}*{p.pp} = {mp} does not divide the world size {world_size}",
-          f"choose tp and pp whose product divides {world_size}, or launch a multiple of {mp} processes")
+    mp = p.tp * p.cp * p.pp
+    sizes = f"tp*cp*pp = {p.tp}*{p.cp}*{p.pp}" if p.cp > 1 else f"tp*pp = {p.tp}*{p.pp}"
+    check(world_size % mp == 0, "parallel.tp" if p.cp == 1 else "parallel.cp",
+          f"{sizes} = {mp} does not divide the world size {world_size}",
+          f"choose {'tp, cp and pp' if p.cp > 1 else 'tp and pp'} whose product divides {world_size}, or launch a "
+          f"multiple of {mp} processes")
     dp = p.dp or world_size // mp
-    check(dp * mp == world_size, "parallel.dp", f"tp*pp*dp = {mp}*{p.dp} = {mp * p.dp} is not the world size "
+    check(dp * mp == world_size, "parallel.dp", f"{sizes}*dp = {mp}*{p.dp} = {mp * p.dp} is not the world size "
           f"{world_size}", "set parallel.dp=0 to derive it")
     if p.zero == 3 and world_size == 1:
         # FSDP shards over a process group, and a single launched process runs without one
@@ -53,9 +55,18 @@ def validate(cfg: Config, world_size: int) -> Config:
           f"{t.global_batch} is not divisible by micro_batch*dp = {t.micro_batch}*{dp}",
           f"choose a multiple of {t.micro_batch * dp}")
     MicroBatchCalculator.from_config(t, dp)  # every ramp-up batch divides into micro-batches
-    check(not p.sequence_parallel or m.seq_len % p.tp == 0, "model.seq_len",
-          f"{m.seq_len} is not divisible by tp={p.tp}, which sequence parallelism needs",
-          f"choose seq_len as a multiple of {p.tp} or turn parallel.sequence_parallel off")
+    check(m.seq_len % (2 * p.cp) == 0, "model.seq_len",
+          f"{m.seq_len} is not divisible by 2*cp = {2 * p.cp}: context parallelism cuts each sample in 2*cp chunks",
+          f"choose seq_len as a multiple of {2 * p.cp}")
+    local = m.seq_len // p.cp  # this rank's tokens of a sample
+    check(not p.sequence_parallel or local % p.tp == 0, "model.seq_len",
+          f"{m.seq_len}{f' / cp={p.cp} = {local}' if p.cp > 1 else ''} is not divisible by tp={p.tp}, which "
+          "sequence parallelism needs", f"choose seq_len as a multiple of {p.tp * p.cp} or turn "
+          "parallel.sequence_parallel off")
+    check(p.cp == 1 or m.dropout == 0, "model.dropout", f"{m.dropout} with cp={p.cp}: ring attention has no "
+          "attention dropout", "set model.dropout=0 (as LLM pretraining runs) or parallel.cp=1")
+    check(p.cp == 1 or t.compile is not True, "train.compile", f"true with cp={p.cp}: ring attention's exchanges "
+          "run in eager layers", "leave train.compile at auto (off with cp) or set parallel.cp=1")
     check(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel",
           "sequence parallelism needs tp > 1", "set parallel.tp >= 2 or turn it off")
     check(p.vpp == 1 or p.pp > 1, "parallel.vpp", "vpp > 1 needs pp >= 2 (model chunks interleave over stages)",

@@ -168,7 +168,7 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
                        torch.zeros((), device=device)).to(torch.float32)  # on the device: no host wait
     # the step's scalars travel on their own dp communicator (Topology): on "dp" they would wait
     # for the previous step's overlapped parameter all-gather, and the forward with them
-    scalars = topo.group("dp_scalars") or topo.group("dp")
+    scalars = topo.group("dp_scalars") or topo.group("dp_cp")
     global_tokens = _sum_over(local_tokens.clone(), scalars)
     data_parallel.start_step(len(micro_batches))
     # (a global batch without a token the loss counts, e.g. all end-of-document under

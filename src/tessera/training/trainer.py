@@ -254,7 +254,7 @@ def train(cfg: Config) -> list[dict]:
     init_distributed(device, cfg.train.timeout_s)
     t = cfg.train
     topo = build_topology(cfg, device)
-    logs = topo.is_last_stage and topo.tp_rank == 0 and topo.dp_rank == 0
+    logs = topo.is_last_stage and topo.tp_rank == 0 and topo.cp_rank == 0 and topo.dp_rank == 0
     with contextlib.ExitStack() as stack:
         # rank 0 holds checkpoint.dir (it renames checkpoints into place), the logging rank out_dir
         if cfg.checkpoint.dir and rank == 0:
