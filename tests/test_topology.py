@@ -45,6 +45,8 @@ def _expected_members(rank: int, s: dict[str, int]) -> dict[str, list[int]]:
 
     out = {axis: sorted(r for r in grid if same(r, [a for a in AXES if a != axis])) for axis in AXES}
     out["mp"] = sorted(r for r in grid if same(r, ["cp", "dp"]))  # all tp x pp of this replica
+    # dp x cp: the ranks that hold the same weights (cp splits the sequence), in dp_cp_rank order
+    out["dp_cp"] = sorted((r for r in grid if same(r, ["tp", "pp"])), key=lambda r: (grid[r]["dp"], grid[r]["cp"]))
     last = s["pp"] - 1
     if me["pp"] in (0, last):
         out["embedding"] = sorted(r for r in grid if same(r, ["tp", "cp", "dp"]) and grid[r]["pp"] in (0, last))
@@ -82,16 +84,21 @@ def _check_topology(topo: Topology, rank: int, s: dict[str, int]) -> dict:
             x = torch.tensor([float(rank), 1.0])
             dist.all_reduce(x, group=group)
             assert x.tolist() == [float(sum(members)), float(len(members))], (name, x)
-    # dp_scalars: the dp ranks on a communicator of their own (not the "dp" group object)
+    assert topo.dp_cp == s["dp"] * s["cp"] and topo.dp_cp_rank == expected["dp_cp"].index(rank)
+    if s["cp"] == 1:  # without cp the gradients' group is dp itself (no second communicator)
+        assert topo.group("dp_cp") is topo.group("dp")
+    # dp_scalars: the dp x cp ranks on a communicator of their own (not the gradients' group object)
     scalars = topo.group("dp_scalars")
-    if s["dp"] == 1:
+    if s["dp"] * s["cp"] == 1:
         assert scalars is None
     else:
-        assert scalars is not None and scalars is not topo.group("dp")
-        assert dist.get_process_group_ranks(scalars) == expected["dp"]
+        assert scalars is not None and scalars is not topo.group("dp_cp")
+        assert sorted(dist.get_process_group_ranks(scalars)) == sorted(expected["dp_cp"])
         x = torch.tensor([float(rank)])
         dist.all_reduce(x, group=scalars)
-        assert x.item() == float(sum(expected["dp"]))
+        assert x.item() == float(sum(expected["dp_cp"]))
+    if topo.dp_mesh is not None and s["dp"] * s["cp"] > 1:  # FSDP's mesh: the dp x cp ranks
+        assert dist.get_process_group_ranks(topo.dp_mesh.get_group()) == expected["dp_cp"]
     # The embedding group holds the first and last stage (or nothing if this rank is neither).
     if s["pp"] > 1 and me["pp"] in (0, s["pp"] - 1):
         stages = sorted({_grid(s)[r]["pp"] for r in topo.ranks_of("embedding")})
