@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
-LOWER = ("tensor_parallel", "context_parallel", "models", "pipeline_parallel", "distributed", "optim")
+LOWER = ("tensor_parallel", "context_parallel", "precision", "models", "pipeline_parallel", "distributed", "optim")
 
 
 def _modules() -> dict[str, Path]:

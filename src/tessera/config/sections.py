@@ -208,6 +208,11 @@ class TrainConfig:
     fused_elementwise: Switch = AUTO
     """The llama family's RMSNorm, RoPE and SwiGLU as compiled functions inside eager layers on
     CUDA. auto: on for llama wherever its layers are not compiled whole."""
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """The transformer layers' linear GEMMs (QKV, output projection, MLP) in float8 with dynamic
+    scales over each whole logical tensor, e4m3 forward and e5m2 gradients: one scale per tensor
+    (tensorwise) or per row (rowwise). Embeddings, norms, attention and the head stay in train.dtype;
+    a CPU emulates the GEMMs. none: train.dtype throughout."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (no fp32 copy of the logits); off, or on a
     CPU: the reference ops."""

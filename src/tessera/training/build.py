@@ -25,6 +25,7 @@ from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.pipeline_parallel.p2p import P2P
 from tessera.pipeline_parallel.schedules import build_schedule
 from tessera.pipeline_parallel.stage import build_stage_chunks
+from tessera.precision import Float8Recipe
 from tessera.tensor_parallel import RNGTracker
 from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.topology import Topology
@@ -84,7 +85,8 @@ def build_chunks(cfg: Config, topo: Topology, plan: ExecutionPlan, rng: RNGTrack
     p, t = cfg.parallel, cfg.train
     tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng, cp_group=topo.group("cp"),
                    fused_cross_entropy=plan.fused_cross_entropy, comm_overlap=plan.comm_overlap,
-                   fused_elementwise=plan.fused_elementwise)
+                   fused_elementwise=plan.fused_elementwise,
+                   fp8=Float8Recipe(t.fp8) if t.fp8 != "none" else None)
     chunks = build_stage_chunks(cfg.model, tp, topo.pp_rank, p.pp, p.vpp, list(plan.layout), topo.device)
     for chunk in chunks:
         chunk.init_weights(t.seed)

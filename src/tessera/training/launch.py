@@ -22,16 +22,20 @@ def world_from_env() -> tuple[int, int, int]:
             int(os.environ.get("WORLD_SIZE", 1)))
 
 
-def check_device(choice: str, cuda_graphs: bool | str = "auto") -> None:
-    """Refuse train.device=cuda where there is no CUDA device, and train.cuda_graphs=true where
-    the run will not be on one (every rank alike: said once, by rank 0; also the launcher's
-    early check, before torchrun)."""
+def check_device(choice: str, cuda_graphs: bool | str = "auto", fp8: str = "none") -> None:
+    """Refuse train.device=cuda where there is no CUDA device, train.cuda_graphs=true where the run
+    will not be on one, and train.fp8 on a GPU without float8 matrix units (every rank alike: said
+    once, by rank 0; also the launcher's early check, before torchrun)."""
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device", "cuda, but this machine has no CUDA device available",
                           "set train.device=auto or cpu")
     if cuda_graphs is True and (choice == "cpu" or not torch.cuda.is_available()):
         raise ConfigError("train.cuda_graphs", "CUDA graphs need a CUDA device, this run is on the CPU",
                           "set train.cuda_graphs=false on CPU")
+    on_gpu = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+    if fp8 != "none" and on_gpu and torch.cuda.get_device_capability() < (8, 9):
+        raise ConfigError("train.fp8", f"{fp8}, but {torch.cuda.get_device_name()} has no float8 matrix units "
+                          "(compute capability 8.9 or newer: Ada, Hopper)", "set train.fp8=none")
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:

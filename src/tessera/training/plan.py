@@ -123,7 +123,7 @@ def make_plan(cfg: Config, device: torch.device) -> ExecutionPlan:
     # tp = 1: inductor fuses llama's many small elementwise kernels; not around deferred weight
     # gradients (eager layers with compiled elementwise functions measured faster there)
     compiled = resolve(t.compile, cuda and p.tp == 1 and p.cp == 1 and m.family == "llama" and not split
-                       and not graphed and t.recompute == "none")
+                       and not graphed and t.recompute == "none" and t.fp8 == "none")
     # tp = 1: one fp32-accumulating GEMM per weight gradient instead of a GEMM and an add; in
     # compiled layers only where auto compiled them (the combination measured for llama)
     fuse = resolve(t.grad_accum_fusion, cuda and p.tp == 1 and p.zero < 3 and not graphed

@@ -65,6 +65,10 @@ def validate(cfg: Config, world_size: int) -> Config:
           "parallel.sequence_parallel off")
     check(p.cp == 1 or m.dropout == 0, "model.dropout", f"{m.dropout} with cp={p.cp}: ring attention has no "
           "attention dropout", "set model.dropout=0 (as LLM pretraining runs) or parallel.cp=1")
+    check(t.fp8 == "none" or t.dtype != "fp16", "train.fp8", f"{t.fp8} with train.dtype=fp16: the fp8 GEMMs run "
+          "inside bf16 (or fp32) layers", "set train.dtype=bf16")
+    check(t.fp8 == "none" or t.compile is not True, "train.compile", f"true with train.fp8={t.fp8}: the fp8 layers "
+          "run eagerly", "leave train.compile at auto (off with fp8) or set train.fp8=none")
     check(p.cp == 1 or t.compile is not True, "train.compile", f"true with cp={p.cp}: ring attention's exchanges "
           "run in eager layers", "leave train.compile at auto (off with cp) or set parallel.cp=1")
     check(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel",
@@ -244,7 +248,7 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     if cfg.checkpoint.dir:
         check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
     check_resume(cfg)
-    check_device(t.device, t.cuda_graphs)
+    check_device(t.device, t.cuda_graphs, t.fp8)
     return cfg
 
 
