@@ -302,7 +302,7 @@ def test_tessera_train_resumes_through_the_launcher(tmp_path):
     with torch.device("meta"):
         params = sum(p.numel() for p in GPTModel(load_config(None, BASE).model).parameters())
     params -= (128 - 100) * 32  # the vocabulary's padding rows (to 64 * tp) are not in a checkpoint
-    assert f"step_00000002: step 2, saved" in shown.stdout and "at tp=1 cp=1 pp=1 dp=2 vpp=1 zero=1 dtype=fp32" in shown.stdout
+    assert "step_00000002: step 2, saved" in shown.stdout and "at tp=1 cp=1 pp=1 dp=2 vpp=1 zero=1 dtype=fp32" in shown.stdout
     assert f"{params:,} parameters" in shown.stdout and "24 samples consumed" in shown.stdout
     assert "model.layers.1.attn.qkv.weight [96, 32]" in shown.stdout and "step_00000004: step 4" in shown.stdout
     missing = subprocess.run([sys.executable, "-m", "tessera", "checkpoint", "inspect", f"{tmp_path}/nowhere"],
