@@ -229,3 +229,24 @@ def test_top_k_and_top_p_draw_only_among_the_likeliest_tokens():
     assert drawn == {"k2": {0, 1}, "p0.7": {0, 1}, "p0.8": {0, 1}, "p0.81": {0, 1, 2}, "p0.1": {0},
                      "all": {0, 1, 2, 3}}
     assert next_tokens(torch.tensor([[0.1, 2.0, 2.0]]), Sampling(), None).tolist() == [1]  # (ties: the first)
+
+
+def test_a_decode_step_over_the_whole_cache_equals_one_over_its_filled_slots():
+    """What a CUDA graph replays (attention over every slot, masked to the valid ones: a static
+    shape) gives the logits of the eager step (the filled slots only), padded rows included; the
+    cache holds each layer's K/V heads only (GQA)."""
+    from tessera.models.kv_cache import KVCache
+
+    topo = Topology.build()
+    (model,) = _chunks(topo, LLAMA)
+    model.eval()
+    pads = [2, 0, 4, 3]
+    tokens = torch.tensor([[0] * pad + list(range(1, 6 - pad)) for pad in pads])  # [4, 5], left-padded
+    logits = {}
+    with torch.no_grad():
+        for name, end in (("filled", 6), ("whole", None)):
+            cache = KVCache.for_chunks([model], batch=4, capacity=9)
+            assert cache.keys[0].shape == (4, LLAMA.num_kv_heads, 9, LLAMA.head_dim)
+            model(tokens, cache=cache.prefill(pads, 5))
+            logits[name] = model(torch.tensor([[7, 8, 9, 10]]), cache=cache.decode(end))
+    torch.testing.assert_close(logits["whole"], logits["filled"], rtol=1e-5, atol=1e-6)

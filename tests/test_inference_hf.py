@@ -134,7 +134,8 @@ def test_every_layout_loads_the_import_and_generates_and_evaluates_alike(importe
 def test_tessera_generate_and_eval_on_an_imported_model_with_its_tokenizer(tmp_path, capsys):
     """The commands end to end on a transformers folder with a tokenizer.json (byte tokens) and
     an end-of-sequence id: ``tessera generate`` prints what transformers generates, stopping
-    where it stops; ``tessera eval --jsonl`` prints transformers' loss; both at tp=2 x pp=2 too."""
+    where it stops; ``tessera eval --jsonl`` prints transformers' loss; both at tp=2 x pp=2 and
+    dp=2 too."""
     import subprocess
     import sys
 
@@ -161,7 +162,8 @@ def test_tessera_generate_and_eval_on_an_imported_model_with_its_tokenizer(tmp_p
     texts = ["A sentence to score, with some words.", "And another, longer one: " + "la " * 20]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     capsys.readouterr()
-    for launch in ([], ["--nproc-per-node", "4", "--set", "parallel.tp=2", "--set", "parallel.pp=2"]):
+    for launch in ([], ["--nproc-per-node", "4", "--set", "parallel.tp=2", "--set", "parallel.pp=2"],
+                   ["--nproc-per-node", "2"]):  # (one process, tp=2 x pp=2, two replicas: a prompt each)
         done = subprocess.run([sys.executable, "-m", "tessera", "generate", "--checkpoint", str(tmp_path / "ck"),
                                "--prompts", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "10",
                                "--temperature", "0", "--json", *launch], capture_output=True, text=True, timeout=200)

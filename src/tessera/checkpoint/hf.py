@@ -238,7 +238,9 @@ def write_hf_tokenizer(folder: str, tokenizer_json: str, eod: int | None, seq_le
 
     from tokenizers import Tokenizer
 
-    shutil.copyfile(tokenizer_json, os.path.join(folder, "tokenizer.json"))
+    target = os.path.join(folder, "tokenizer.json")
+    if os.path.abspath(tokenizer_json) != os.path.abspath(target):
+        shutil.copyfile(tokenizer_json, target)
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len}
     if eod is not None:
         token = Tokenizer.from_file(tokenizer_json).id_to_token(eod)
