@@ -246,7 +246,8 @@ def test_a_decode_step_over_the_whole_cache_equals_one_over_its_filled_slots():
     with torch.no_grad():
         for name, end in (("filled", 6), ("whole", None)):
             cache = KVCache.for_chunks([model], batch=4, capacity=9)
-            assert cache.keys[0].shape == (4, LLAMA.num_kv_heads, 9, LLAMA.head_dim)
             model(tokens, cache=cache.prefill(pads, 5))
+            assert sorted(cache.keys) == [0, 1, 2, 3]
+            assert cache.keys[0].shape == (4, LLAMA.num_kv_heads, 9, LLAMA.head_dim)
             logits[name] = model(torch.tensor([[7, 8, 9, 10]]), cache=cache.decode(end))
     torch.testing.assert_close(logits["whole"], logits["filled"], rtol=1e-5, atol=1e-6)

@@ -130,6 +130,8 @@ def test_a_checkpoint_without_a_tokenizer_asks_for_one(capsys, tmp_path):
     store.write_weights(str(tmp_path / "ck"), whole, settings, meta={"stop_ids": [7]})
     err = _refused(capsys, "generate", "--checkpoint", str(tmp_path / "ck"), "--prompt", "x")
     assert "the imported checkpoint holds no tokenizer.json" in err and "give --tokenizer FILE" in err
+    assert "is an imported model: it has no run whose data to read" in _refused(
+        capsys, "eval", "--checkpoint", str(tmp_path / "ck"))
     (tmp_path / "bytes.json").write_text(ByteTokenizer.hf_json())
     status, out, err = _main(capsys, "generate", "--checkpoint", str(tmp_path / "ck"), "--prompt", "x",
                              "--tokenizer", str(tmp_path / "bytes.json"), "--json", "--max-new-tokens", "40")

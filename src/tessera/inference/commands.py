@@ -97,8 +97,12 @@ def check_request(args, world_size: int) -> Request:
     cfg = check_layout(inference_config(meta, args.overrides), world_size)
     check_device(cfg.train.device)
     if args.command == "eval" and not args.jsonl:
+        from tessera.config import parse_overrides
         from tessera.inference.perplexity import split_samples
 
+        if meta.get("contents") == "weights" and "data" not in parse_overrides(args.overrides):
+            raise ConfigError("--jsonl", f"{path} is an imported model: it has no run whose data to read",
+                              "give --jsonl FILE, or the data with --set data.source=indexed --set data.paths=PREFIX")
         if args.tokenizer:
             raise ConfigError("--tokenizer", "is for --jsonl text: a split of the data is token ids already",
                               "leave --tokenizer out, or give --jsonl FILE")

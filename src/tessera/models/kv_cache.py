@@ -12,8 +12,8 @@ slot, so a decode step writes one column of each layer's cache with static shape
 can replay it). ``valid`` says which slots hold a token, not padding; positions (RoPE, GPT-2's
 learned positions) count from each sequence's first token: slot - pad.
 
-**Heads.** Each cache is ``[b, kv_heads / tp, capacity, head_dim]``: grouped-query attention
-keeps only the K/V heads, and each TP rank its own.
+**Heads.** Each layer's cache is ``[b, kv_heads / tp, capacity, head_dim]``: grouped-query
+attention keeps only the K/V heads, and each TP rank its own.
 
 **A decode step's layout.** Its b new tokens, one per sequence, travel as one sequence of b
 tokens (``tokens [1, b]``, activations ``[b, 1, h]``, sequence first): every layer but attention
@@ -36,13 +36,15 @@ from torch import Tensor
 
 
 class KVCache:
-    """This rank's keys and values for the layers it holds (global layer indices), preallocated."""
+    """This rank's keys and values for the layers it holds (global layer indices): each layer's
+    whole capacity allocated at the prefill, in the dtype the layer computes in (under FSDP's
+    mixed precision not the parameters'), so decode steps allocate nothing."""
 
     def __init__(self, layers: Iterable[int], batch: int, kv_heads: int, head_dim: int, capacity: int, *,
-                 dtype: torch.dtype, device: torch.device | str):
-        shape = (batch, kv_heads, capacity, head_dim)
-        self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
-        self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in self.keys}
+                 device: torch.device | str):
+        self.layers, self.shape = list(layers), (batch, kv_heads, capacity, head_dim)
+        self.keys: dict[int, Tensor] = {}
+        self.values: dict[int, Tensor] = {}
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # a token, not padding
         self.pads = torch.zeros(batch, dtype=torch.long, device=device)  # each sequence's left padding
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # where the next decode step writes
@@ -50,12 +52,21 @@ class KVCache:
 
     @classmethod
     def for_chunks(cls, chunks, batch: int, capacity: int) -> "KVCache":
-        """A cache for every layer of this rank's model chunks, in their dtype and on their device."""
+        """A cache for every layer of this rank's model chunks, on their device."""
         cfg, tp = chunks[0].cfg, chunks[0].tp.size
-        weight = next(chunks[0].parameters())
         layers = [int(i) for chunk in chunks for i in chunk.layers]
-        return cls(layers, batch, cfg.num_kv_heads // tp, cfg.head_dim, capacity, dtype=weight.dtype,
-                   device=weight.device)
+        return cls(layers, batch, cfg.num_kv_heads // tp, cfg.head_dim, capacity,
+                   device=next(chunks[0].parameters()).device)
+
+    def layer_cache(self, index: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """Layer ``index``'s keys and values ``[b, kv_heads, capacity, head_dim]`` (allocated at
+        its first write, in the dtype of ``like``, its new keys)."""
+        if index not in self.keys:
+            if index not in self.layers:
+                raise KeyError(f"layer {index} is not one of this cache's layers {self.layers}")
+            self.keys[index] = torch.zeros(self.shape, dtype=like.dtype, device=like.device)
+            self.values[index] = torch.zeros_like(self.keys[index])
+        return self.keys[index], self.values[index]
 
     def prefill(self, pads: list[int], length: int) -> "Prefill":
         """A forward of ``[b, length]`` left-padded tokens (``pads[i]`` padding tokens first in
@@ -115,8 +126,9 @@ class Prefill:
 
     def attention(self, index: int, q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> Tensor:
         """q, k, v: [b, heads, P, head_dim] (their own head counts)."""
-        self.cache.keys[index][:, :, : self.length] = k
-        self.cache.values[index][:, :, : self.length] = v
+        keys, values = self.cache.layer_cache(index, k)
+        keys[:, :, : self.length] = k
+        values[:, :, : self.length] = v
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.mask is None,
                                               enable_gqa=enable_gqa)
 
@@ -139,7 +151,7 @@ class Decode:
     def attention(self, index: int, q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> Tensor:
         """q, k, v: [1, heads, b, head_dim], the b new tokens along the sequence -> [1, heads, b, head_dim]."""
         q, k, v = (t.transpose(0, 2) for t in (q, k, v))  # [b, heads, 1, head_dim]
-        keys, values = self.cache.keys[index], self.cache.values[index]
+        keys, values = self.cache.layer_cache(index, k)
         keys.index_copy_(2, self.cache.slot, k)
         values.index_copy_(2, self.cache.slot, v)
         b, heads, _, d = q.shape
