@@ -17,6 +17,23 @@ RUN = ["model.hidden=32", "model.layers=2", "model.heads=4", "model.seq_len=32",
 
 
 @pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> str:
+    """A weights-only checkpoint with its tokenizer.json (bytes), as an import writes it."""
+    from tessera.checkpoint import store
+    from tessera.config import ModelConfig
+    from tessera.data.tokenizer import ByteTokenizer
+    from tessera.models import GPTModel
+
+    folder = tmp_path_factory.mktemp("imported")
+    settings = {"hidden": 32, "layers": 2, "heads": 4, "seq_len": 32, "vocab_size": 256}
+    model = GPTModel(ModelConfig(**settings))
+    model.init_weights(0)
+    (folder / "bytes.json").write_text(ByteTokenizer.hf_json())
+    whole = {name: p[:256] if "embedding" in name else p for name, p in model.state_dict().items()}
+    return store.write_weights(str(folder / "ck"), whole, settings, files={"tokenizer.json": str(folder / "bytes.json")})
+
+
+@pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A checkpoint of a short run on the builtin corpus (byte tokens), and its metrics."""
     from tessera.training.trainer import train
@@ -33,6 +50,7 @@ def _main(capsys, *args) -> tuple[int, str, str]:
     return status, out, err
 
 
+@pytest.mark.slow
 def test_generate_prints_each_completion_and_eval_gives_back_the_runs_validation_loss(run, capsys):
     """Greedy text of two prompts as ``generate()`` draws them from the saved weights (JSON lines
     and plain text), and ``eval --samples`` of the run's validation samples equals the run's own
@@ -66,8 +84,8 @@ def test_generate_prints_each_completion_and_eval_gives_back_the_runs_validation
     assert status == 0 and f"loss {figure['loss']:.6f} per token" in out and "valid split" in out
 
 
-def test_drawing_at_a_temperature_follows_the_seed(run, capsys):
-    ck, _ = run
+def test_drawing_at_a_temperature_follows_the_seed(imported, capsys):
+    ck = imported
     common = ["generate", "--checkpoint", ck, "--prompt", "The ", "--max-new-tokens", "16", "--top-k", "20",
               "--top-p", "0.9", "--no-stop"]
     first, second, other = (_main(capsys, *common, "--seed", seed)[1] for seed in ("1", "1", "2"))
@@ -81,8 +99,9 @@ def _refused(capsys, *args) -> str:
     return err
 
 
-def test_refusals_name_the_problem_and_the_fix(run, capsys, tmp_path):
-    ck, _ = run
+def test_refusals_name_the_problem_and_the_fix(imported, capsys, tmp_path):
+    """On an imported checkpoint (with its byte tokenizer; eval on the builtin corpus)."""
+    ck = imported
     (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n{"text": "no prompt"}\n')
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
@@ -110,9 +129,10 @@ def test_refusals_name_the_problem_and_the_fix(run, capsys, tmp_path):
     (tmp_path / "docs.jsonl").write_text('{"text": "a document"}\n[1, 2]\n')
     assert 'docs.jsonl line 2 is not a JSON object with a "text" string' in _refused(
         capsys, "eval", "--checkpoint", ck, "--jsonl", str(tmp_path / "docs.jsonl"))
-    assert "is for --jsonl text" in _refused(capsys, "eval", "--checkpoint", ck, "--tokenizer", "x.json")
-    assert "the test split of data.split=1,0,0 holds 0 tokens" in _refused(capsys, "eval", "--checkpoint", ck, "--split",
-                                                                   "test", "--set", "data.split=1,0,0")
+    builtin = ["--set", "data.source=builtin"]
+    assert "is for --jsonl text" in _refused(capsys, "eval", "--checkpoint", ck, *builtin, "--tokenizer", "x.json")
+    assert "the test split of data.split=1,0,0 holds 0 tokens" in _refused(
+        capsys, "eval", "--checkpoint", ck, *builtin, "--split", "test", "--set", "data.split=1,0,0")
 
 
 def test_a_checkpoint_without_a_tokenizer_asks_for_one(capsys, tmp_path):
