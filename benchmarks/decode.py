@@ -17,8 +17,9 @@ Rows (each timed after one untimed run of the same call: compilation, graph capt
   table, whose b looked-up rows count, and the K/V cache of the mean context) over the bandwidth
   a device-to-device copy reaches in this run.
 
-Decode tokens/s = batch x (new tokens - 1) / (time of ``new`` tokens - time of 1 token): the
-prefill and the first token are left out. Time to first token: a ``--ttft-len`` prompt (batch 1)
+Decode tokens/s = batch x (new tokens - 2) / (time of ``new`` tokens - time of 2 tokens): the
+prefill, the first token and the first decode step (where tessera captures its graph) are left
+out. Time to first token: a ``--ttft-len`` prompt (batch 1)
 to its first token on the host. Every figure is from this run's GPU only.
 """
 
@@ -93,8 +94,8 @@ def tessera_rows(model: GPTModel, topo: Topology, prompts: dict, new: int, ttft_
             return generate([model], batch, tokens, topo=topo, sampling=Sampling(), cuda_graph=graphed)
         row = {}
         for b, batch in prompts.items():
-            whole, first = timed(lambda: run(batch, new), topo.device), timed(lambda: run(batch, 1), topo.device)
-            row[b] = b * (new - 1) / (whole - first)
+            whole, first = timed(lambda: run(batch, new), topo.device), timed(lambda: run(batch, 2), topo.device)
+            row[b] = b * (new - 2) / (whole - first)
         row["ttft"] = timed(lambda: run([ttft_prompt], 1), topo.device)
         out[name] = row
     return out
@@ -126,8 +127,8 @@ def transformers_row(model: GPTModel, prompts: dict, new: int, ttft_prompt) -> d
                                    min_new_tokens=tokens, **kwargs)
     row = {}
     for b, batch in prompts.items():
-        whole_t, first = timed(lambda: run(batch, new), device), timed(lambda: run(batch, 1), device)
-        row[b] = b * (new - 1) / (whole_t - first)
+        whole_t, first = timed(lambda: run(batch, new), device), timed(lambda: run(batch, 2), device)
+        row[b] = b * (new - 2) / (whole_t - first)
     row["ttft"] = timed(lambda: run([ttft_prompt], 1), device)
     # the same weights: greedy tokens agree (16-bit rounding may part them after a while)
     prompt = next(iter(prompts.values()))[0]
