@@ -1,11 +1,11 @@
 """Command line: ``tessera train --config FILE [--set section.key=value ...]``, ``tessera config``,
 ``tessera schedule --kind interleaved --pp 4 --vpp 2 --microbatches 8 [--out schedule.svg]``,
 ``tessera preprocess --input FILE.jsonl --tokenizer SPEC --output-prefix P``, ``tessera data inspect P``,
-``tessera checkpoint inspect|export|import ...``.
+``tessera checkpoint inspect|export|import ...``, ``tessera generate|eval --checkpoint CKPT ...``.
 
 Run it under ``torchrun --nproc-per-node N`` for several processes, or give ``--nproc-per-node N``
-to ``tessera train`` itself: it checks the configuration for N processes first and then starts
-torchrun. A bad configuration is refused on every rank before any work, with one line naming
+to ``tessera train`` (``generate``, ``eval``) itself: it checks the configuration for N processes
+first and then starts torchrun. A bad configuration is refused on every rank before any work, with one line naming
 the key and the fix (printed once, by rank 0) and exit status 2.
 """
 
@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     from tessera.checkpoint.commands import add_checkpoint_commands
 
     add_checkpoint_commands(sub)  # checkpoint inspect, export, import
+    from tessera.inference.commands import add_inference_commands
+
+    add_inference_commands(sub)  # generate, eval
     return parser
 
 
@@ -108,24 +111,40 @@ def _schedule(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace) -> int:
-    """Check the configuration for the launch, then hand over to torchrun (which relaunches us)."""
-    from tessera.training.metrics import CHECKPOINT_LOCK_NAME, check_out_dir_free
-    from tessera.training.preflight import check_runnable
+def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Check the configuration for the launch, then hand over to torchrun (which relaunches us
+    with ``argv`` less ``--nproc-per-node``)."""
+    if args.command == "train":
+        from tessera.training.metrics import CHECKPOINT_LOCK_NAME, check_out_dir_free
+        from tessera.training.preflight import check_runnable
 
-    cfg = check_runnable(load_config(args.config, args.overrides), args.nproc_per_node)
-    check_out_dir_free(cfg.train.out_dir)  # (the run takes the lock; said here once, before torchrun)
-    if cfg.checkpoint.dir:
-        check_out_dir_free(cfg.checkpoint.dir, "checkpoint.dir", CHECKPOINT_LOCK_NAME)
+        cfg = check_runnable(load_config(args.config, args.overrides), args.nproc_per_node)
+        check_out_dir_free(cfg.train.out_dir)  # (the run takes the lock; said here once, before torchrun)
+        if cfg.checkpoint.dir:
+            check_out_dir_free(cfg.checkpoint.dir, "checkpoint.dir", CHECKPOINT_LOCK_NAME)
+    else:  # generate, eval
+        from tessera.inference.commands import check_request
+
+        check_request(args, args.nproc_per_node)
     # --standalone: a rendezvous on a free local port, so two runs on one machine never collide
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(args.nproc_per_node), "-m", "tessera", "train"]
-    command += ["--config", args.config] if args.config else []
-    for item in args.overrides:
-        command += ["--set", item]
+               "--nproc-per-node", str(args.nproc_per_node), "-m", "tessera"] + _without_nproc(argv)
     with tempfile.TemporaryDirectory(prefix="tessera-exit-") as statuses:
         status = run_forwarding_signals(command, {EXIT_DIR: statuses})
         return worker_status(statuses, status)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The command line as given, less ``--nproc-per-node N`` (or ``=N``): what each worker runs."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--nproc-per-node":
+            skip = True
+        elif not item.startswith("--nproc-per-node="):
+            out.append(item)
+    return out
 
 
 EXIT_DIR = "TESSERA_EXIT_DIR"
@@ -203,6 +222,7 @@ def run_forwarding_signals(command: list[str], extra_env: dict[str, str] | None 
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     if args.command == "config":
         from tessera.config.reference import reference_markdown
@@ -227,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = False
     try:
         if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
-            return _launch(args)
+            return _launch(args, argv)
+        if args.command in ("generate", "eval"):
+            from tessera.inference.commands import run_inference_command
+
+            return run_inference_command(args)
         cfg = load_config(args.config, args.overrides)
         from tessera.training.trainer import train
 

@@ -219,6 +219,18 @@ def end_of_document(tokenizer_json: str, eod_id: int) -> int | None:
         return None
 
 
+def stop_ids(folder: str, config: dict, vocab_size: int) -> list[int]:
+    """A transformers model's end-of-sequence ids (config.json's ``eos_token_id``, else its
+    generation_config.json's; one id or several), those inside the vocabulary."""
+    ids = config.get("eos_token_id")
+    generation = os.path.join(folder, "generation_config.json")
+    if ids is None and os.path.isfile(generation):
+        with open(generation) as f:
+            ids = json.load(f).get("eos_token_id")
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return [i for i in ids if isinstance(i, int) and 0 <= i < vocab_size]
+
+
 def write_hf_tokenizer(folder: str, tokenizer_json: str, eod: int | None, seq_len: int) -> None:
     """``tokenizer.json`` and a ``tokenizer_config.json`` that transformers' AutoTokenizer reads
     (a fast tokenizer: the same ids as the tokenizers library's)."""
@@ -226,7 +238,9 @@ def write_hf_tokenizer(folder: str, tokenizer_json: str, eod: int | None, seq_le
 
     from tokenizers import Tokenizer
 
-    shutil.copyfile(tokenizer_json, os.path.join(folder, "tokenizer.json"))
+    target = os.path.join(folder, "tokenizer.json")
+    if os.path.abspath(tokenizer_json) != os.path.abspath(target):
+        shutil.copyfile(tokenizer_json, target)
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len}
     if eod is not None:
         token = Tokenizer.from_file(tokenizer_json).id_to_token(eod)
@@ -235,4 +249,5 @@ def write_hf_tokenizer(folder: str, tokenizer_json: str, eod: int | None, seq_le
         json.dump(settings, f, indent=1)
 
 
-__all__ = ["hf_config", "model_settings", "to_hf", "from_hf", "read_hf_folder", "write_hf_folder", "end_of_document", "write_hf_tokenizer"]
+__all__ = ["hf_config", "model_settings", "to_hf", "from_hf", "read_hf_folder", "write_hf_folder", "end_of_document",
+           "stop_ids", "write_hf_tokenizer"]

@@ -222,10 +222,13 @@ def _proportions(split: str) -> list[float] | str:
         return split
 
 
-def write_weights(root: str, whole: dict, model: dict) -> str:
+def write_weights(root: str, whole: dict, model: dict, files: dict[str, str] | None = None,
+                  meta: dict | None = None) -> str:
     """A weights-only checkpoint ``root/step_00000000`` of the whole tensors ``whole`` (names as
     a one-process model's, fp32) for a model of the ``model`` settings (one process, e.g. an
-    import from transformers); a run starts from it with ``checkpoint.finetune=true``."""
+    import from transformers); a run starts from it with ``checkpoint.finetune=true``. ``files``:
+    name -> a file copied in beside the tensors (an import's tokenizer.json); ``meta``: more
+    entries of its ``tessera.json`` (an import's end-of-sequence ids)."""
     from tessera.checkpoint import dcp
     from tessera.checkpoint.shards import Shard
     from tessera.config import Config, to_dict
@@ -233,12 +236,14 @@ def write_weights(root: str, whole: dict, model: dict) -> str:
     partial = begin_save(root, 0)
     shards = [Shard("model." + name, tuple(t.shape), (0,) * t.ndim, t.float()) for name, t in whole.items()]
     dcp.write(partial, shards, {})
+    for name, source in (files or {}).items():
+        shutil.copyfile(source, os.path.join(partial, name))
     config = to_dict(Config(model=ModelConfig(**model)))
     return finish_save(partial, {"contents": "weights", "step": 0, "adam_step": 0.0,
                                  "batches": {"consumed_samples": 0, "batches": []},
                                  "scheduler": {"settings": {"decay_end": 0}}, "scaler": None,
                                  "layout": {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "zero": 0, "dtype": "fp32"},
-                                 "config": config}, keep=0)
+                                 "config": config} | (meta or {}), keep=0)
 
 
 def folder_gib(path: str) -> float:

@@ -22,7 +22,7 @@ from tessera.checkpoint import Checkpointer, check_resume
 from tessera.config import Config, to_dict
 from tessera.data import sample_tokenizer
 from tessera.distributed.memory import memory_report
-from tessera.inference.generate import generate
+from tessera.inference.generate import Sampling, generate
 from tessera.models import GPTModel
 from tessera.models.flops import flops_per_token, peak_flops
 from tessera.optim import DynamicLossScaler, LRScheduler
@@ -229,8 +229,8 @@ class Trainer:
             self.logger.print(f"peak memory per rank (GiB): {peaks}")
         if t.sample_tokens:
             tokenizer = sample_tokenizer(t.sample_tokenizer, self.cfg.data, self.cfg.model.vocab_size, t.sample_prompt)
-            ids = generate(list(p.model), tokenizer.encode(t.sample_prompt), t.sample_tokens, topo=p.topo,
-                           p2p=p.p2p, seed=t.seed)
+            (ids,) = generate(list(p.model), [tokenizer.encode(t.sample_prompt)], t.sample_tokens, topo=p.topo,
+                              p2p=p.p2p, sampling=Sampling(temperature=0.8, top_k=40, seed=t.seed))
             self.logger.print("sample: " + tokenizer.decode(ids))
 
 
