@@ -189,15 +189,18 @@ def check_resume(cfg: Config) -> dict | None:
                 f" (it is checkpoint.dir's own newest, which a run goes on from; to start a new run from its weights, "
                 f"give another checkpoint.dir with checkpoint.load={path} and checkpoint.finetune=true)")
         raise ConfigError("train.steps", f"{cfg.train.steps}, but the checkpoint {path} is at step {step}", fix)
-    # the data's order: a resume with another seed or split would reshuffle it mid-run (and a
+    # the data's order: a resume with another seed, split or order would reshuffle it mid-run (and a
     # new split could hand documents already trained on to the validation set)
     saved_train, saved_data = meta["config"].get("train", {}), meta["config"].get("data", {})
     same_data = all(saved_data.get(k, getattr(cfg.data, k)) == getattr(cfg.data, k) for k in ("source", "paths"))
     split = saved_data.get("split") if same_data and cfg.data.source != "synthetic" else None
     if split is not None and _proportions(split) == _proportions(cfg.data.split):
         split = None  # (2,0,0 is 1,0,0: the same documents)
+    # (checkpoints from before data.sample_order were trained in the per-epoch order)
+    order = saved_data.get("sample_order", "epochs") if same_data and cfg.data.source != "synthetic" else None
     for key, mine, theirs in (("train.seed", cfg.train.seed, saved_train.get("seed")),
-                              ("data.split", cfg.data.split, split)):
+                              ("data.split", cfg.data.split, split),
+                              ("data.sample_order", cfg.data.sample_order, order)):
         if theirs is not None and mine != theirs:
             raise ConfigError(key, f"the checkpoint {path} was trained with {key}={theirs}, this run has {mine}: "
                               "the data would be reshuffled mid-run", f"set {key}={theirs} to resume (or start a new "
@@ -214,7 +217,7 @@ def check_resume(cfg: Config) -> dict | None:
 
 def _proportions(split: str) -> list[float] | str:
     """A data.split's weights as fractions (the documents each part gets depend on these only)."""
-    from tessera.data.gpt_dataset import parse_split
+    from tessera.data.indices import parse_split
 
     try:
         return parse_split(split)

@@ -356,10 +356,18 @@ class DataConfig:
     random tokens. indexed: Megatron .bin/.idx datasets named by data.paths."""
     paths: list[str] = field(default_factory=list)
     """indexed: dataset prefixes (PREFIX.bin / PREFIX.idx), optionally weighted as Megatron's
-    ["0.7", "prefixA", "0.3", "prefixB"]; without weights, each in proportion to its tokens (of
-    the split drawn from); on the command line, comma-separated."""
+    ["0.7", "prefixA", "0.3", "prefixB"]; several without weights: one epoch of each, in
+    proportion to its samples (of the split drawn from), as megatron-core; on the command line,
+    comma-separated."""
     split: str = "969,30,1"
-    """Train / valid / test weights; each dataset's documents are split in contiguous ranges."""
+    """Train / valid / test weights; each dataset's documents are split in contiguous ranges,
+    megatron-core's: part i is documents [round(a*n), round(b*n)), a and b the running sums of the
+    normalised weights."""
+    sample_order: Literal["megatron", "epochs"] = "megatron"
+    """megatron: megatron-core's GPTDataset and BlendedDataset streams, sample for sample (one
+    shuffle of all epochs' documents, then of the samples, a last epoch under 80 % used apart).
+    epochs: each epoch shuffled on its own, so a run given more train.steps serves the same
+    samples first (in megatron's order the shuffle changes with the number of epochs a run needs)."""
     cache_dir: str = ""
     """Where the sample indices (.npy) are cached; empty: an index-cache folder beside each dataset."""
     eod_id: int = -1
