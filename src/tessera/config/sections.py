@@ -234,9 +234,18 @@ class TrainConfig:
     inject_fault_step: int = 0
     """To try the guards: at this step (from 1; 0: never) rank 0 corrupts one of its gradients
     as train.inject_fault says."""
-    inject_fault: Literal["nan", "nan_once", "spike"] = "nan"
+    inject_fault: Literal["nan", "nan_once", "spike", "kill"] = "nan"
     """nan: every time the step runs (reproducible); nan_once: only the first time (transient);
-    spike: the gradient times 1e4 (a finite spike)."""
+    spike: the gradient times 1e4 (a finite spike); kill: the last rank kills itself (SIGKILL) as
+    the step starts, in the job's first attempt only, to try torchrun's --max-restarts."""
+    exit_after_minutes: float = 0.0
+    """Stop after the step in hand once the job has run this long, save a checkpoint and exit 0,
+    as on SIGTERM or SIGUSR1 (e.g. a few minutes before a cluster's time limit). 0: no limit."""
+    straggler_every: int = 100
+    """Every this many steps, compare each rank's work per step (its phases but the waits for
+    other ranks) with its pipeline stage's median and name the slow ones. 0: never."""
+    straggler_margin: float = 0.2
+    """A rank is a straggler when its work per step exceeds its stage's median by this fraction."""
     batch_rampup: str = ""
     """Global-batch ramp-up as "start,increment,ramp_samples": begin at start samples per step and
     add increment, in equal slices of ramp_samples consumed samples, until global_batch. Empty:
@@ -262,6 +271,12 @@ class TrainConfig:
               "give the skipped steps in a row to stop after, e.g. 10")
         check(self.inject_fault_step >= 0, "train.inject_fault_step", f"{self.inject_fault_step} is below 0",
               "give the step (from 1) to inject a fault at, or 0 for never")
+        check(math.isfinite(self.exit_after_minutes) and self.exit_after_minutes >= 0, "train.exit_after_minutes",
+              f"{self.exit_after_minutes} is not a number of minutes >= 0", "give e.g. 235 for a 4-hour limit, or 0")
+        check(self.straggler_every >= 0, "train.straggler_every", f"{self.straggler_every} is below 0",
+              "give the steps between straggler checks, e.g. 100, or 0 for none")
+        check(math.isfinite(self.straggler_margin) and self.straggler_margin > 0, "train.straggler_margin",
+              f"{self.straggler_margin} is not a fraction > 0", "give e.g. 0.2 (20 % slower than the median)")
         check(math.isfinite(self.skip_spikes) and self.skip_spikes >= 0, "train.skip_spikes",
               f"{self.skip_spikes} is not a number of standard deviations >= 0", "give e.g. 6, or 0 for off")
         check(self.spike_window >= 2, "train.spike_window", f"{self.spike_window} steps give no standard deviation",
