@@ -70,6 +70,11 @@ class StepPhases:
     def __init__(self, spans: list[list], cuda: bool):
         self._spans, self._cuda = spans, cuda
 
+    @property
+    def names(self) -> list[tuple[str, str | None]]:
+        """Each span's name and its parent's (None at the top), in the order they opened."""
+        return [(name, self._spans[parent][0] if parent is not None else None) for name, _, _, parent in self._spans]
+
     def _duration(self, start, end) -> float:
         if end is None:  # (a span the step's failure left open)
             return 0.0
