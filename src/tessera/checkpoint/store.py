@@ -6,7 +6,8 @@ resumes from.
         .metadata               DCP's index: each tensor's whole shape and the boxes saved
         __0_0.distcp ...        each rank's boxes (checkpoint/shards.py) and objects
         tessera.json            the step, the run's config, the scheduler's, batch calculator's
-                                and loss scaler's state, Adam's step count (written last)
+                                and loss scaler's state, Adam's step count, every other file's
+                                CRC-32 (checkpoint/checksums.py) (written last)
       step_00000300.partial/    a save in progress, or one that died: never read, replaced by
                                 the next save of that step
 
@@ -21,8 +22,10 @@ folder, or a folder of them: its newest; e.g. a pretrained model a fine-tune sta
 from scratch. :func:`check_resume` refuses, before any process starts, a checkpoint whose model
 differs from the config's, whose batch sizes or learning-rate schedule differ (the resumed run
 would silently change them; not with ``checkpoint.finetune``, which takes the weights only, nor
-the schedule with ``checkpoint.new_schedule``), and a ``checkpoint.load`` naming an older checkpoint of
-``checkpoint.dir`` (a run from it would replace the later ones). The layout (tp, pp, vpp, dp,
+the schedule with ``checkpoint.new_schedule``), a ``checkpoint.load`` naming an older checkpoint of
+``checkpoint.dir`` (a run from it would replace the later ones), and a damaged checkpoint: a data
+file missing or cut short, or a ``tessera.json`` whose model disagrees with the tensors (a data
+file of the right size but other bytes fails its checksum as the load starts: the checkpointer). The layout (tp, pp, vpp, dp,
 zero) and the dtype may differ: loading reshards.
 """
 
@@ -101,6 +104,47 @@ def check_files(path: str) -> None:
             raise DamagedCheckpoint(f"{name} holds {os.path.getsize(file):,} bytes, its index says {end:,}")
 
 
+def check_tensors(path: str, model: ModelConfig) -> None:
+    """The tensors of the model ``tessera.json`` describes are in the checkpoint with their whole
+    shapes (a ``tessera.json`` edited, or copied from another checkpoint, is found here, not as a
+    mismatch deep inside the load)."""
+    from tessera.checkpoint import dcp
+
+    try:
+        saved = {key: tuple(md.size) for key, md in dcp.saved_tensors(path).items()}
+    except Exception as e:  # noqa: BLE001 -- whatever DCP raises on a broken index
+        raise DamagedCheckpoint(f"its index .metadata is unreadable ({type(e).__name__}: {e})") from None
+    for key, shape in whole_shapes(model).items():
+        if saved.get(key, shape) != shape or key not in saved:
+            there = f"{list(saved[key])} in .metadata" if key in saved else "absent from .metadata"
+            raise DamagedCheckpoint(f"its {META} disagrees with its tensors: {META}'s model (layers={model.layers}, "
+                                    f"hidden={model.hidden}, vocab_size={model.vocab_size}, ...) has {key} of shape "
+                                    f"{list(shape)}, {there}")
+
+
+def whole_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The checkpoint keys and whole shapes of a ``model``'s parameters (checkpoint/shards.py:
+    a one-process model's, the vocabulary unpadded); on the meta device, no memory."""
+    import torch
+
+    from tessera.checkpoint.shards import placements
+    from tessera.models import GPTModel
+
+    with torch.device("meta"):
+        chunk = GPTModel(model)
+    return {"model." + p.key: tuple(p.shape) for p in placements(chunk, model.vocab_size, 0).values()}
+
+
+def damaged(cfg: Config, path: str, why: str) -> ConfigError:
+    """The refusal of a damaged checkpoint: checkpoint.dir's own (where a run goes on from) or
+    checkpoint.load's, with the fix for each."""
+    own = bool(cfg.checkpoint.dir) and os.path.realpath(os.path.dirname(os.path.abspath(path))) == \
+        os.path.realpath(cfg.checkpoint.dir)
+    return ConfigError("checkpoint.dir" if own else "checkpoint.load", f"the checkpoint {path} is damaged: {why}",
+                       "move it out of the way (a run then starts from the one before), or restore it"
+                       if own else "give a whole checkpoint, or restore this one")
+
+
 def write_meta(path: str, meta: dict) -> None:
     """``tessera.json`` in ``path``, whole or not at all (a temporary renamed over it)."""
     tmp = os.path.join(path, f".{META}.{uuid.uuid4().hex}")
@@ -157,10 +201,9 @@ def check_resume(cfg: Config) -> dict | None:
     try:
         meta = read_meta(path) | {"path": path}
         check_files(path)
+        check_tensors(path, ModelConfig(**meta["config"]["model"]))
     except DamagedCheckpoint as e:
-        raise ConfigError("checkpoint.dir" if own else "checkpoint.load", f"the checkpoint {path} is damaged: {e}",
-                          "move it out of the way (a run then starts from the one before), or restore it"
-                          if own else "give a whole checkpoint") from None
+        raise damaged(cfg, path, str(e)) from None
     # weights only: from checkpoint.load (not the run's own checkpoints) with checkpoint.finetune
     meta["weights_only"] = c.finetune and not own
     if meta.get("contents") == "weights" and not meta["weights_only"]:
@@ -230,11 +273,13 @@ def write_weights(root: str, whole: dict, model: dict) -> str:
     from tessera.checkpoint.shards import Shard
     from tessera.config import Config, to_dict
 
+    from tessera.checkpoint.checksums import checksums, written_by
+
     partial = begin_save(root, 0)
     shards = [Shard("model." + name, tuple(t.shape), (0,) * t.ndim, t.float()) for name, t in whole.items()]
     dcp.write(partial, shards, {})
     config = to_dict(Config(model=ModelConfig(**model)))
-    return finish_save(partial, {"contents": "weights", "step": 0, "adam_step": 0.0,
+    return finish_save(partial, {"checksums": checksums(partial, written_by(partial, 0, 1)), "contents": "weights", "step": 0, "adam_step": 0.0,
                                  "batches": {"consumed_samples": 0, "batches": []},
                                  "scheduler": {"settings": {"decay_end": 0}}, "scaler": None,
                                  "layout": {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "zero": 0, "dtype": "fp32"},

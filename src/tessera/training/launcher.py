@@ -92,7 +92,7 @@ def check_launch(args: argparse.Namespace) -> None:
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command line that relaunches ``tessera train`` on this node."""
-    command = [sys.executable, "-m", "torch.distributed.run"]
+    command = [sys.executable, "-m", "tessera.training.launcher"]  # torchrun, quiet where a worker said why (below)
     if args.nnodes == 1 and not args.rdzv_endpoint:
         command += ["--standalone"]
     else:
@@ -278,6 +278,28 @@ def run_forwarding_signals(command: list[str], extra_env: dict[str, str] | None 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def run_torchrun(argv: list[str]) -> int:
+    """torchrun's main, less its traceback where the workers ended on an error of ours and each
+    said it in one line already (:func:`say_status`); a crash keeps torchrun's report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError:
+        folder = os.environ.get(EXIT_DIR)
+        if folder and worker_status(folder, 1) != 1:
+            return 1  # (the launcher returns the workers' own status)
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(run_torchrun)(sys.argv[1:]))
 
 
 __all__ = ["add_launcher_arguments", "launching", "launch", "torchrun_command", "register_worker", "say_status",
