@@ -28,6 +28,14 @@ def check(ok: bool, key: str, problem: str, fix: str) -> None:
         raise ConfigError(key, problem, fix)
 
 
+def check_local(key: str, path: str) -> None:
+    """Refuse a URL (``s3://``, ``gs://``, ``file://``, ...) where tessera reads and writes local
+    paths only: Python's file functions would take ``s3://bucket/x`` for a folder named ``s3:``."""
+    if "://" in path:
+        raise ConfigError(key, f"{path} is a URL; tessera reads and writes local (or mounted) paths there",
+                          "give a local folder, or mount the bucket (gcsfuse, s3fs-fuse, ...) and give its path")
+
+
 def resolve(switch: Switch, auto: bool) -> bool:
     """A switch's value: as given, or ``auto`` where it is ``"auto"``."""
     return auto if switch == AUTO else bool(switch)
@@ -254,6 +262,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("micro_batch", "global_batch", "steps", "log_every", "eval_batches"):
             check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1", "give a value >= 1")
+        check_local("train.out_dir", self.out_dir)
+        check_local("train.sample_tokenizer", self.sample_tokenizer)
         check(self.eval_every >= 0, "train.eval_every", f"{self.eval_every} is below 0",
               "give steps between validation losses, or 0 for none")
         check(self.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", "use 0 for no sample")
@@ -386,6 +396,9 @@ class DataConfig:
         check(self.source != "indexed" or bool(self.paths), "data.paths", "data.source=indexed needs datasets",
               "give data.paths, e.g. --set data.paths=my-corpus_text_document "
               '(in a TOML file: paths = ["my-corpus_text_document"])')
+        for path in self.paths:
+            check_local("data.paths", path)
+        check_local("data.cache_dir", self.cache_dir)
         packing = self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
         check(not packing or self.eod_id >= 0, "data.eod_id",
               "reset_position_ids / reset_attention_mask / eod_mask_loss need the end-of-document id",
@@ -417,6 +430,8 @@ class CheckpointConfig:
     waits only for the copy. Costs a host copy of each rank's part (~12 bytes per parameter)."""
 
     def __post_init__(self) -> None:
+        check_local("checkpoint.dir", self.dir)
+        check_local("checkpoint.load", self.load)
         for key in ("save_every", "keep"):
             check(getattr(self, key) >= 0, f"checkpoint.{key}", f"{getattr(self, key)} is negative",
                   "give 0 or a positive count")
