@@ -15,9 +15,10 @@ files. The background save (checkpoint.async_save) checksums in its own thread.
 
 from __future__ import annotations
 
-import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+
+from tessera.checkpoint import files
 
 BLOCK = 16 * 2**20  # bytes read at a time
 THREADS = 4
@@ -25,9 +26,10 @@ METADATA = ".metadata"
 
 
 def crc32(path: str) -> str:
-    """The file's CRC-32 (zlib's), as 8 hex digits."""
+    """The file's CRC-32 (zlib's), as 8 hex digits (streamed from an object store: one more
+    download of it)."""
     crc = 0
-    with open(path, "rb", buffering=0) as f:
+    with files.open_file(path, "rb") as f:
         while block := f.read(BLOCK):
             crc = zlib.crc32(block, crc)
     return f"{crc:08x}"
@@ -38,14 +40,14 @@ def checksums(folder: str, names: list[str]) -> dict[str, str]:
     if not names:
         return {}
     with ThreadPoolExecutor(min(THREADS, len(names))) as pool:
-        return dict(zip(names, pool.map(lambda name: crc32(os.path.join(folder, name)), names)))
+        return dict(zip(names, pool.map(lambda name: crc32(files.join(folder, name)), names)))
 
 
 def written_by(folder: str, rank: int, world: int) -> list[str]:
     """The files of a just-written checkpoint folder that rank ``rank`` of ``world`` checksums:
     the data files it wrote (DCP's ``__{rank}_*``), and on rank 0 the index and any file no
     rank's name claims."""
-    names = sorted(os.listdir(folder))
+    names = sorted(files.listdir(folder))
     mine = [n for n in names if n.startswith(f"__{rank}_")]
     if rank == 0:
         claimed = {n for n in names for r in range(world) if n.startswith(f"__{r}_")}
@@ -57,7 +59,7 @@ def differing(folder: str, expected: dict[str, str], rank: int = 0, world: int =
     """Of the files ``expected`` names, those this rank checks (every ``world``-th) that are
     missing or whose CRC-32 differs, each as "NAME (why)"."""
     names = sorted(expected)[rank::world]
-    found = [n for n in names if os.path.isfile(os.path.join(folder, n))]
+    found = [n for n in names if files.isfile(files.join(folder, n))]
     sums = checksums(folder, found)
     return [f"{n} (missing)" if n not in sums else f"{n} (CRC-32 {sums[n]}, saved as {expected[n]})"
             for n in names if sums.get(n) != expected[n]]

@@ -410,12 +410,14 @@ class DataConfig:
 class CheckpointConfig:
     dir: str = ""
     """Folder of this run's checkpoints, each ``step_N`` (complete, or not there at all); a run
-    resumes from its newest by itself. Empty: nothing saved."""
+    resumes from its newest by itself. A URL (s3://bucket/run, gs://...) saves to that object
+    store through fsspec (pip install s3fs / gcsfs). Empty: nothing saved."""
     save_every: int = 0
     """Save every this many steps (0: only at the end); the last step is always saved."""
     load: str = ""
     """Start from this checkpoint instead: a ``step_N`` folder, or a folder of them (its
-    newest); on any layout (tp, pp, vpp, dp, zero) and dtype. Empty: checkpoint.dir's newest, if any."""
+    newest), or such a URL (s3://...); on any layout (tp, pp, vpp, dp, zero) and dtype. Empty:
+    checkpoint.dir's newest, if any."""
     finetune: bool = False
     """From checkpoint.load take the model's weights only: Adam, step, data position, schedule
     and batch sizes start afresh."""
@@ -430,8 +432,6 @@ class CheckpointConfig:
     waits only for the copy. Costs a host copy of each rank's part (~12 bytes per parameter)."""
 
     def __post_init__(self) -> None:
-        check_local("checkpoint.dir", self.dir)
-        check_local("checkpoint.load", self.load)
         for key in ("save_every", "keep"):
             check(getattr(self, key) >= 0, f"checkpoint.{key}", f"{getattr(self, key)} is negative",
                   "give 0 or a positive count")

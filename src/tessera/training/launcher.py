@@ -126,7 +126,7 @@ def launch(args: argparse.Namespace) -> int:
     check_launch(args)
     cfg = check_runnable(load_config(args.config, args.overrides), args.nproc_per_node * args.nnodes)
     check_out_dir_free(cfg.train.out_dir)  # (the run takes the lock; said here once, before torchrun)
-    if cfg.checkpoint.dir:
+    if cfg.checkpoint.dir and "://" not in cfg.checkpoint.dir:  # (an object store has no lock)
         check_out_dir_free(cfg.checkpoint.dir, "checkpoint.dir", CHECKPOINT_LOCK_NAME)
     with tempfile.TemporaryDirectory(prefix="tessera-exit-") as folder:
         # a restarted worker group must not read the last attempt's keys (its peers' old

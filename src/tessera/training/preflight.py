@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from tessera.checkpoint import check_resume
+from tessera.checkpoint.files import check_store, is_url
 from tessera.config import Config, ConfigError, check
 from tessera.data import ByteTokenizer, microbatch_counts, sample_tokenizer
 from tessera.data.tokenizer import file_tokenizer
@@ -241,8 +242,13 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     check_writable_dir(t.out_dir, "train.out_dir")
     if t.tensorboard:
         check_tensorboard()
-    if cfg.checkpoint.dir:
-        check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
+    c = cfg.checkpoint
+    if c.load and is_url(c.load):
+        check_store(c.load, "checkpoint.load", write=False)
+    if c.dir and is_url(c.dir):  # (one rank writes the probe: a thousand ranks' PUTs would say nothing more)
+        check_store(c.dir, "checkpoint.dir", write=os.environ.get("RANK", "0") == "0")
+    elif c.dir:
+        check_writable_dir(c.dir, "checkpoint.dir")
     check_resume(cfg)
     check_device(t.device, t.cuda_graphs)
     return cfg

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.checkpoint import Checkpointer, check_resume
+from tessera.checkpoint.files import is_url
 from tessera.checkpoint.store import step_dir
 from tessera.config import Config, to_dict
 from tessera.data import sample_tokenizer
@@ -338,7 +339,7 @@ def _train(cfg: Config, stop: StopRequest, clock) -> list[dict]:
     logs = topo.is_last_stage and topo.tp_rank == 0 and topo.cp_rank == 0 and topo.dp_rank == 0
     with contextlib.ExitStack() as stack:
         # rank 0 holds checkpoint.dir (it renames checkpoints into place), the logging rank out_dir
-        if cfg.checkpoint.dir and rank == 0:
+        if cfg.checkpoint.dir and rank == 0 and not is_url(cfg.checkpoint.dir):  # (an object store has no flock)
             stack.enter_context(lock_out_dir(cfg.checkpoint.dir, "checkpoint.dir", CHECKPOINT_LOCK_NAME))
         logger = JsonlLogger(t.out_dir, t.log_every, config=to_dict(cfg), tensorboard=t.tensorboard) \
             if logs else NullLogger()  # (takes out_dir's lock)
