@@ -112,3 +112,32 @@ def test_a_bucket_that_is_not_there_is_refused_before_any_work(s3, tmp_path):
     with pytest.raises(ConfigError) as e:
         check_runnable(load_config(None, TINY + ["checkpoint.dir=nosuchproto://b/run", f"train.out_dir={tmp_path}"]), 1)
     assert e.value.key == "checkpoint.dir" and "nosuchproto://b/run" in e.value.problem
+
+
+def test_an_indexed_dataset_in_s3_trains_as_its_local_copy_does(s3, tmp_path, monkeypatch):
+    """data.paths=s3://...: the .idx copied into data.cache_dir, the .bin read by ranges through a
+    block cache there; the losses are those of the same files on the local disk."""
+    import numpy as np
+
+    from tessera.data import IndexedDatasetWriter
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(tmp_path / "corpus", np.uint16) as writer:
+        for _ in range(300):
+            writer.add_document(rng.integers(0, 63, int(rng.integers(5, 60))).tolist() + [63])
+    url = s3("data") + "/sets/corpus"
+    fs = _fs()
+    for suffix in (".bin", ".idx"):
+        fs.put_file(str(tmp_path / f"corpus{suffix}"), f"data/sets/corpus{suffix}")
+    common = ["data.source=indexed", "train.steps=3", "data.split=90,10,0"]
+    remote = _train(common + [f"data.paths={url}", f"data.cache_dir={tmp_path}/cache", f"train.out_dir={tmp_path}/a"])
+    local = _train(common + [f"data.paths={tmp_path}/corpus", f"train.out_dir={tmp_path}/b"])
+    keys = ("step", "loss", "grad_norm")
+    assert [[m[k] for k in keys] for m in remote] == [[m[k] for k in keys] for m in local]
+    kept = list((tmp_path / "cache" / "remote").iterdir())
+    idx = [p for p in kept if p.name.startswith("corpus.idx-")]
+    assert len(idx) == 1 and (idx[0] / "corpus.idx").read_bytes() == (tmp_path / "corpus.idx").read_bytes()
+    blocks = [p for p in kept if p.name.startswith("corpus.bin-")]
+    assert len(blocks) == 1 and any((blocks[0] / "blocks-rank0").iterdir())  # (read by ranges, kept locally)
+    assert not any(p.name == "corpus.bin" for p in (tmp_path / "cache").rglob("*"))  # (never copied whole)

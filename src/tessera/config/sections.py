@@ -377,7 +377,8 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)
     """indexed: dataset prefixes (PREFIX.bin / PREFIX.idx), optionally weighted as Megatron's
     ["0.7", "prefixA", "0.3", "prefixB"]; without weights, each in proportion to its tokens (of
-    the split drawn from); on the command line, comma-separated."""
+    the split drawn from); on the command line, comma-separated. A prefix may be a URL
+    (s3://bucket/corpus): ranged reads through a local cache in data.cache_dir."""
     split: str = "969,30,1"
     """Train / valid / test weights; each dataset's documents are split in contiguous ranges."""
     cache_dir: str = ""
@@ -396,8 +397,6 @@ class DataConfig:
         check(self.source != "indexed" or bool(self.paths), "data.paths", "data.source=indexed needs datasets",
               "give data.paths, e.g. --set data.paths=my-corpus_text_document "
               '(in a TOML file: paths = ["my-corpus_text_document"])')
-        for path in self.paths:
-            check_local("data.paths", path)
         check_local("data.cache_dir", self.cache_dir)
         packing = self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
         check(not packing or self.eod_id >= 0, "data.eod_id",

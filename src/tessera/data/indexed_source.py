@@ -23,6 +23,7 @@ import numpy as np
 from tessera.config import DataConfig
 from tessera.data.blend import BlendedDataset, parse_blend, size_weights
 from tessera.data.gpt_dataset import GPTDataset, build_on_one_rank, split_documents
+from tessera.data import remote
 from tessera.data.indexed import IndexedDataset, IndexedDatasetWriter
 
 BUILTIN_EOD = 0
@@ -58,14 +59,17 @@ def builtin_prefix(cache_dir: str) -> str:
 
 
 def index_cache_beside(prefix: str) -> str:
-    """Where a dataset's sample indices are cached without data.cache_dir: beside it."""
+    """Where a dataset's sample indices are cached without data.cache_dir: beside it (a dataset
+    in an object store: under the local default cache)."""
+    if remote.is_url(prefix):
+        return os.path.join(default_cache_dir(), "index-cache")
     return os.path.join(os.path.dirname(os.path.abspath(prefix)), "index-cache")
 
 
 def indexed_source(data: DataConfig, seq_len: int, num_samples: int, seed: int, *, split: int = 0):
     """Samples ``[0, num_samples)`` of the blend (``split``: 0 train, 1 valid, 2 test)."""
     blend = parse_blend(data.paths)
-    opened = [(IndexedDataset(prefix), prefix) for _, prefix in blend]
+    opened = [(IndexedDataset(prefix, data.cache_dir), prefix) for _, prefix in blend]
     parts = [split_documents(len(docs), data.split)[split] for docs, _ in opened]
     if blend[0][0] is None:  # paths without weights: each in proportion to its tokens in this split
         sizes = [int(docs.sequence_lengths[r.start:r.stop].sum(dtype=np.int64)) for (docs, _), r in zip(opened, parts)]
@@ -75,7 +79,8 @@ def indexed_source(data: DataConfig, seq_len: int, num_samples: int, seed: int, 
         cache = data.cache_dir or index_cache_beside(prefix)
         need = num_samples if len(blend) == 1 else math.ceil(weight * num_samples * 1.005) + 1  # as Megatron
         datasets.append(build_on_one_rank(lambda: GPTDataset(docs, documents, seq_len, need, seed, cache,
-                                                             name=os.path.abspath(prefix))))
+                                                             name=prefix if remote.is_url(prefix)
+                                                             else os.path.abspath(prefix))))
     if len(datasets) == 1:
         return datasets[0]
     return BlendedDataset(datasets, [w for w, _ in blend], num_samples)
