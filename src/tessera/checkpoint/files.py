@@ -31,10 +31,11 @@ def is_url(path: str) -> bool:
 
 
 def filesystem(path: str):
-    """(fsspec filesystem, the path within it) for a URL."""
+    """(fsspec filesystem, the path within it) for a URL. No cached listings: other ranks write
+    into the same folders (a listing cached before rank 0 wrote tessera.json would hide it)."""
     import fsspec
 
-    return fsspec.core.url_to_fs(path)
+    return fsspec.core.url_to_fs(path, use_listings_cache=False)
 
 
 def join(root: str, *names: str) -> str:
