@@ -78,6 +78,7 @@ def _fs():
     return s3fs.S3FileSystem(skip_instance_cache=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_run_saves_to_s3_and_resumes_from_its_newest_complete_checkpoint(s3, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")
