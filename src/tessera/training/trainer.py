@@ -119,8 +119,9 @@ class Trainer:
         stopped_at = None  # the step the ranks agreed to stop after, before train.steps
         if start < t.steps and self.stop.agree_now(self.device):  # (asked while the run was being built)
             stopped_at = start
+        last = t.steps if stopped_at is None else start
         with self.checkpointer.finishing(), StepWatchdog(t.timeout_s) as watchdog:
-            for step in range(start, t.steps if stopped_at is None else start):
+            for step in range(start, last):
                 watchdog.tick()  # a step that hangs ends the job with every thread's stack
                 try:
                     launched = self.launch(step)
