@@ -168,17 +168,35 @@ def _whole_shapes(m: ModelConfig) -> dict[str, tuple]:
     return {n: (m.vocab_size, *s[1:]) if n in ("embedding.weight", "output.weight") else s for n, s in local.items()}
 
 
+def _read_json(path: str) -> dict:
+    """A transformers JSON file as a dict; refused in one line naming the file where it is not one."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON ({e.msg} at line {e.lineno}, column {e.colno}): give the folder "
+                         "transformers' save_pretrained wrote, or repair the file") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not text (JSON): give the folder transformers' save_pretrained wrote") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object of settings: give the folder "
+                         "transformers' save_pretrained wrote, or repair the file")
+    return value
+
+
 def read_hf_folder(folder: str) -> tuple[dict, dict[str, Tensor]]:
     """(config.json, every tensor) of a transformers model folder (one safetensors file, or an
     index of several)."""
     from safetensors.torch import load_file
 
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
+    config = _read_json(os.path.join(folder, "config.json"))
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map (tensor name -> file): write the model again with "
+                             "transformers' save_pretrained, or remove the index if model.safetensors holds it all")
+        files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(folder, "model.safetensors")):
         files = ["model.safetensors"]
     else:

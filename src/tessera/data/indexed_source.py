@@ -32,6 +32,7 @@ import numpy as np
 from tessera.config import DataConfig
 from tessera.data.blend import BlendedDataset, blend_budgets, parse_blend
 from tessera.data.gpt_dataset import GPTDataset, build_on_one_rank, split_documents
+from tessera.data import remote
 from tessera.data.indexed import IndexedDataset, IndexedDatasetWriter
 from tessera.data.indices import normalize
 
@@ -68,7 +69,10 @@ def builtin_prefix(cache_dir: str) -> str:
 
 
 def index_cache_beside(prefix: str) -> str:
-    """Where a dataset's sample indices are cached without data.cache_dir: beside it."""
+    """Where a dataset's sample indices are cached without data.cache_dir: beside it (a dataset
+    in an object store: under the local default cache)."""
+    if remote.is_url(prefix):
+        return os.path.join(default_cache_dir(), "index-cache")
     return os.path.join(os.path.dirname(os.path.abspath(prefix)), "index-cache")
 
 
@@ -76,13 +80,14 @@ def indexed_source(data: DataConfig, seq_len: int, num_samples: int, seed: int, 
     """Samples ``[0, num_samples)`` of the blend (``split``: 0 train, 1 valid, 2 test)."""
     blend = parse_blend(data.paths)
     prefixes = [prefix for _, prefix in blend]
-    opened = [IndexedDataset(prefix) for prefix in prefixes]
+    opened = [IndexedDataset(prefix, data.cache_dir) for prefix in prefixes]
     parts = [split_documents(len(docs), data.split)[split] for docs in opened]
 
     def dataset(d: int, samples: int | None) -> GPTDataset:
         cache = data.cache_dir or index_cache_beside(prefixes[d])
+        name = prefixes[d] if remote.is_url(prefixes[d]) else os.path.abspath(prefixes[d])
         return build_on_one_rank(lambda: GPTDataset(opened[d], parts[d], seq_len, samples, seed, cache,
-                                                    name=os.path.abspath(prefixes[d]), order=data.sample_order))
+                                                    name=name, order=data.sample_order))
 
     weights = [w for w, _ in blend]
     if weights[0] is None:  # no weights: one path is the dataset itself; several, one epoch of each

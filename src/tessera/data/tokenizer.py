@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from tessera.data import remote
 from tessera.config import ConfigError, DataConfig
 
 
@@ -88,6 +89,8 @@ def data_tokenizer(spec: str, data: DataConfig, key: str, fix: str):
         from tessera.data.blend import parse_blend
 
         beside = parse_blend(data.paths)[0][1] + ".tokenizer.json"
+        if remote.is_url(beside):  # (a dataset in an object store: its tokenizer copied into the cache)
+            beside = remote.local_copy(beside, data.cache_dir) or beside
         if not os.path.isfile(beside):
             raise ConfigError(key, f"the data's tokenizer is missing: no {beside} (`tessera preprocess` "
                                    "writes it beside the pair)", fix)
