@@ -108,8 +108,6 @@ def test_the_step_after_a_validation_loss_or_a_save_is_timed_on_its_own(tmp_path
     and the steps' finishing times): each step takes 1 s, each pause 100 s."""
     from tessera.checkpoint import dcp
     from tessera.training import trainer
-    from tessera.training.step import StepClock
-
     now, pauses = [0.0], []
     real_valid, real_write, real_step = trainer.validation_loss, dcp.write, trainer.train_step
 
@@ -125,12 +123,12 @@ def test_the_step_after_a_validation_loss_or_a_save_is_timed_on_its_own(tmp_path
         now[0] += 1.0
         result.finished_at = now[0]
         return result
-    monkeypatch.setattr(trainer, "StepClock", lambda device: StepClock(device, clock=lambda: now[0]))
     monkeypatch.setattr(trainer, "train_step", one_second_step)
     monkeypatch.setattr(trainer, "validation_loss", pausing(real_valid, "valid"))
     monkeypatch.setattr(dcp, "write", pausing(real_write, "save"))
     history = trainer.train(load_config(None, BASE + ["train.steps=5", f"train.out_dir={tmp_path}/out",
-                                                      f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=3"]))
+                                                      f"checkpoint.dir={tmp_path}/ck", "checkpoint.save_every=3"]),
+                            clock=lambda: now[0])
     # a validation loss after steps 2, 4 and the last, a save after steps 3 and the last
     assert pauses == ["valid", "save", "valid", "valid", "save"], pauses
     assert [m["step_time_s"] for m in history] == [1.0] * 5  # (steps 3, 4, 5: after a pause of 100 s)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import sys
 import threading
 import time
