@@ -148,9 +148,10 @@ def baseline(rows: list[tuple[str, str, float | None]]) -> tuple[float | None, s
                   f"(first run on the first GPU, last on the second), mean {mean:,.0f}, spread {spread:.1%}{flag}")
 
 
-def run_one(system: str, layout: str, cmd: list[str], env: dict, left: float) -> float | None:
+def run_one(system: str, layout: str, cmd: list[str], env: dict, left: float,
+            lines: list[str] | None = None) -> float | None:
     """One run's tokens/s per GPU (None if it failed or ran out of time); tessera's per-step line
-    is passed on, so a slow stretch shows."""
+    is passed on, so a slow stretch shows. ``lines``: gets the run's output lines."""
     # its own process group, so a run cut short takes its torchrun workers with it
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **env}, start_new_session=True)
@@ -169,6 +170,8 @@ def run_one(system: str, layout: str, cmd: list[str], env: dict, left: float) ->
             except subprocess.TimeoutExpired:  # orphaned workers still hold the pipes
                 out, err = "", ""
         print(f"{system} {layout}: no result in time", file=sys.stderr)
+    if lines is not None:
+        lines.extend(out.splitlines())
     for line in out.splitlines():
         if line.startswith("STEPS"):
             print(f"{layout} {system} {line}", flush=True)

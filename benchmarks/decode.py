@@ -45,7 +45,7 @@ from tessera.inference.sampling import Sampling  # noqa: E402
 from tessera.models import GPTModel, TPContext  # noqa: E402
 from tessera.topology import Topology  # noqa: E402
 
-REPEATS = 3  # timed runs per figure (the median)
+REPEATS = 2  # timed runs per figure (the median), after one untimed run
 
 
 def sync(device: torch.device) -> None:
@@ -98,6 +98,7 @@ def tessera_rows(model: GPTModel, topo: Topology, prompts: dict, new: int, ttft_
             row[b] = b * (new - 2) / (whole - first)
         row["ttft"] = timed(lambda: run([ttft_prompt], 1), topo.device)
         out[name] = row
+        print(f"{name}: {row}", flush=True)
     return out
 
 
