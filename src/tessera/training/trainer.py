@@ -31,6 +31,8 @@ from tessera.training.cuda_graphs import release_all, step_stream
 from tessera.training.data_feed import DataFeed
 from tessera.training.evaluate import validation_loss
 from tessera.training.launch import init_distributed, pick_device, world_from_env
+from tessera.training.memory_model import describe as describe_memory
+from tessera.training.memory_model import predict_ranks
 from tessera.training.metrics import CHECKPOINT_LOCK_NAME, JsonlLogger, NullLogger, lock_out_dir
 from tessera.training.plan import make_plan
 from tessera.training.preflight import check_runnable
@@ -265,6 +267,7 @@ def train(cfg: Config) -> list[dict]:
         parts = build(cfg, topo, make_plan(cfg, device))
         logger.print(describe(cfg, parts, logs))
         logger.print(str(memory_report(parts.data_parallel, parts.optimizer)))
+        logger.print(describe_memory(predict_ranks(cfg, parts.plan, device.type)))
         parts.model.train()
         # graphed layers are captured after data parallelism placed the parameters in their
         # buffers, on the stream the steps then run on
