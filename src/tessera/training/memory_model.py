@@ -27,8 +27,9 @@ keeps a headroom for them), CUDA graphs' pools, compiled code's workspaces.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from tessera.config import Config, ModelConfig
 from tessera.distributed.memory import MemoryReport
@@ -54,6 +55,17 @@ class Param:
 
 def chunk_parameters(m: ModelConfig, tp: int, layers: range, pre: bool, post: bool) -> list[Param]:
     """A model chunk's trainable parameters as ``GPTModel`` registers them (this TP rank's slices)."""
+    return list(_chunk_parameters(_model_key(m), tp, layers.start, layers.stop, pre, post))
+
+
+def _model_key(m: ModelConfig) -> tuple:
+    return tuple(getattr(m, f.name) for f in fields(m))
+
+
+@functools.lru_cache(maxsize=1024)  # (tessera plan asks for the same chunks of many layouts)
+def _chunk_parameters(key: tuple, tp: int, first: int, stop: int, pre: bool, post: bool) -> tuple[Param, ...]:
+    m = ModelConfig(**dict(zip((f.name for f in fields(ModelConfig)), key)))
+    layers = range(first, stop)
     h, d, f, gpt2 = m.hidden, m.head_dim, m.ffn_size, m.family == "gpt2"
     vocab = padded_vocab_size(m.vocab_size, tp, m.vocab_pad_multiple) // tp
 
@@ -79,14 +91,20 @@ def chunk_parameters(m: ModelConfig, tp: int, layers: range, pre: bool, post: bo
         out += norm("final_norm")
         if not (m.tie_embeddings and pre):
             out.append(Param("output.weight", vocab * h, vocab, alone=m.tie_embeddings))
-    return out
+    return tuple(out)
 
 
 def rank_chunks(cfg: Config, pp_rank: int) -> list[tuple[int, range]]:
     """(virtual stage, its global layers) of each chunk ``pp_rank`` holds."""
-    p, m = cfg.parallel, cfg.model
-    ranges = stage_layer_ranges(m.layers, p.pp, p.vpp, parse_layout(p.pp_layout, m, p.pp, p.vpp))
+    p = cfg.parallel
+    ranges = _stage_ranges(_model_key(cfg.model), p.pp, p.vpp, p.pp_layout)
     return [(c * p.pp + pp_rank, ranges[c * p.pp + pp_rank]) for c in range(p.vpp)]
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_ranges(key: tuple, pp: int, vpp: int, layout: str) -> list[range]:
+    m = ModelConfig(**dict(zip((f.name for f in fields(ModelConfig)), key)))
+    return stage_layer_ranges(m.layers, pp, vpp, parse_layout(layout, m, pp, vpp))
 
 
 def rank_parameters(cfg: Config, pp_rank: int) -> list[list[Param]]:
@@ -98,6 +116,11 @@ def rank_parameters(cfg: Config, pp_rank: int) -> list[list[Param]]:
 
 def _buckets(params: list[Param], bucket_size: int, dp: int) -> list[tuple[int, list[tuple[int, int]]]]:
     """ParamAndGradBuffer's layout: (bucket length, [(start, end) of each parameter in the bucket])."""
+    return _bucket_layout(tuple(params), bucket_size, dp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bucket_layout(params: tuple[Param, ...], bucket_size: int, dp: int) -> list[tuple[int, list[tuple[int, int]]]]:
     out, offset, start, members = [], 0, 0, []
     for param in reversed(params):
         if param.alone and members:
@@ -230,7 +253,7 @@ def predict(cfg: Config, plan: ExecutionPlan, pp_rank: int = 0, dp_rank: int = 0
     holding: set[tuple[int, int]] = set()
     best = (0.0, 0.0, 0.0)  # (total, activations, transient)
     in_flight = 0
-    for action in compute_order(plan.schedule, p.pp, p.vpp, m, pp_rank):
+    for action in _compute_order(plan.schedule, p.pp, p.vpp, m, pp_rank):
         c = per_chunk[action.chunk]
         key = (action.microbatch, action.chunk)
         if action.op == Op.F:
@@ -250,6 +273,11 @@ def predict(cfg: Config, plan: ExecutionPlan, pp_rank: int = 0, dp_rank: int = 0
         if sum(moment) > best[0]:
             best = (sum(moment), *moment)
     return Prediction(pp_rank, model_state(cfg, pp_rank, dp_rank), best[1], best[2], in_flight)
+
+
+@functools.lru_cache(maxsize=4096)
+def _compute_order(kind: str, pp: int, vpp: int, m: int, rank: int) -> tuple:
+    return tuple(compute_order(kind, pp, vpp, m, rank))
 
 
 def predict_ranks(cfg: Config, plan: ExecutionPlan, device: str = "cuda") -> list[Prediction]:
