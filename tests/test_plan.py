@@ -134,7 +134,8 @@ def test_every_listed_layout_passes_the_preflight_and_its_peak_fits():
 
 
 def _row(lay) -> str:
-    return f"{lay.tp:>2} {lay.pp:>2} {lay.vpp:>3} {lay.cp:>2} {lay.dp:>3} {lay.zero:>4} {lay.recompute:<9} {lay.micro_batch:>3}"
+    return (f"{lay.tp:>2} {lay.pp:>2} {lay.vpp:>3} {lay.cp:>2} {lay.dp:>3} {lay.zero:>4} {lay.recompute:<9} "
+            f"{lay.micro_batch:>3} {'yes' if lay.offload else 'no':>7} ")
 
 
 def test_a_layout_over_memory_is_not_listed_and_its_reason_is_given():
@@ -212,3 +213,21 @@ def test_bad_input_is_refused_in_words(capsys, tmp_path):
     assert main(["plan", "--config", str(config), "--gpus", "4", "--gpu-memory", "80GB", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "fit (" in out and "fastest first" in out and "  ... and " in out
+
+
+def test_offload_moves_the_optimizer_to_the_host_and_ranks_after_the_same_layout_without():
+    from tessera.training.planner import Layout
+
+    base, machine, verdicts = _verdicts(gpus=2)
+    by_layout = {v.layout: v for v in verdicts}
+    for zero in (0, 1, 2):
+        off, on = (by_layout[Layout(1, 1, 1, 1, 2, zero, "none", 1, offload)] for offload in (False, True))
+        assert on.fits and off.fits and on.peak.state.host > 0 and off.peak.state.host == 0
+        assert on.peak.state.total == off.peak.state.total - off.peak.state.main_params - off.peak.state.optimizer_state
+        assert on.parts["offload"] > 0 and on.step_time > off.step_time
+    assert not any(v.layout.offload and v.layout.zero == 3 for v in verdicts)
+    # a memory between the two: only offload fits
+    off, on = (by_layout[Layout(1, 1, 1, 1, 2, 0, "full", 1, offload)] for offload in (False, True))
+    squeezed = _verdicts(gpus=2, memory=int((on.peak.total + off.peak.total) / 2 / 0.9))[2]
+    fitting = {v.layout for v in squeezed if v.fits}
+    assert on.layout in fitting and off.layout not in fitting

@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--network-bandwidth", type=_positive(float), default=40.0,
                       help="GB/s per GPU across nodes (40)")
     plan.add_argument("--hbm-bandwidth", type=_positive(float), default=3350.0, help="GB/s of GPU memory (3350)")
+    plan.add_argument("--pcie-bandwidth", type=_positive(float), default=25.0,
+                      help="GB/s each way between a GPU and host memory, for optimizer offload (25)")
+    plan.add_argument("--host-bandwidth", type=_positive(float), default=50.0,
+                      help="GB/s of host memory one GPU's offloaded AdamW reaches (50)")
     plan.add_argument("--top", type=_positive(int), default=10, help="fitting layouts shown (10)")
     plan.add_argument("--all", action="store_true", help="list every layout that does not fit under its group")
     from tessera.data.commands import add_data_commands
@@ -140,7 +144,8 @@ def _plan(args: argparse.Namespace) -> int:
             raise ValueError(f"--mfu {args.mfu} is above the GPU's peak: give a fraction, e.g. 0.4")
         machine = Machine(gpus=args.gpus, memory=memory, headroom=args.headroom, gpus_per_node=args.gpus_per_node,
                           peak_flops=args.tflops * 1e12, mfu=args.mfu, node_bandwidth=args.node_bandwidth * 1e9,
-                          network_bandwidth=args.network_bandwidth * 1e9, hbm_bandwidth=args.hbm_bandwidth * 1e9)
+                          network_bandwidth=args.network_bandwidth * 1e9, hbm_bandwidth=args.hbm_bandwidth * 1e9,
+                          pcie_bandwidth=args.pcie_bandwidth * 1e9, host_bandwidth=args.host_bandwidth * 1e9)
         base = load_config(args.config, args.overrides)
         verdicts = plan(base, machine)
     except ValueError as e:  # (ConfigError too)

@@ -148,10 +148,18 @@ class ParallelConfig:
     tp_comm_overlap: Switch = AUTO
     """tp > 1: a column-parallel layer's backward overlaps its input gradient's reduction with the
     weight-gradient GEMM. auto: on inside CUDA-graphed layers, where it measured faster."""
+    optimizer_offload: bool = False
+    """zero 0-2: keep the fp32 main parameters and Adam's moments in (pinned) host memory and run
+    AdamW on the CPU; each step copies this rank's gradients to the host and the updated
+    parameters back. Frees 12 bytes per optimizer element of GPU memory for host memory and time."""
 
     def __post_init__(self) -> None:
         check(self.zero in (0, 1, 2, 3), "parallel.zero", f"{self.zero!r} is not 0, 1, 2 or 3",
               "use 0 (replicated), 1 (distributed optimizer), 2 (+ sharded gradients) or 3 (FSDP)")
+        check(not (self.optimizer_offload and self.zero == 3), "parallel.optimizer_offload",
+              "zero=3 (FSDP) keeps its fp32 shards as the model's own parameters, which the forward gathers "
+              "on the GPU, so there is no separate main copy to move to the host",
+              "use parallel.zero=1 or 2 with optimizer_offload (each rank offloads its shard), or turn it off")
         check(self.bucket_size >= 1, "parallel.bucket_size", "must be >= 1", "give elements per bucket, e.g. 40000000")
         for name in ("tp", "cp", "pp", "vpp"):
             check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1", "use 1 for no parallelism on this axis")

@@ -7,7 +7,9 @@
   chunks, TP slices) in data parallelism's flat buffers, back to front, cut into buckets padded to
   multiples of 64 x dp (zero 0-2; the optimizer's shard of each bucket at zero 1-2), or FSDP's
   dim-0 shards (zero 3). It equals :func:`tessera.distributed.memory.memory_report` to the byte.
-  The per-parameter table (``distributed/memory.py``) is the same without padding.
+  The per-parameter table (``distributed/memory.py``) is the same without padding. With
+  ``parallel.optimizer_offload`` the main parameters (an fp32 model's too), Adam's moments and
+  the gradient's host copy are host bytes (``MemoryReport.host``), outside the device's total.
 - **Activations**: ``models/activations.py`` per micro-batch and layer, for the layer's recompute
   mode (the first ``recompute_layers`` of each chunk), plus the embedding and the head on the first
   and last stages. The pipeline schedule says how many micro-batch chunks a rank holds at once:
@@ -157,7 +159,7 @@ def model_state(cfg: Config, pp_rank: int = 0, dp_rank: int = 0) -> MemoryReport
             local += rows * (q.numel // q.rows)
         return MemoryReport(params=4 * local, grads=4 * local, main_params=0, optimizer_state=8 * local, numel=numel)
     pbytes, gbytes = DTYPE_BYTES[t.dtype], DTYPE_BYTES[t.grad_dtype]
-    params = grads = main = state = 0
+    params = grads = main = state = host = 0
     for chunk in chunks:
         for length, members in _buckets(chunk, p.bucket_size, dp):
             params += length * pbytes
@@ -165,8 +167,12 @@ def model_state(cfg: Config, pp_rank: int = 0, dp_rank: int = 0) -> MemoryReport
             lo, hi = (dp_rank * length // dp, (dp_rank + 1) * length // dp) if p.zero else (0, length)
             if p.zero == 2 or t.grad_dtype != "fp32":
                 grads += 4 * (hi - lo)  # the optimizer's own fp32 gradient
-            main += 4 * (hi - lo) if t.dtype != "fp32" else 0
+            main += 4 * (hi - lo) if t.dtype != "fp32" or p.optimizer_offload else 0
             state += 8 * sum(max(0, min(b, hi) - max(a, lo)) for a, b in members)
+            host += 4 * (hi - lo) if p.optimizer_offload else 0  # the gradient's host copy
+    if p.optimizer_offload:
+        return MemoryReport(params=params, grads=grads, main_params=0, optimizer_state=0, numel=numel,
+                            host=host + main + state)
     return MemoryReport(params=params, grads=grads, main_params=main, optimizer_state=state, numel=numel)
 
 

@@ -1,7 +1,7 @@
 """``tessera plan``: the layouts of a config on N GPUs that fit their memory, fastest first, and
 why each of the others does not.
 
-Every layout (tp, cp, pp, vpp, dp, zero, recompute, micro-batch; sequence parallelism on where
+Every layout (tp, cp, pp, vpp, dp, zero, recompute, micro-batch, optimizer offload; sequence parallelism on where
 tp > 1, every other setting the config's) is checked by the trainer's own preflight
 (``preflight.validate``, ``check_pipeline``: a refusal is the error a run would stop with),
 planned for CUDA (``make_plan``: the schedule ``auto`` picks), and its peak per rank predicted by
@@ -24,7 +24,9 @@ The step time is a model with stated numbers, for ranking, not a measurement:
   each stage boundary a message of one micro-batch's activations;
 - **dp** (over dp x cp, which replicate the weights): gradient all-reduce (zero 0), reduce-scatter
   and parameter all-gather (zero 1, 2), per micro-batch gathers and reduce-scatters (zero 3), each
-  hidden behind the backward (or forward) it overlaps except where it takes longer.
+  hidden behind the backward (or forward) it overlaps except where it takes longer;
+- **offload** (``parallel.optimizer_offload``): the gradients down and the parameters up over
+  PCIe and the CPU's AdamW at the host memory's bandwidth, after the backward, not overlapped.
 
 A collective's bandwidth is ``node_bandwidth`` where its group lies inside one node of
 ``gpus_per_node`` (ranks are laid out tp fastest, then cp, dp, pp: topology.py), else
@@ -44,7 +46,8 @@ from tessera.config import Config, ConfigError
 from tessera.models.flops import head_matmul_weights, layer_flops_per_token
 from tessera.pipeline_parallel.schedules import build_all
 from tessera.pipeline_parallel.simulator import Costs, simulate
-from tessera.training.memory_model import Prediction, activations_for, predict_ranks, rank_chunks, rank_parameters
+from tessera.training.memory_model import (Prediction, activations_for, model_state, predict_ranks, rank_chunks,
+                                           rank_parameters)
 from tessera.training.plan import ExecutionPlan, choose_schedule, make_plan, microbatches
 from tessera.training.preflight import check_pipeline, validate
 
@@ -79,6 +82,8 @@ class Machine:
     node_bandwidth: float = 300e9  # bytes/s a collective reaches inside a node (NVLink)
     network_bandwidth: float = 40e9  # bytes/s per GPU across nodes
     hbm_bandwidth: float = 3.35e12  # bytes/s
+    pcie_bandwidth: float = 25e9  # bytes/s each way between a GPU and pinned host memory (offload)
+    host_bandwidth: float = 50e9  # bytes/s of host memory one GPU's CPU AdamW reaches (offload)
 
     @property
     def usable(self) -> float:
@@ -100,10 +105,11 @@ class Layout:
     zero: int
     recompute: str
     micro_batch: int
+    offload: bool = False
 
     def __str__(self) -> str:
         return (f"tp={self.tp} pp={self.pp} vpp={self.vpp} cp={self.cp} dp={self.dp} zero={self.zero} "
-                f"recompute={self.recompute} micro_batch={self.micro_batch}")
+                f"recompute={self.recompute} micro_batch={self.micro_batch} offload={str(self.offload).lower()}")
 
     def config(self, base: Config) -> Config:
         cfg = Config(model=base.model, parallel=copy.copy(base.parallel), train=copy.copy(base.train),
@@ -112,6 +118,7 @@ class Layout:
         p.tp, p.cp, p.pp, p.vpp, p.dp, p.zero = self.tp, self.cp, self.pp, self.vpp, 0, self.zero
         p.sequence_parallel = self.tp > 1
         t.recompute, t.micro_batch = self.recompute, self.micro_batch
+        p.optimizer_offload = self.offload
         t.recompute_layers = 0
         p.schedule, p.pp_layout = "auto", "auto"  # (what the trainer picks for the layout)
         return cfg
@@ -134,7 +141,8 @@ def _powers(limit: int) -> list[int]:
 
 def layouts(cfg: Config, gpus: int, gpus_per_node: int) -> list[Layout]:
     """Every layout of ``gpus`` GPUs tried: tp up to a node, cp and micro-batches in powers of
-    two, pp any divisor, vpp 1, 2 or 4, every zero and recompute mode."""
+    two, pp any divisor, vpp 1, 2 or 4, every zero and recompute mode, optimizer offload on and
+    off (zero 0-2)."""
     out = []
     for tp in _powers(min(gpus, gpus_per_node)):
         for cp in _powers(gpus // tp):
@@ -146,7 +154,8 @@ def layouts(cfg: Config, gpus: int, gpus_per_node: int) -> list[Layout]:
                     for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
                         for recompute in ("none", "selective", "full"):
                             for mb in _powers(max(1, cfg.train.global_batch // dp)):
-                                out.append(Layout(tp, cp, pp, vpp, dp, zero, recompute, mb))
+                                for offload in ((False, True) if zero < 3 else (False,)):
+                                    out.append(Layout(tp, cp, pp, vpp, dp, zero, recompute, mb, offload))
     return out
 
 
@@ -231,8 +240,17 @@ def step_time(cfg: Config, plan: ExecutionPlan, machine: Machine) -> dict[str, f
     else:
         pipeline = fwd * _pipeline_step(plan.schedule, p.pp, p.vpp, count, round(bwd / fwd, 2), round(hop / fwd, 2))
     dp_exposed = _dp_exposed(cfg, machine, fwd * p.vpp, bwd * p.vpp, count)
-    return {"step": pipeline + dp_exposed, "compute": count * p.vpp * (fwd + bwd), "pipeline": pipeline,
-            "dp": dp_exposed}
+    offload = _offload_time(cfg, machine) if p.optimizer_offload else 0.0
+    return {"step": pipeline + dp_exposed + offload, "compute": count * p.vpp * (fwd + bwd), "pipeline": pipeline,
+            "dp": dp_exposed, "offload": offload}
+
+
+def _offload_time(cfg: Config, machine: Machine) -> float:
+    """The offloaded optimizer step, after the backward and not overlapped: the fp32 gradients of
+    this rank's optimizer elements to the host and the parameters back over PCIe, and AdamW's
+    28 bytes per element (parameter, gradient, two moments read; three written) of host memory."""
+    elements = max(model_state(cfg, r).host for r in range(cfg.parallel.pp)) / 16  # (16 host bytes each)
+    return elements * (8 / machine.pcie_bandwidth + 28 / machine.host_bandwidth)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -290,9 +308,9 @@ RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
 def rank_key(v: Verdict) -> tuple:
     """Fastest first; where the model's times tie (to 0.1 %: its compute is linear in the tokens
     and hidden communication costs nothing), the simpler layout: lower zero, less recomputation,
-    larger micro-batches (GEMMs nearer their peak), then less memory."""
+    larger micro-batches (GEMMs nearer their peak), no offload, then less memory."""
     return (float(f"{v.step_time:.3g}"), v.layout.zero, RECOMPUTE_ORDER[v.layout.recompute], -v.layout.micro_batch,
-            v.peak.total)
+            v.layout.offload, v.peak.total)
 
 
 def render(base: Config, machine: Machine, verdicts: list[Verdict], top: int = 10, every: bool = False) -> str:
@@ -302,20 +320,23 @@ def render(base: Config, machine: Machine, verdicts: list[Verdict], top: int = 1
     tokens = base.train.global_batch * base.model.seq_len
     lines = [f"tessera plan: {base.model.family}, {base.model.layers} layers, hidden {base.model.hidden}, "
              f"global batch {base.train.global_batch} x {base.model.seq_len} tokens, {base.train.dtype}; "
-             f"{machine.gpus} GPUs of {machine.memory / gib:.1f} {unit} ({machine.usable / gib:.1f} {unit} usable: "
+             f"{machine.gpus} GPU{'s' if machine.gpus > 1 else ''} of {machine.memory / gib:.1f} {unit} ({machine.usable / gib:.1f} {unit} usable: "
              f"{machine.headroom:.0%} headroom)",
              f"step time model: {machine.mfu:.0%} MFU of {machine.peak_flops / 1e12:.1f} TFLOP/s, "
              f"{machine.node_bandwidth / 1e9:g} GB/s inside a node of {machine.gpus_per_node} GPUs, "
-             f"{machine.network_bandwidth / 1e9:g} GB/s across nodes, {machine.hbm_bandwidth / 1e9:g} GB/s memory "
-             "(a ranking, not a measurement: docs/architecture.md, Memory)", ""]
+             f"{machine.network_bandwidth / 1e9:g} GB/s across nodes, {machine.hbm_bandwidth / 1e9:g} GB/s memory, "
+             f"offload {machine.pcie_bandwidth / 1e9:g} GB/s PCIe and {machine.host_bandwidth / 1e9:g} GB/s host "
+             "memory (a ranking, not a measurement: docs/architecture.md, Memory)", ""]
     if fits:
         lines.append(f"fit ({len(fits)} of {len(verdicts)} layouts), fastest first:")
         lines.append(f"  {'#':>3}  {'tp':>2} {'pp':>2} {'vpp':>3} {'cp':>2} {'dp':>3} {'zero':>4} {'recompute':<9} "
-                     f"{'mb':>3}  {'schedule':<14} {'peak ' + unit:>8} {'step s':>8} {'tokens/s':>10}")
+                     f"{'mb':>3} {'offload':>7}  {'schedule':<14} {'peak ' + unit:>8} {'host ' + unit:>8} {'step s':>8} "
+                     f"{'tokens/s':>10}")
         for i, v in enumerate(fits[:top], 1):
             lay = v.layout
             lines.append(f"  {i:>3}  {lay.tp:>2} {lay.pp:>2} {lay.vpp:>3} {lay.cp:>2} {lay.dp:>3} {lay.zero:>4} "
-                         f"{lay.recompute:<9} {lay.micro_batch:>3}  {v.schedule:<14} {v.peak.total / gib:>8.1f} "
+                         f"{lay.recompute:<9} {lay.micro_batch:>3} {'yes' if lay.offload else 'no':>7}  "
+                         f"{v.schedule:<14} {v.peak.total / gib:>8.1f} {v.peak.state.host / gib:>8.1f} "
                          f"{v.step_time:>8.3f} {tokens / v.step_time:>10,.0f}")
         if len(fits) > top:
             lines.append(f"  ... and {len(fits) - top} slower (--top N shows more)")
@@ -328,7 +349,7 @@ def render(base: Config, machine: Machine, verdicts: list[Verdict], top: int = 1
     return "\n".join(lines)
 
 
-FIELDS = ("tp", "pp", "vpp", "cp", "dp", "zero", "recompute", "micro_batch")
+FIELDS = ("tp", "pp", "vpp", "cp", "dp", "zero", "recompute", "micro_batch", "offload")
 
 
 def describe(layouts: list[Layout]) -> str:
@@ -336,7 +357,7 @@ def describe(layouts: list[Layout]) -> str:
     parts = []
     for name in FIELDS:
         values = sorted({getattr(lay, name) for lay in layouts}, key=lambda x: (RECOMPUTE_ORDER.get(x, 0), x))
-        parts.append(f"{name}={'/'.join(map(str, values))}")
+        parts.append(f"{name}={'/'.join(str(x).lower() if isinstance(x, bool) else str(x) for x in values)}")
     return " ".join(parts)
 
 
@@ -377,7 +398,8 @@ def _reasons(others: list[Verdict], machine: Machine, every: bool) -> list[str]:
         best = min(members, key=lambda v: v.peak.total)
         out.append(f"    {describe([v.layout for v in members])}: {len(members)} layout"
                    f"{'s' if len(members) > 1 else ''}, the smallest (recompute={best.layout.recompute} "
-                   f"micro_batch={best.layout.micro_batch}) {_over_memory(best, machine)}")
+                   f"micro_batch={best.layout.micro_batch} offload={str(best.layout.offload).lower()}) "
+                   f"{_over_memory(best, machine)}")
         if every:
             out += [f"      {v.layout}: {_over_memory(v, machine)}" for v in members]
     return out
