@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from tessera.config import ConfigError, load_config
-from tessera.distributed.memory import memory_report
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 from tessera.training.memory_model import model_state
