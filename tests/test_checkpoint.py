@@ -222,6 +222,11 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
     step2 = f"checkpoint.load={tmp_path}/ck/step_00000002"
     BUILTIN = ["data.source=builtin", "model.vocab_size=256"]  # (a split that splits: the demo corpus)
     _train_here(tmp_path, "bi", BUILTIN + ["train.steps=2", f"checkpoint.dir={tmp_path}/bi"])
+    import shutil
+    shutil.copytree(tmp_path / "bi" / "step_00000002", tmp_path / "old" / "step_00000002")
+    meta = store.read_meta(str(tmp_path / "old" / "step_00000002"))
+    del meta["config"]["data"]["sample_order"]
+    store.write_meta(str(tmp_path / "old" / "step_00000002"), meta)
     os.makedirs(tmp_path / "empty")
     os.makedirs(tmp_path / "hf")
     (tmp_path / "hf" / "config.json").write_text("{}")
@@ -239,13 +244,17 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
         ([step2, "train.seed=4"], "train.seed", "trained with train.seed=3, this run has 4: the data would be reshuffled"),
         ([f"checkpoint.load={tmp_path}/bi/step_00000002", *BUILTIN, "data.split=90,10,0"], "data.split",
          "set data.split=969,30,1 to resume"),
+        ([f"checkpoint.load={tmp_path}/bi/step_00000002", *BUILTIN, "data.sample_order=epochs"], "data.sample_order",
+         "set data.sample_order=megatron to resume"),
+        # saved before data.sample_order existed: trained in the per-epoch order
+        ([f"checkpoint.load={tmp_path}/old/step_00000002", *BUILTIN], "data.sample_order",
+         "trained with data.sample_order=epochs"),
         ([step2, f"checkpoint.dir={tmp_path}/ck"], "checkpoint.load", "older checkpoint of checkpoint.dir"),
         ([step2, "train.steps=1"], "train.steps", "checkpoint.finetune=true to start a new run"),
         (["checkpoint.finetune=true"], "checkpoint.finetune", "checkpoint.load is not"),
         ([f"checkpoint.dir={tmp_path}/ck", "train.steps=3"], "train.steps", "it is checkpoint.dir's own newest"),
     ]
     # damaged copies: a data file missing, one cut short, tessera.json unreadable
-    import shutil
     for name, damage, words in [
         ("missing", lambda p: os.remove(p / "__0_0.distcp"), "__0_0.distcp is missing"),
         ("short", lambda p: os.truncate(p / "__0_0.distcp", 100), "__0_0.distcp holds 100 bytes, its index says"),
@@ -268,6 +277,8 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
     check_runnable(load_config(None, BASE + [f"checkpoint.load={tmp_path}/bi/step_00000002", *BUILTIN,
                                              "train.steps=4", "data.split=1938,60,2"]), 1)
     check_runnable(load_config(None, BASE + [step2, "train.steps=4", "data.split=90,10,0"]), 1)
+    check_runnable(load_config(None, BASE + [f"checkpoint.load={tmp_path}/old/step_00000002", *BUILTIN,
+                                             "train.steps=4", "data.sample_order=epochs"]), 1)
     # another layout, dtype, dropout or data are no refusal: loading reshards
     check_runnable(load_config(None, BASE + [step2, "train.steps=6", "train.dtype=bf16", "model.dropout=0.1",
                                              "parallel.tp=2", "parallel.zero=1"]), 2)

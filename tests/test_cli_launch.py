@@ -1,4 +1,4 @@
-"""The launcher (`tessera train --nproc-per-node N` hands over to torchrun): a SIGINT, SIGTERM, SIGHUP or
+"""The launcher (`tessera train --nproc-per-node N` hands over to torchrun: training/launcher.py): a SIGINT, SIGTERM, SIGHUP or
 SIGQUIT sent to it alone reaches the launched command once, so stopping the launcher never leaves
 workers behind."""
 
@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from tessera.cli import run_forwarding_signals
+from tessera.training.launcher import run_forwarding_signals
 
 # (its handlers set before it says its pid: a signal forwarded at once finds them)
 CHILD = ("import os, signal, sys, time; "
          "[signal.signal(s, lambda *_: sys.exit(7)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, "
          "signal.SIGQUIT)]; "
          "print(os.getpid(), flush=True); time.sleep(600)")  # (outlives every wait below)
-LAUNCHER = ("import sys; from tessera.cli import run_forwarding_signals; "
+LAUNCHER = ("import sys; from tessera.training.launcher import run_forwarding_signals; "
             f"sys.exit(run_forwarding_signals([sys.executable, '-c', {CHILD!r}]))")
 
 

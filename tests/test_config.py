@@ -160,3 +160,13 @@ def test_a_choice_of_the_wrong_toml_type_lists_the_choices(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(str(path), [])
     assert info.value.key == "train.compile" and info.value.fix == "choose true, false or auto"
+
+
+@pytest.mark.parametrize("key, value", [("data.cache_dir", "file:///tmp/cache"), ("train.out_dir", "s3://b/runs"),
+                                        ("train.sample_tokenizer", "s3://b/tokenizer.json")])
+def test_a_url_where_tessera_takes_local_paths_is_refused_in_words(key, value):
+    """s3://b/runs would otherwise be a local folder named "s3:" (Python's file functions); checkpoints
+    and datasets take URLs (tests/test_object_storage.py)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{key}={value}"])
+    assert e.value.key == key and "is a URL; tessera reads and writes local (or mounted) paths there" in e.value.problem

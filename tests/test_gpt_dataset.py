@@ -68,11 +68,12 @@ def test_same_seed_same_samples_other_seed_other_order():
 
 
 def test_multi_epoch_each_epoch_a_full_shuffled_pass():
+    """order="epochs" (data.sample_order=epochs): epoch by epoch, documents and samples."""
     docs = random_docs(num_docs=20)
     tokens = int(docs.sequence_lengths.sum())
     seq_len = 5
     num_samples = (3 * tokens) // seq_len + 1  # needs a fourth, partial epoch
-    ds = GPTDataset(docs, range(len(docs)), seq_len, num_samples, seed=0)
+    ds = GPTDataset(docs, range(len(docs)), seq_len, num_samples, seed=0, order="epochs")
     assert ds.num_epochs == 4 and len(ds) >= num_samples
     blocks = ds.document_index.reshape(4, len(docs))
     for block in blocks:
@@ -85,6 +86,22 @@ def test_multi_epoch_each_epoch_a_full_shuffled_pass():
     # Samples of epoch e (by last token) are all served before any of epoch e + 1.
     epoch_of = (np.arange(len(ds)) + 1) * seq_len // tokens
     assert np.all(np.diff(epoch_of[ds.shuffle_index]) >= 0)
+
+
+def test_multi_epoch_in_megatrons_order():
+    """The default order: every document once per epoch, the epochs' documents shuffled together
+    (the last one apart when under 80 % used), every sample read from the stream they make."""
+    docs = random_docs(num_docs=20)
+    tokens, seq_len = int(docs.sequence_lengths.sum()), 5
+    for extra in (1, (tokens // seq_len) * 9 // 10):  # a fourth epoch barely used, then mostly used
+        ds = GPTDataset(docs, range(len(docs)), seq_len, (3 * tokens) // seq_len + extra, seed=0)
+        assert ds.num_epochs == 4
+        assert np.array_equal(np.bincount(ds.document_index, minlength=20), np.full(20, 4))
+        last_apart = sorted(ds.document_index[60:].tolist()) == list(range(20))
+        assert last_apart == (extra == 1)
+        stream = np.concatenate([docs.get(int(d)) for d in ds.document_index])
+        for j in range(len(ds)):
+            np.testing.assert_array_equal(ds.read_sample(j), stream[j * seq_len:(j + 1) * seq_len + 1])
 
 
 def test_document_boundaries_hand_made():
@@ -131,10 +148,23 @@ def test_cache_loads_then_rebuilds_on_change(tmp_path):
     for name in ("document_index", "sample_index", "shuffle_index"):
         np.testing.assert_array_equal(getattr(first, name), getattr(second, name))
     for change in (dict(seed=1), dict(seq_len=9), dict(num_samples=21), dict(document_range=range(39)),
-                   dict(name="other"), dict(docs=random_docs(seed=1))):
+                   dict(name="other"), dict(docs=random_docs(seed=1)), dict(order="epochs")):
         ds = GPTDataset(**(args | change))
         assert ds.built_index and ds.key != first.key, change
-    assert len(os.listdir(tmp_path)) == 4 * 7
+    assert len(os.listdir(tmp_path)) == 4 * 8
+
+
+def test_a_cache_of_an_earlier_index_version_is_not_read(tmp_path, monkeypatch):
+    """The key holds INDEX_VERSION: indices cached under another rule are rebuilt, not misread."""
+    from tessera.data import gpt_dataset
+
+    args = dict(docs=random_docs(), document_range=range(40), seq_len=8, num_samples=20, seed=0,
+                cache_dir=str(tmp_path), name="fake")
+    monkeypatch.setattr(gpt_dataset, "INDEX_VERSION", 2)
+    old = GPTDataset(**args, order="epochs")
+    monkeypatch.undo()
+    new = GPTDataset(**args, order="epochs")
+    assert new.built_index and new.key != old.key and new.description["version"] == 3
 
 
 def _build_on_ranks(rank, world_size, cache_dir):
@@ -160,8 +190,8 @@ def test_splits_disjoint_and_cover(num_docs, split):
 
 def test_split_megatron_rounding():
     assert split_documents(1000, "969,30,1") == [range(0, 969), range(969, 999), range(999, 1000)]
-    # round(10/3) = 3 three times leaves one document over: every boundary after 0 moves up one.
-    assert split_documents(10, "1,1,1") == [range(0, 4), range(4, 7), range(7, 10)]
+    # megatron-core rounds the book-ends 3.33 and 6.67 (tessera's earlier rule shifted them: 4, 7)
+    assert split_documents(10, "1,1,1") == [range(0, 3), range(3, 7), range(7, 10)]
     assert split_documents(10, "1,0,0") == [range(0, 10), range(10, 10), range(10, 10)]
 
 
@@ -172,7 +202,8 @@ def test_bad_split_strings(bad):
 
 
 def test_parse_blend():
-    assert parse_blend(["prefixA"]) == [(1.0, "prefixA")]
+    assert parse_blend(["prefixA"]) == [(None, "prefixA")]  # (["1", "prefixA"] is a blend of one)
+    assert parse_blend(["1", "prefixA"]) == [(1.0, "prefixA")]
     assert parse_blend(["a", "b", "c"]) == [(None, "a"), (None, "b"), (None, "c")]  # by size, as Megatron
     blend = parse_blend(["7", "a", "3", "b"])
     assert [p for _, p in blend] == ["a", "b"]
@@ -234,11 +265,17 @@ def test_cache_key_covers_the_document_lengths(tmp_path):
 
 @pytest.mark.parametrize("more", [99, 100, 150, 333])
 def test_a_longer_run_keeps_the_samples_already_served(more):
-    """Asking for more samples (past an epoch boundary too) must not reorder the earlier ones."""
-    docs = FakeDocs([100] * 10)  # 1000 tokens per epoch, 100 samples of 10
-    short, long = GPTDataset(docs, range(10), 10, 50, seed=3), GPTDataset(docs, range(10), 10, more, seed=3)
+    """order="epochs": asking for more samples (past an epoch boundary too) never reorders the
+    earlier ones. That is the order's reason to be; megatron's keeps them only while the number
+    of epochs stays the same."""
+    docs = FakeDocs([100] * 10)  # 1000 tokens per epoch, 99 samples of 10
+    short = GPTDataset(docs, range(10), 10, 50, seed=3, order="epochs")
+    long = GPTDataset(docs, range(10), 10, more, seed=3, order="epochs")
     for i in range(len(short)):
         assert np.array_equal(short[i], long[i]), i
+    short, long = GPTDataset(docs, range(10), 10, 50, seed=3), GPTDataset(docs, range(10), 10, more, seed=3)
+    same = all(np.array_equal(short[i], long[i]) for i in range(len(short)))
+    assert same == (more <= 99)
 
 
 def _failing_build(rank, world):
@@ -302,29 +339,61 @@ def test_cache_writers_sharing_a_pid_do_not_collide(tmp_path):
     assert os.listdir(tmp_path) == ["x.npy"]
 
 
-def test_a_blend_without_weights_draws_in_proportion_to_tokens(tmp_path):
-    """data.paths=a,b (no weights): the blend of weights a's and b's token counts in the split,
-    sample for sample."""
-    from tessera.config import DataConfig
+def _two_corpora(tmp_path, sizes=(300, 900)):
     from tessera.data import IndexedDatasetWriter
-    from tessera.data.indexed_source import indexed_source
 
     rng = np.random.default_rng(0)
-    for name, docs in (("a", 30), ("b", 90)):
+    for name, docs in zip(("a", "b"), sizes):
         with IndexedDatasetWriter(str(tmp_path / name), np.uint16) as writer:
             for n in rng.integers(5, 30, docs):
                 writer.add_document(rng.integers(2, 64, int(n)))
+    return str(tmp_path / "a"), str(tmp_path / "b")
 
-    def source(paths):
-        data = DataConfig(source="indexed", paths=paths, split="90,10,0", cache_dir=str(tmp_path / "cache"))
-        return indexed_source(data, 16, 200, 7)
-    from tessera.data import IndexedDataset
-    sizes = []
-    for name in ("a", "b"):
-        docs = IndexedDataset(str(tmp_path / name))
-        part = split_documents(len(docs), "90,10,0")[0]
-        sizes.append(int(docs.sequence_lengths[part.start:part.stop].sum()))
-    plain = source([str(tmp_path / "a"), str(tmp_path / "b")])
-    weighted = source([str(sizes[0]), str(tmp_path / "a"), str(sizes[1]), str(tmp_path / "b")])
-    assert 0.15 < sizes[0] / sum(sizes) < 0.35  # (a holds about a quarter of the tokens)
+
+def _source(tmp_path, paths, num_samples, split="90,10,0"):
+    from tessera.config import DataConfig
+    from tessera.data.indexed_source import indexed_source
+
+    data = DataConfig(source="indexed", paths=paths, split=split, cache_dir=str(tmp_path / "cache"))
+    return indexed_source(data, 16, num_samples, 7)
+
+
+def test_a_blend_without_weights_draws_one_epoch_of_each_in_proportion_to_its_samples(tmp_path):
+    """data.paths=a,b (no weights), as megatron-core: each dataset one epoch of its split, the
+    blend weighted by their samples, sample for sample the blend given those weights."""
+    a, b = _two_corpora(tmp_path)
+    plain = _source(tmp_path, [a, b], 200)
+    epochs = [len(ds) for ds in plain.datasets]
+    assert [ds.num_epochs for ds in plain.datasets] == [1, 1] and len(plain) == 200 < sum(epochs)
+    assert 0.15 < epochs[0] / sum(epochs) < 0.35  # (a holds about a quarter of the samples)
+    weighted = _source(tmp_path, [str(epochs[0]), a, str(epochs[1]), b], 200)
     assert all(np.array_equal(plain[i], weighted[i]) for i in range(200))
+
+
+def test_a_blend_without_weights_goes_on_past_one_epoch_of_each(tmp_path):
+    """Where megatron-core's unweighted blend ends (one epoch of each), tessera's goes on: each
+    dataset is built for its share, in the same proportion."""
+    a, b = _two_corpora(tmp_path)
+    epochs = [len(ds) for ds in _source(tmp_path, [a, b], 10).datasets]
+    longer = _source(tmp_path, [a, b], 3 * sum(epochs))
+    assert len(longer) >= 3 * sum(epochs) and min(ds.num_epochs for ds in longer.datasets) >= 3
+    counts = np.bincount(longer.dataset_index[:3 * sum(epochs)])
+    assert np.all(np.abs(counts - 3 * np.array(epochs)) <= 1)
+    for i in range(0, len(longer), 97):
+        longer[i]  # readable throughout
+
+
+def test_weighted_blend_budgets_as_megatron_core():
+    """ceil(n * w) per dataset, the blend that long in all; each dataset built 0.5 % over."""
+    from tessera.data.blend import blend_budgets
+
+    assert blend_budgets([0.7, 0.3], 1000) == ([700, 300], [704, 302])
+    assert blend_budgets([1 / 3, 2 / 3], 10) == ([4, 7], [5, 8])  # a blend of 11 for 10 asked
+    assert blend_budgets([1.0], 256) == ([256], [258])
+
+
+def test_a_weighted_blend_is_as_long_as_its_shares(tmp_path):
+    a, b = _two_corpora(tmp_path)
+    blend = _source(tmp_path, ["1", a, "2", b], 10)
+    assert len(blend) == 11 and blend.counts.tolist() == [4, 7]
+    assert [ds.description["num_samples"] for ds in blend.datasets] == [5, 8]

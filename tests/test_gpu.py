@@ -609,3 +609,62 @@ def test_recomputed_layers_follow_the_plain_run_on_cuda(tmp_path, family, mode):
     again = _train(tmp_path, "again", 1, base + [f"train.recompute={mode}"])
     assert [m["loss"] for m in again] == pytest.approx([m["loss"] for m in plain], rel=1e-2)
     assert again[-1]["loss"] < again[0]["loss"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cuda_graphed_decode_step_generates_what_the_eager_step_generates(dtype):
+    """generate(cuda_graph=True): each decode step one replay (inference/decode_graph.py), greedy
+    and drawn, prompts of different lengths, past seq_len. The graph attends over every slot
+    (masked), the eager step over the filled ones: fp32 gives the same tokens; bf16, whose
+    rounding differs between the two shapes, the same first tokens."""
+    from tessera.inference.generate import generate
+    from tessera.inference.sampling import Sampling
+    from tessera.topology import Topology
+
+    cfg = ModelConfig(family="llama", hidden=128, heads=4, kv_heads=2, layers=2, seq_len=32, vocab_size=300,
+                      tie_embeddings=False, init_std=0.3)  # (spread logits: no near-ties)
+    model = GPTModel(cfg, device="cuda")
+    model.init_weights(7)
+    model.to(dtype)
+    topo = Topology.build(device="cuda")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]]
+    for sampling in (Sampling(), Sampling(temperature=0.8, top_k=40, seed=1)):
+        eager = generate([model], prompts, 40, topo=topo, sampling=sampling)
+        graphed = generate([model], prompts, 40, topo=topo, sampling=sampling, cuda_graph=True)
+        if dtype == torch.float32:
+            assert graphed == eager
+        else:
+            assert [ids[: len(p) + 4] for p, ids in zip(prompts, graphed)] == \
+                [ids[: len(p) + 4] for p, ids in zip(prompts, eager)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_generation_and_evaluation_at_tp2_and_pp2_match_one_gpu(tmp_path):
+    """tessera generate (eager and CUDA-graphed at tp=2, eager at pp=2) and tessera eval on NCCL
+    print what one GPU prints, from a checkpoint a short run saved (fp32: the tp=2 sums differ from
+    one GPU's in the last bits, far below the gaps between the trained model's logits)."""
+    sets = ["model.hidden=64", "model.layers=2", "model.seq_len=64", "train.steps=60", "optim.lr=3e-3",
+            "train.micro_batch=2",
+            "train.global_batch=4", f"checkpoint.dir={tmp_path}/ck", f"train.out_dir={tmp_path}/out"]
+    train = subprocess.run([sys.executable, "-m", "tessera", "train", *[a for s in sets for a in ("--set", s)]],
+                           capture_output=True, text=True, timeout=200)
+    assert train.returncode == 0, train.stderr[-2000:]
+
+    def tessera(*args, nproc=1):
+        launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
+        done = subprocess.run([sys.executable, "-m", "tessera", *args, "--checkpoint", f"{tmp_path}/ck", *launch],
+                              capture_output=True, text=True, timeout=200)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+    generate = ["generate", "--prompt", "The ", "--prompt", "def ", "--max-new-tokens", "80", "--temperature", "0",
+                "--json", "--no-stop"]
+    one = tessera(*generate)
+    assert tessera(*generate, "--cuda-graph") == one
+    assert tessera(*generate, "--set", "parallel.tp=2", nproc=2) == one
+    assert tessera(*generate, "--set", "parallel.tp=2", "--cuda-graph", nproc=2) == one
+    assert tessera(*generate, "--set", "parallel.pp=2", nproc=2) == one
+    figure = json.loads(tessera("eval", "--json"))
+    for layout in (["--set", "parallel.tp=2"], ["--set", "parallel.pp=2"], []):
+        assert json.loads(tessera("eval", "--json", *layout, nproc=2))["loss"] == pytest.approx(figure["loss"], rel=1e-5)

@@ -239,3 +239,35 @@ def test_an_export_from_elsewhere_writes_the_weights_and_says_where_it_looked(tm
     done = cli("export", "run/ck", "--hf", "hf")
     assert done.returncode == 0 and (tmp_path / "hf" / "model.safetensors").exists(), done.stderr
     assert f"no tokenizer (no docs.tokenizer.json from {tmp_path}: give --tokenizer)" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_builtin_corpus_run_exports_its_byte_tokens_and_generates_alike(tmp_path, capsys):
+    """A run on the builtin corpus (byte tokens): its export holds a tokenizer.json that
+    AutoTokenizer reads as the same bytes, end of document 0; transformers' greedy text from the
+    export is what `tessera generate` prints from the checkpoint."""
+    import json
+
+    from tessera.cli import main
+    from tessera.data.tokenizer import ByteTokenizer
+    from tessera.training.trainer import train
+
+    train(load_config(None, MODELS["llama"] + ["model.vocab_size=256", "model.seq_len=32", "train.steps=3",
+                                               "train.micro_batch=2", "train.global_batch=4", "optim.lr=1e-2",
+                                               f"checkpoint.dir={tmp_path}/ck", f"train.out_dir={tmp_path}/out"]))
+    done = cli("export", f"{tmp_path}/ck", "--hf", f"{tmp_path}/hf")
+    assert done.returncode == 0 and "byte tokens (end of document: id 0)" in done.stdout, done.stdout + done.stderr
+    tokenizer = transformers.AutoTokenizer.from_pretrained(f"{tmp_path}/hf")
+    text = "Byte tokens: é, 日本, \x00 and Ā"
+    assert tokenizer(text)["input_ids"] == ByteTokenizer().encode(text)
+    assert tokenizer.decode(list(range(256))) == ByteTokenizer().decode(list(range(256)))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp_path}/hf").eval()
+    ids = torch.tensor([tokenizer("The ")["input_ids"]])
+    with torch.no_grad():
+        theirs = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)[0]
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", f"{tmp_path}/ck", "--prompt", "The ", "--max-new-tokens", "20",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == ByteTokenizer().decode(theirs.tolist()[: (theirs.tolist() + [0]).index(0, 4)]) + "\n"

@@ -162,13 +162,14 @@ def test_tensorboard_scalars_are_the_runs_metrics_a_folder_per_run(tmp_path):
     assert sorted(p.name for p in (out / "tensorboard").iterdir()) == ["run-1", "run-2"]
     assert _scalars(out / "tensorboard" / "run-1") == first
     tags = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens": "train/tokens",
-            "valid_loss": "valid/loss"}
+            "valid_loss": "valid/loss", "forward_backward_s_max": "train/forward_backward_s_max"}
     for run, metrics, validated in (("run-1", "metrics.1.jsonl", [2, 3]), ("run-2", "metrics.jsonl", [])):
         scalars, logged = _scalars(out / "tensorboard" / run), [json.loads(x) for x in (out / metrics).read_text().splitlines()]
         assert [m["step"] for m in logged if "valid_loss" in m] == validated
         for key, tag in tags.items():
             assert scalars.get(tag, {}) == pytest.approx({m["step"]: m[key] for m in logged if key in m}, rel=1e-6), (run, tag)
         assert len(set(scalars["train/lr"].values())) > 1 and "train/step" not in scalars  # (warmup: an lr per step)
+        assert list(scalars["train/forward_backward_s_max"]) == [len(logged)]  # (timers: at the last step here)
 
 
 @needs_tensorboard

@@ -2,12 +2,13 @@
 ``tessera schedule --kind interleaved --pp 4 --vpp 2 --microbatches 8 [--out schedule.svg]``,
 ``tessera plan --config FILE --gpus N --gpu-memory 80GB``,
 ``tessera preprocess --input FILE.jsonl --tokenizer SPEC --output-prefix P``, ``tessera data inspect P``,
-``tessera checkpoint inspect|export|import ...``.
+``tessera checkpoint inspect|export|import ...``, ``tessera generate|eval --checkpoint CKPT ...``.
 
 Run it under ``torchrun --nproc-per-node N`` for several processes, or give ``--nproc-per-node N``
-to ``tessera train`` itself: it checks the configuration for N processes first and then starts
-torchrun. A bad configuration is refused on every rank before any work, with one line naming
-the key and the fix (printed once, by rank 0) and exit status 2.
+to ``tessera train`` (``generate``, ``eval``) itself: it checks the configuration for N processes (times ``--nnodes``)
+first and then starts torchrun (training/launcher.py: rendezvous, restarts, preemption signals).
+A bad configuration is refused on every rank before any work, with one line naming the key and
+the fix (printed once, by rank 0) and exit status 2.
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ import argparse
 import contextlib
 import math
 import os
-import signal
-import subprocess
 import sys
-import tempfile
+import threading
 import time
 
 from tessera.config import ConfigError, load_config
@@ -36,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="override one config value (repeatable), e.g. --set parallel.tp=2")
     train.add_argument("--nproc-per-node", type=_positive(int), default=0, metavar="N",
                        help="check the config for N processes, then launch them with torchrun")
+    from tessera.training.launcher import add_launcher_arguments
+
+    add_launcher_arguments(train, _positive)  # --nnodes, --node-rank, --rdzv-endpoint, --rdzv-id, --max-restarts
     sub.add_parser("config", help="print the configuration reference (every key, default and meaning)")
     schedule = sub.add_parser("schedule", help="simulate a pipeline schedule: step time, bubble (idle / busy time), picture")
     schedule.add_argument("--kind", default="1f1b", help="none, gpipe, 1f1b, interleaved, zb-h1 or interleaved-zb")
@@ -78,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     from tessera.checkpoint.commands import add_checkpoint_commands
 
     add_checkpoint_commands(sub)  # checkpoint inspect, export, import
+    from tessera.inference.commands import add_inference_commands
+
+    add_inference_commands(sub)  # generate, eval
     return parser
 
 
@@ -159,101 +164,8 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace) -> int:
-    """Check the configuration for the launch, then hand over to torchrun (which relaunches us)."""
-    from tessera.training.metrics import CHECKPOINT_LOCK_NAME, check_out_dir_free
-    from tessera.training.preflight import check_runnable
-
-    cfg = check_runnable(load_config(args.config, args.overrides), args.nproc_per_node)
-    check_out_dir_free(cfg.train.out_dir)  # (the run takes the lock; said here once, before torchrun)
-    if cfg.checkpoint.dir:
-        check_out_dir_free(cfg.checkpoint.dir, "checkpoint.dir", CHECKPOINT_LOCK_NAME)
-    # --standalone: a rendezvous on a free local port, so two runs on one machine never collide
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(args.nproc_per_node), "-m", "tessera", "train"]
-    command += ["--config", args.config] if args.config else []
-    for item in args.overrides:
-        command += ["--set", item]
-    with tempfile.TemporaryDirectory(prefix="tessera-exit-") as statuses:
-        status = run_forwarding_signals(command, {EXIT_DIR: statuses})
-        return worker_status(statuses, status)
-
-
-EXIT_DIR = "TESSERA_EXIT_DIR"
-
-
-def worker_status(folder: str, status: int) -> int:
-    """torchrun's exit status is 1 whatever a worker's was: where workers ended on an error of
-    ours, theirs (written under ``folder``, :func:`_say_status`), so a job script can tell a
-    non-finite stop (3) or a configuration error (2) from a crash."""
-    codes = set()
-    for name in os.listdir(folder) if status else ():
-        with contextlib.suppress(OSError, ValueError):
-            codes.add(int(open(os.path.join(folder, name)).read()))
-    return next((code for code in (3, 2, 130) if code in codes), status)
-
-
-def _say_status(rank: int, code: int) -> int:
-    """A worker started by ``tessera train --nproc-per-node`` leaves its exit status for the
-    launcher (:func:`worker_status`); returns it."""
-    folder = os.environ.get(EXIT_DIR)
-    if folder:
-        with contextlib.suppress(OSError):
-            with open(os.path.join(folder, str(rank)), "w") as f:
-                f.write(str(code))
-    return code
-
-
-STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-
-
-def _parent_death_signal():
-    """A ``preexec_fn`` that asks Linux to send the child SIGTERM when its parent dies
-    (``prctl(PR_SET_PDEATHSIG)``), or None elsewhere. libc is looked up here, before the fork."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    pr_set_pdeathsig = 1
-    return lambda: prctl(pr_set_pdeathsig, int(signal.SIGTERM))
-
-
-def run_forwarding_signals(command: list[str], extra_env: dict[str, str] | None = None) -> int:
-    """Run ``command`` in a session of its own and return its exit status (128 + N where signal N
-    ended it), passing on the signals that stop a job (SIGINT, SIGTERM, SIGHUP, SIGQUIT), each
-    once. A job manager or ``kill`` that signals only the launcher would otherwise leave torchrun
-    and its workers running on the GPUs. The session of its own keeps a terminal's Ctrl-C from
-    reaching torchrun twice, directly and forwarded: a second signal interrupts torchrun's own
-    shutdown of its workers. A signal this process ignores (``nohup``'s SIGHUP) is not passed on.
-    On Linux the command also gets a SIGTERM when this process dies without passing anything on
-    (SIGKILL, an out-of-memory kill): its parent-death signal."""
-    child, early = None, []
-
-    def forward(signum, _frame):
-        if signum == signal.SIGINT:
-            print("tessera: interrupted: stopping the workers", file=sys.stderr, flush=True)
-        if child is None:  # (before the child exists: sent to it once it does)
-            early.append(signum)
-            return
-        with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
-    previous = {sig: signal.signal(sig, forward) for sig in STOPPING_SIGNALS
-                if signal.getsignal(sig) is not signal.SIG_IGN}
-    try:
-        # (torchrun sets OMP_NUM_THREADS=1 where it is unset, and prints a banner saying so)
-        env = os.environ | ({} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}) | (extra_env or {})
-        child = subprocess.Popen(command, start_new_session=True, env=env, preexec_fn=_parent_death_signal())
-        for signum in early:
-            child.send_signal(signum)
-        status = child.wait()
-        return status if status >= 0 else 128 - status
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     if args.command == "config":
         from tessera.config.reference import reference_markdown
@@ -273,18 +185,30 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_checkpoint_command(args)
     from tessera.training.launch import shutdown, world_from_env
+    from tessera.training.launcher import launch, launching, register_worker, say_status
+    from tessera.training.preemption import StopRequest, job_started
     from tessera.training.rerun import NonFiniteStop
 
     rank, _, world = world_from_env()
     who = f"rank {rank}: " if world > 1 else ""
     interrupted = False
+    stack = contextlib.ExitStack()
     try:
-        if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
-            return _launch(args)
+        if launching(args):  # --nproc-per-node, outside torchrun: this process starts it
+            return launch(args, argv)
+        # from here on SIGTERM and SIGUSR1 ask the run to finish its step, save and exit 0
+        stop = StopRequest(started=job_started())
+        if threading.current_thread() is threading.main_thread():
+            stack.enter_context(stop.install())
+        register_worker()  # (the launcher passes SIGTERM and SIGUSR1 on to this pid)
+        if args.command in ("generate", "eval"):
+            from tessera.inference.commands import run_inference_command
+
+            return run_inference_command(args)
         cfg = load_config(args.config, args.overrides)
         from tessera.training.trainer import train
 
-        train(cfg)
+        train(cfg, stop=stop)
     except ConfigError as e:
         if e.rank_local:  # found in this rank's own share (of the data): only this rank knows
             print(f"tessera: {who}{e}", file=sys.stderr, flush=True)
@@ -292,18 +216,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tessera: {e}", file=sys.stderr, flush=True)
         else:  # every rank finds the error; torchrun stops the others once one exits, so the
             time.sleep(3)  # rest leave rank 0 time to say it (seen lost on a loaded 2-core CI box)
-        return _say_status(rank, 2)
+        return say_status(rank, 2)
     except NonFiniteStop as e:  # every rank reached the same verdict (training/rerun.py): one says it
         if rank == 0:
             print(f"tessera: {e}", file=sys.stderr, flush=True)
         else:
             time.sleep(3)
-        return _say_status(rank, 3)
+        return say_status(rank, 3)
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever the step was
         interrupted = True
         print(f"tessera: {who}interrupted", file=sys.stderr, flush=True)
-        return _say_status(rank, 130)
+        return say_status(rank, 130)
     finally:
+        stack.close()
         if not interrupted:  # (after an interrupt, a collective may be half done: tearing the
             shutdown()       # process group down could wait for it; the process ends anyway)
     return 0

@@ -20,14 +20,16 @@ import contextlib
 import dataclasses
 import datetime
 import io
+import pickle
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 
-from tessera.checkpoint import dcp, store
+from tessera.checkpoint import checksums, dcp, store
 from tessera.checkpoint.shards import optimizer_shards
 from tessera.config import Config, to_dict
 from tessera.tensor_parallel import RNGTracker
@@ -140,12 +142,24 @@ class Checkpointer:
 
     def _write(self, partial: str, shards, objects: dict, meta: dict | None, began: float, group) -> str:
         dcp.write(partial, shards, objects, group)
+        sums = self._checksums(partial, group)
         final = partial.removesuffix(".partial")
         if meta is not None:  # rank 0, once every rank has written (DCP's save ends with a collective)
-            store.finish_save(partial, meta, self.cfg.checkpoint.keep)
+            store.finish_save(partial, meta | {"checksums": sums}, self.cfg.checkpoint.keep)
         _barrier(group)  # (renamed before any rank says so)
         self.log(f"tessera: saved {final} ({store.folder_gib(final):.2f} GiB in {time.perf_counter() - began:.1f} s)")
         return final
+
+    @staticmethod
+    def _checksums(partial: str, group) -> dict[str, str] | None:
+        """Every rank the CRC-32s of the files it wrote, gathered: rank 0 gets them all (None elsewhere)."""
+        if not dist.is_initialized():
+            return checksums.checksums(partial, checksums.written_by(partial, 0, 1))
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        mine = checksums.checksums(partial, checksums.written_by(partial, rank, world))
+        every = [None] * world if rank == 0 else None
+        dist.gather_object(mine, every, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        return {name: crc for part in every for name, crc in part.items()} if rank == 0 else None
 
     def _write_in_background(self, partial, shards, objects, meta, began, result: dict) -> None:
         try:
@@ -184,13 +198,22 @@ class Checkpointer:
         from, whether the random streams were restored). ``weights_only``: the parameters only
         (a fine-tune): Adam afresh, step 0, the data, schedules and streams as this run starts them."""
         meta = store.read_meta(path)
+        self._verify(path, meta.get("checksums"))
         moments = {tensor: (torch.zeros_like(tensor), torch.zeros_like(tensor)) for tensor in self.optimizer.tensors}
         shards = self._shards(moments, saving=False)
         if weights_only:
             shards = [s for s in shards if s.key.startswith("model.")]
         wanted = not weights_only and self.rng is not None and self._rng_key in dcp.saved_keys(path)
         objects = {self._rng_key: b""} if wanted else {}
-        loaded = dcp.read(path, shards, objects)
+        try:
+            loaded = dcp.read(path, shards, objects)
+        except dcp.CheckpointMismatch as e:  # (check_resume compares tessera.json with the tensors first)
+            raise store.damaged(self.cfg, path, f"its tensors do not fit its {store.META}'s model: {e}") from None
+        except CheckpointException as e:  # (a checkpoint saved without checksums, which would name the file)
+            inner = next(iter(e.failures.values()), (e,))[0]
+            first = (str(inner).strip().splitlines() or [""])[0][:200]
+            raise store.damaged(self.cfg, path, f"its data files do not load ({type(inner).__name__}: {first}; saved "
+                                "without checksums, which would name the file)") from None
         self.optimizer.load_checkpoint(moments, 0.0 if weights_only else meta["adam_step"])
         if weights_only:
             return 0, False
@@ -202,8 +225,28 @@ class Checkpointer:
         if guard is not None:
             guard.load_state_dict(meta.get("numerics"))  # (None in checkpoints older than the guard, 2026-11-29)
         if objects:
-            self.rng.set_states(torch.load(io.BytesIO(loaded[self._rng_key]), weights_only=True))
+            try:
+                states = torch.load(io.BytesIO(loaded[self._rng_key]), weights_only=True)
+            except (pickle.UnpicklingError, RuntimeError, EOFError) as e:  # (a checkpoint saved without checksums)
+                raise store.damaged(self.cfg, path, f"its random streams ({self._rng_key}) do not unpickle "
+                                    f"({type(e).__name__})") from None
+            self.rng.set_states(states)
         return meta["step"], bool(objects)
+
+    def _verify(self, path: str, expected: dict[str, str] | None) -> None:
+        """The checkpoint's files against the CRC-32s saved with it (none in checkpoints saved before
+        2026-12-01), each rank a share of the files; every rank refuses a mismatch alike."""
+        if not expected:
+            return
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        bad = checksums.differing(path, expected, rank, world)
+        if world > 1:
+            every: list = [None] * world
+            dist.all_gather_object(every, bad)
+            bad = [b for part in every for b in part]
+        if bad:
+            raise store.damaged(self.cfg, path, f"{bad[0]} fails its checksum"
+                                + (f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""))
 
 
 __all__ = ["Checkpointer"]

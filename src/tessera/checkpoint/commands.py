@@ -1,7 +1,8 @@
 """``tessera checkpoint inspect PATH``: what a checkpoint holds, without loading it.
 ``tessera checkpoint export PATH --hf OUT``: its weights as a transformers model folder.
 ``tessera checkpoint import HF_FOLDER --out DIR``: a transformers GPT-2 or Llama folder as a
-weights-only checkpoint ``DIR/step_00000000``, which a run starts from with
+weights-only checkpoint ``DIR/step_00000000`` (with the folder's tokenizer.json and end-of-sequence
+ids, for ``tessera generate``), which a run starts from with
 ``checkpoint.load=DIR/step_00000000 checkpoint.finetune=true`` and the model settings it prints
 (the folder itself, not DIR: DIR may hold other checkpoints, and a folder means its newest).
 
@@ -30,7 +31,8 @@ def add_checkpoint_commands(sub) -> None:
     export.add_argument("--hf", required=True, metavar="OUT", help="the folder to write config.json and model.safetensors to")
     export.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="the weights' dtype (default fp32)")
     export.add_argument("--tokenizer", metavar="JSON", help="the tokenizer.json to put beside the weights (default: "
-                        "the run's train.sample_tokenizer, else the data's PREFIX.tokenizer.json, where there is one)")
+                        "the checkpoint's own, the run's train.sample_tokenizer, else the data's PREFIX.tokenizer.json, "
+                        "where there is one; the builtin corpus's bytes as a tokenizer.json of the same ids)")
     imp = ck_sub.add_parser("import", help="a transformers GPT-2 or Llama folder as a weights-only checkpoint")
     imp.add_argument("folder", help="config.json and model.safetensors (or its index of several files)")
     imp.add_argument("--out", required=True, metavar="DIR", help="writes DIR/step_00000000")
@@ -52,6 +54,7 @@ def _export(args) -> int:
     import torch
 
     from tessera.checkpoint import dcp, hf, store
+    from tessera.checkpoint.vocabulary import vocabulary
     from tessera.config import ModelConfig
 
     path = args.path if store.is_checkpoint(args.path) else next(iter(p for _, p in store.checkpoints(args.path)[-1:]), None)
@@ -62,56 +65,47 @@ def _export(args) -> int:
     whole = {k.removeprefix("model."): v for k, v in dcp.read_whole(path).items()}
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     config = hf.hf_config(model) | {"dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]}
-    saved = store.read_meta(path)["config"]
-    tokenizer, missing = (args.tokenizer, None) if args.tokenizer else _run_tokenizer(saved)
-    if tokenizer and os.path.isdir(tokenizer):
-        tokenizer = os.path.join(tokenizer, "tokenizer.json")
-    if tokenizer and not os.path.isfile(tokenizer):
-        raise ValueError(f"--tokenizer {tokenizer}: no such file (a tokenizer.json)")
+    meta = store.read_meta(path)
+    vocab = vocabulary(path, meta, args.tokenizer)
+    tokenizer = vocab.file
     if tokenizer:
         from tokenizers import Tokenizer
         ids = Tokenizer.from_file(tokenizer).get_vocab_size(with_added_tokens=True)
         if ids > model.vocab_size:
             raise ValueError(f"the tokenizer {tokenizer} has {ids} ids, the model {model.vocab_size}: "
                              "give the tokenizer the run's data was made with (--tokenizer)")
-    eod = hf.end_of_document(tokenizer, saved.get("data", {}).get("eod_id", -1)) if tokenizer else None
+    eod = vocab.stop_ids[0] if vocab.stop_ids and (tokenizer or vocab.byte_tokens) else None
     if eod is not None:
         config |= {"eos_token_id": eod, "bos_token_id": eod}
     hf.write_hf_folder(args.hf, config, {k: v.to(dtype) for k, v in hf.to_hf(whole, model).items()})
-    if tokenizer:
+    if vocab.byte_tokens:  # the builtin corpus's bytes, as a tokenizer.json of the same ids
+        from tessera.data.tokenizer import ByteTokenizer
+
+        tokenizer = os.path.join(args.hf, "tokenizer.json")
+        with open(tokenizer, "w") as f:
+            f.write(ByteTokenizer.hf_json())
+        hf.write_hf_tokenizer(args.hf, tokenizer, None, model.seq_len)  # (eos: config.json's eos_token_id)
+    elif tokenizer:
         hf.write_hf_tokenizer(args.hf, tokenizer, eod, model.seq_len)
+    where = "byte tokens" if vocab.byte_tokens else f"its tokenizer from {tokenizer}"
     print(f"tessera: wrote {path}'s weights to {args.hf} ({config['architectures'][0]}, {args.dtype}); "
-          + (f"its tokenizer from {tokenizer}" + (f" (end of document: id {eod})" if eod is not None else "")
-             if tokenizer else f"no tokenizer ({missing or 'the run had none'}: give --tokenizer)"))
+          + (where + (f" (end of document: id {eod})" if eod is not None else "")
+             if tokenizer else f"no tokenizer ({vocab.missing}: give --tokenizer)"))
     return 0
-
-
-def _run_tokenizer(config: dict) -> tuple[str | None, str | None]:
-    """The tokenizer.json a run trained with: its train.sample_tokenizer, else the one `tessera
-    preprocess` wrote beside its first indexed dataset; None where neither is (synthetic tokens,
-    the builtin corpus's bytes)."""
-    spec = config.get("train", {}).get("sample_tokenizer", "")
-    if spec:
-        path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
-        return (path, None) if os.path.isfile(path) else (None, f"the run's train.sample_tokenizer {spec} is not "
-                                                               f"found from {os.getcwd()}")
-    data = config.get("data", {})
-    if data.get("source") == "indexed" and data.get("paths"):
-        from tessera.data.blend import parse_blend
-
-        beside = parse_blend(data["paths"])[0][1] + ".tokenizer.json"
-        return (beside, None) if os.path.isfile(beside) else (None, f"no {beside} from {os.getcwd()}")
-    return None, None
 
 
 def _import(args) -> int:
     from tessera.checkpoint import hf, store
+    from tessera.checkpoint.vocabulary import TOKENIZER
     from tessera.config import ModelConfig
 
     config, state = hf.read_hf_folder(args.folder)
     settings = hf.model_settings(config)
     whole = hf.from_hf(state, ModelConfig(**settings))
-    path = store.write_weights(args.out, whole, settings)
+    tokenizer = os.path.join(args.folder, TOKENIZER)  # (generation reads it from the checkpoint)
+    files = {TOKENIZER: tokenizer} if os.path.isfile(tokenizer) else {}
+    stops = hf.stop_ids(args.folder, config, settings["vocab_size"])
+    path = store.write_weights(args.out, whole, settings, files=files, meta={"stop_ids": stops} if stops else {})
     shown = {k: v for k, v in settings.items() if not (k == "seq_len" and settings["family"] == "llama")}
     flags = " ".join(f"--set model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in shown.items())
     print(f"tessera: wrote {path} ({settings['family']}, {sum(t.numel() for t in whole.values()):,} parameters)\n"

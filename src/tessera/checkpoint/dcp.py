@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from tessera.checkpoint.files import is_url
 from tessera.checkpoint.shards import Shard
 
 
@@ -107,12 +108,29 @@ def _one_process():
         yield
 
 
+def _writer(path: str):
+    """DCP's writer for a folder, or for an object store's URL (checkpoint/files.py) its fsspec one."""
+    if is_url(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # (torch keeps it private)
+
+        return FsspecWriter(path, thread_count=WRITE_THREADS)
+    return dcp.FileSystemWriter(path, thread_count=WRITE_THREADS)
+
+
+def _reader(path: str):
+    if is_url(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(path)
+    return dcp.FileSystemReader(path)
+
+
 def write(path: str, shards: list[Shard], objects: dict, group=None) -> None:
     """Every rank's ``shards`` and ``objects`` (small picklable values; a key on several ranks
     is written once) into the folder ``path``. Collective over ``group`` (default: the default
     group, if any)."""
     with _one_process():
-        dcp.save(dict(objects), storage_writer=dcp.FileSystemWriter(path, thread_count=WRITE_THREADS),
+        dcp.save(dict(objects), storage_writer=_writer(path),
                  planner=_SavePlanner(shards), process_group=group)
 
 
@@ -121,26 +139,26 @@ def read(path: str, shards: list[Shard], objects: dict) -> dict:
     saved value. Collective over the default group, if any."""
     state = dict(objects)
     with _one_process():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(shards))
+        dcp.load(state, storage_reader=_reader(path), planner=_LoadPlanner(shards))
     return state
 
 
 def saved_tensors(path: str) -> dict[str, TensorStorageMetadata]:
     """The checkpoint's tensors: their whole shapes and dtypes."""
-    md = dcp.FileSystemReader(path).read_metadata()
+    md = _reader(path).read_metadata()
     return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
 def storage_extents(path: str) -> dict[str, int]:
     """Each data file the checkpoint's index names, and the byte its items end at."""
     ends: dict[str, int] = {}
-    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
+    for info in _reader(path).read_metadata().storage_data.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     return ends
 
 
 def saved_keys(path: str) -> set[str]:
-    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    return set(_reader(path).read_metadata().state_dict_metadata)
 
 
 def read_whole(path: str, prefix: str = "model.") -> dict[str, torch.Tensor]:
@@ -149,7 +167,7 @@ def read_whole(path: str, prefix: str = "model.") -> dict[str, torch.Tensor]:
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for k, md in saved_tensors(path).items() if k.startswith(prefix)}
     with _one_process():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+        dcp.load(state, storage_reader=_reader(path))
     return state
 
 

@@ -168,17 +168,35 @@ def _whole_shapes(m: ModelConfig) -> dict[str, tuple]:
     return {n: (m.vocab_size, *s[1:]) if n in ("embedding.weight", "output.weight") else s for n, s in local.items()}
 
 
+def _read_json(path: str) -> dict:
+    """A transformers JSON file as a dict; refused in one line naming the file where it is not one."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON ({e.msg} at line {e.lineno}, column {e.colno}): give the folder "
+                         "transformers' save_pretrained wrote, or repair the file") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not text (JSON): give the folder transformers' save_pretrained wrote") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object of settings: give the folder "
+                         "transformers' save_pretrained wrote, or repair the file")
+    return value
+
+
 def read_hf_folder(folder: str) -> tuple[dict, dict[str, Tensor]]:
     """(config.json, every tensor) of a transformers model folder (one safetensors file, or an
     index of several)."""
     from safetensors.torch import load_file
 
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
+    config = _read_json(os.path.join(folder, "config.json"))
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map (tensor name -> file): write the model again with "
+                             "transformers' save_pretrained, or remove the index if model.safetensors holds it all")
+        files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(folder, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -219,6 +237,18 @@ def end_of_document(tokenizer_json: str, eod_id: int) -> int | None:
         return None
 
 
+def stop_ids(folder: str, config: dict, vocab_size: int) -> list[int]:
+    """A transformers model's end-of-sequence ids (config.json's ``eos_token_id``, else its
+    generation_config.json's; one id or several), those inside the vocabulary."""
+    ids = config.get("eos_token_id")
+    generation = os.path.join(folder, "generation_config.json")
+    if ids is None and os.path.isfile(generation):
+        with open(generation) as f:
+            ids = json.load(f).get("eos_token_id")
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return [i for i in ids if isinstance(i, int) and 0 <= i < vocab_size]
+
+
 def write_hf_tokenizer(folder: str, tokenizer_json: str, eod: int | None, seq_len: int) -> None:
     """``tokenizer.json`` and a ``tokenizer_config.json`` that transformers' AutoTokenizer reads
     (a fast tokenizer: the same ids as the tokenizers library's)."""
@@ -226,7 +256,9 @@ def write_hf_tokenizer(folder: str, tokenizer_json: str, eod: int | None, seq_le
 
     from tokenizers import Tokenizer
 
-    shutil.copyfile(tokenizer_json, os.path.join(folder, "tokenizer.json"))
+    target = os.path.join(folder, "tokenizer.json")
+    if os.path.abspath(tokenizer_json) != os.path.abspath(target):
+        shutil.copyfile(tokenizer_json, target)
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len}
     if eod is not None:
         token = Tokenizer.from_file(tokenizer_json).id_to_token(eod)
@@ -235,4 +267,5 @@ def write_hf_tokenizer(folder: str, tokenizer_json: str, eod: int | None, seq_le
         json.dump(settings, f, indent=1)
 
 
-__all__ = ["hf_config", "model_settings", "to_hf", "from_hf", "read_hf_folder", "write_hf_folder", "end_of_document", "write_hf_tokenizer"]
+__all__ = ["hf_config", "model_settings", "to_hf", "from_hf", "read_hf_folder", "write_hf_folder", "end_of_document",
+           "stop_ids", "write_hf_tokenizer"]

@@ -147,6 +147,18 @@ def fsdp_rows(param: Tensor, dp_size: int, dp_rank: int) -> tuple[int, Tensor]:
     return first, local
 
 
+def model_shards(chunks: list[nn.Module], vocab_size: int, tp_rank: int) -> list[Shard]:
+    """Every parameter of this rank's chunks as the boxes of the whole tensors it holds, views of
+    the parameters: what loading a model without its optimizer reads (generation, evaluation)."""
+    out: list[Shard] = []
+    for chunk in chunks:
+        places = placements(chunk, vocab_size, tp_rank)
+        for name, p in chunk.named_parameters():
+            if name in places:
+                out.extend(place(places[name], (0,) * p.ndim, p.detach(), "model."))
+    return [s for s in out if s.tensor.numel()]
+
+
 def optimizer_shards(chunks: list[nn.Module], optimizer, vocab_size: int, tp_rank: int, dp_rank: int,
                      dp_size: int, moments: dict[Tensor, tuple[Tensor, Tensor]], *, saving: bool) -> list[Shard]:
     """This rank's shards of the main parameters (``model.``) and Adam's moments
@@ -188,4 +200,4 @@ def optimizer_shards(chunks: list[nn.Module], optimizer, vocab_size: int, tp_ran
     return [s for s in out if s.tensor.numel()]
 
 
-__all__ = ["Shard", "Placement", "placements", "place", "flat_boxes", "fsdp_rows", "optimizer_shards"]
+__all__ = ["Shard", "Placement", "placements", "place", "flat_boxes", "fsdp_rows", "model_shards", "optimizer_shards"]

@@ -6,7 +6,8 @@ resumes from.
         .metadata               DCP's index: each tensor's whole shape and the boxes saved
         __0_0.distcp ...        each rank's boxes (checkpoint/shards.py) and objects
         tessera.json            the step, the run's config, the scheduler's, batch calculator's
-                                and loss scaler's state, Adam's step count (written last)
+                                and loss scaler's state, Adam's step count, every other file's
+                                CRC-32 (checkpoint/checksums.py) (written last)
       step_00000300.partial/    a save in progress, or one that died: never read, replaced by
                                 the next save of that step
 
@@ -21,8 +22,10 @@ folder, or a folder of them: its newest; e.g. a pretrained model a fine-tune sta
 from scratch. :func:`check_resume` refuses, before any process starts, a checkpoint whose model
 differs from the config's, whose batch sizes or learning-rate schedule differ (the resumed run
 would silently change them; not with ``checkpoint.finetune``, which takes the weights only, nor
-the schedule with ``checkpoint.new_schedule``), and a ``checkpoint.load`` naming an older checkpoint of
-``checkpoint.dir`` (a run from it would replace the later ones). The layout (tp, pp, vpp, dp,
+the schedule with ``checkpoint.new_schedule``), a ``checkpoint.load`` naming an older checkpoint of
+``checkpoint.dir`` (a run from it would replace the later ones), and a damaged checkpoint: a data
+file missing or cut short, or a ``tessera.json`` whose model disagrees with the tensors (a data
+file of the right size but other bytes fails its checksum as the load starts: the checkpointer). The layout (tp, pp, vpp, dp,
 zero) and the dtype may differ: loading reshards.
 """
 
@@ -33,8 +36,8 @@ import json
 import os
 import re
 import shutil
-import uuid
 
+from tessera.checkpoint import files
 from tessera.config import Config, ConfigError, ModelConfig
 
 META = "tessera.json"
@@ -46,21 +49,19 @@ _MODEL_KEYS = ("family", "vocab_size", "hidden", "layers", "heads", "num_kv_head
 
 
 def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
+    return files.join(root, f"step_{step:08d}")
 
 
 def is_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, META)) and os.path.isfile(os.path.join(path, ".metadata"))
+    return files.isfile(files.join(path, META)) and files.isfile(files.join(path, ".metadata"))
 
 
 def checkpoints(root: str) -> list[tuple[int, str]]:
     """The complete checkpoints in ``root``, (step, folder), oldest first."""
-    if not os.path.isdir(root):
-        return []
     found = []
-    for name in os.listdir(root):
+    for name in files.listdir(root):
         match = _NAME.match(name)
-        path = os.path.join(root, name)
+        path = files.join(root, name)
         if match and is_checkpoint(path):
             found.append((int(match.group(1)), path))
     return sorted(found)
@@ -72,8 +73,8 @@ class DamagedCheckpoint(ValueError):
 
 def read_meta(path: str) -> dict:
     try:
-        with open(os.path.join(path, META)) as f:
-            meta = json.load(f)
+        with files.open_file(files.join(path, META), "rb") as f:
+            meta = json.loads(f.read())
         for key in ("step", "adam_step", "batches", "scheduler", "layout", "config"):
             meta[key]  # noqa: B018 -- present, or the file is not one tessera wrote whole
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -94,22 +95,57 @@ def check_files(path: str) -> None:
     except Exception as e:  # noqa: BLE001 -- whatever DCP raises on a broken index
         raise DamagedCheckpoint(f"its index .metadata is unreadable ({type(e).__name__}: {e})") from None
     for name, end in sorted(extents.items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
+        file = files.join(path, name)
+        if not files.isfile(file):
             raise DamagedCheckpoint(f"{name} is missing")
-        if os.path.getsize(file) < end:
-            raise DamagedCheckpoint(f"{name} holds {os.path.getsize(file):,} bytes, its index says {end:,}")
+        if files.size(file) < end:
+            raise DamagedCheckpoint(f"{name} holds {files.size(file):,} bytes, its index says {end:,}")
+
+
+def check_tensors(path: str, model: ModelConfig) -> None:
+    """The tensors of the model ``tessera.json`` describes are in the checkpoint with their whole
+    shapes (a ``tessera.json`` edited, or copied from another checkpoint, is found here, not as a
+    mismatch deep inside the load)."""
+    from tessera.checkpoint import dcp
+
+    try:
+        saved = {key: tuple(md.size) for key, md in dcp.saved_tensors(path).items()}
+    except Exception as e:  # noqa: BLE001 -- whatever DCP raises on a broken index
+        raise DamagedCheckpoint(f"its index .metadata is unreadable ({type(e).__name__}: {e})") from None
+    for key, shape in whole_shapes(model).items():
+        if saved.get(key, shape) != shape or key not in saved:
+            there = f"{list(saved[key])} in .metadata" if key in saved else "absent from .metadata"
+            raise DamagedCheckpoint(f"its {META} disagrees with its tensors: {META}'s model (layers={model.layers}, "
+                                    f"hidden={model.hidden}, vocab_size={model.vocab_size}, ...) has {key} of shape "
+                                    f"{list(shape)}, {there}")
+
+
+def whole_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The checkpoint keys and whole shapes of a ``model``'s parameters (checkpoint/shards.py:
+    a one-process model's, the vocabulary unpadded); on the meta device, no memory."""
+    import torch
+
+    from tessera.checkpoint.shards import placements
+    from tessera.models import GPTModel
+
+    with torch.device("meta"):
+        chunk = GPTModel(model)
+    return {"model." + p.key: tuple(p.shape) for p in placements(chunk, model.vocab_size, 0).values()}
+
+
+def damaged(cfg: Config, path: str, why: str) -> ConfigError:
+    """The refusal of a damaged checkpoint: checkpoint.dir's own (where a run goes on from) or
+    checkpoint.load's, with the fix for each."""
+    own = bool(cfg.checkpoint.dir) and files.same_place(files.parent(path), cfg.checkpoint.dir)
+    return ConfigError("checkpoint.dir" if own else "checkpoint.load", f"the checkpoint {path} is damaged: {why}",
+                       "move it out of the way (a run then starts from the one before), or restore it"
+                       if own else "give a whole checkpoint, or restore this one")
 
 
 def write_meta(path: str, meta: dict) -> None:
     """``tessera.json`` in ``path``, whole or not at all (a temporary renamed over it)."""
-    tmp = os.path.join(path, f".{META}.{uuid.uuid4().hex}")
-    with open(tmp, "w") as f:
-        json.dump({"format": FORMAT, "saved": datetime.datetime.now(datetime.timezone.utc).isoformat(
-            timespec="seconds"), **meta}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, META))
+    saved = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    files.write_whole(files.join(path, META), json.dumps({"format": FORMAT, "saved": saved, **meta}, indent=1).encode())
 
 
 def resume_path(cfg: Config) -> str | None:
@@ -118,10 +154,10 @@ def resume_path(cfg: Config) -> str | None:
     starts: a step folder, or a folder of them and its newest)."""
     c = cfg.checkpoint
     own = checkpoints(c.dir) if c.dir else []
-    if c.load and own and os.path.realpath(os.path.dirname(os.path.abspath(c.load))) == os.path.realpath(c.dir) \
-            and is_checkpoint(c.load) and os.path.realpath(c.load) != os.path.realpath(own[-1][1]):
+    if c.load and own and files.same_place(files.parent(c.load), c.dir) and is_checkpoint(c.load) \
+            and not files.same_place(c.load, own[-1][1]):
         raise ConfigError("checkpoint.load", f"{c.load} is an older checkpoint of checkpoint.dir, whose newest is "
-                          f"{os.path.basename(own[-1][1])}: a run resumes from the newest (saving from an older one "
+                          f"{files.basename(own[-1][1])}: a run resumes from the newest (saving from an older one "
                           "would replace the later ones)",
                           "to go back to it, move the later step_N folders out of checkpoint.dir, or give another "
                           "checkpoint.dir")
@@ -134,8 +170,8 @@ def resume_path(cfg: Config) -> str | None:
     found = checkpoints(c.load)
     if found:
         return found[-1][1]
-    why = "does not exist" if not os.path.exists(c.load) else "is neither a checkpoint nor a folder holding one"
-    hf = os.path.isfile(os.path.join(c.load, "config.json"))  # (a transformers folder)
+    why = "does not exist" if not files.exists(c.load) else "is neither a checkpoint nor a folder holding one"
+    hf = files.isfile(files.join(c.load, "config.json"))  # (a transformers folder)
     raise ConfigError("checkpoint.load", f"{c.load} {why}",
                       "give a step_N folder written by a run (checkpoint.dir/step_N), or a folder holding them"
                       + (f"; a Hugging Face folder becomes one with `tessera checkpoint import {c.load} --out DIR`"
@@ -149,7 +185,7 @@ def check_resume(cfg: Config) -> dict | None:
 
     path = resume_path(cfg)
     c = cfg.checkpoint
-    if c.dir and os.path.exists(c.dir) and not os.path.isdir(c.dir):
+    if c.dir and not files.is_url(c.dir) and os.path.exists(c.dir) and not os.path.isdir(c.dir):
         raise ConfigError("checkpoint.dir", f"{c.dir} is a file", "give a folder for the checkpoints")
     if path is None:
         return None
@@ -157,10 +193,9 @@ def check_resume(cfg: Config) -> dict | None:
     try:
         meta = read_meta(path) | {"path": path}
         check_files(path)
+        check_tensors(path, ModelConfig(**meta["config"]["model"]))
     except DamagedCheckpoint as e:
-        raise ConfigError("checkpoint.dir" if own else "checkpoint.load", f"the checkpoint {path} is damaged: {e}",
-                          "move it out of the way (a run then starts from the one before), or restore it"
-                          if own else "give a whole checkpoint") from None
+        raise damaged(cfg, path, str(e)) from None
     # weights only: from checkpoint.load (not the run's own checkpoints) with checkpoint.finetune
     meta["weights_only"] = c.finetune and not own
     if meta.get("contents") == "weights" and not meta["weights_only"]:
@@ -189,15 +224,18 @@ def check_resume(cfg: Config) -> dict | None:
                 f" (it is checkpoint.dir's own newest, which a run goes on from; to start a new run from its weights, "
                 f"give another checkpoint.dir with checkpoint.load={path} and checkpoint.finetune=true)")
         raise ConfigError("train.steps", f"{cfg.train.steps}, but the checkpoint {path} is at step {step}", fix)
-    # the data's order: a resume with another seed or split would reshuffle it mid-run (and a
+    # the data's order: a resume with another seed, split or order would reshuffle it mid-run (and a
     # new split could hand documents already trained on to the validation set)
     saved_train, saved_data = meta["config"].get("train", {}), meta["config"].get("data", {})
     same_data = all(saved_data.get(k, getattr(cfg.data, k)) == getattr(cfg.data, k) for k in ("source", "paths"))
     split = saved_data.get("split") if same_data and cfg.data.source != "synthetic" else None
     if split is not None and _proportions(split) == _proportions(cfg.data.split):
         split = None  # (2,0,0 is 1,0,0: the same documents)
+    # (checkpoints from before data.sample_order were trained in the per-epoch order)
+    order = saved_data.get("sample_order", "epochs") if same_data and cfg.data.source != "synthetic" else None
     for key, mine, theirs in (("train.seed", cfg.train.seed, saved_train.get("seed")),
-                              ("data.split", cfg.data.split, split)):
+                              ("data.split", cfg.data.split, split),
+                              ("data.sample_order", cfg.data.sample_order, order)):
         if theirs is not None and mine != theirs:
             raise ConfigError(key, f"the checkpoint {path} was trained with {key}={theirs}, this run has {mine}: "
                               "the data would be reshuffled mid-run", f"set {key}={theirs} to resume (or start a new "
@@ -214,7 +252,7 @@ def check_resume(cfg: Config) -> dict | None:
 
 def _proportions(split: str) -> list[float] | str:
     """A data.split's weights as fractions (the documents each part gets depend on these only)."""
-    from tessera.data.gpt_dataset import parse_split
+    from tessera.data.indices import parse_split
 
     try:
         return parse_split(split)
@@ -222,32 +260,46 @@ def _proportions(split: str) -> list[float] | str:
         return split
 
 
-def write_weights(root: str, whole: dict, model: dict) -> str:
+def write_weights(root: str, whole: dict, model: dict, files: dict[str, str] | None = None,
+                  meta: dict | None = None) -> str:
     """A weights-only checkpoint ``root/step_00000000`` of the whole tensors ``whole`` (names as
     a one-process model's, fp32) for a model of the ``model`` settings (one process, e.g. an
-    import from transformers); a run starts from it with ``checkpoint.finetune=true``."""
+    import from transformers); a run starts from it with ``checkpoint.finetune=true``. ``files``:
+    name -> a file copied in beside the tensors (an import's tokenizer.json); ``meta``: more
+    entries of its ``tessera.json`` (an import's end-of-sequence ids)."""
     from tessera.checkpoint import dcp
     from tessera.checkpoint.shards import Shard
     from tessera.config import Config, to_dict
 
+    from tessera.checkpoint.checksums import checksums, written_by
+
     partial = begin_save(root, 0)
     shards = [Shard("model." + name, tuple(t.shape), (0,) * t.ndim, t.float()) for name, t in whole.items()]
     dcp.write(partial, shards, {})
+    for name, source in (files or {}).items():
+        shutil.copyfile(source, os.path.join(partial, name))
     config = to_dict(Config(model=ModelConfig(**model)))
-    return finish_save(partial, {"contents": "weights", "step": 0, "adam_step": 0.0,
+    return finish_save(partial, {"checksums": checksums(partial, written_by(partial, 0, 1)), "contents": "weights", "step": 0, "adam_step": 0.0,
                                  "batches": {"consumed_samples": 0, "batches": []},
                                  "scheduler": {"settings": {"decay_end": 0}}, "scaler": None,
                                  "layout": {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "zero": 0, "dtype": "fp32"},
-                                 "config": config}, keep=0)
+                                 "config": config} | (meta or {}), keep=0)
 
 
 def folder_gib(path: str) -> float:
     """The size of a checkpoint's files."""
-    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file()) / 2**30
+    return files.folder_bytes(path) / 2**30
 
 
 def begin_save(root: str, step: int) -> str:
-    """Rank 0: the empty ``step_N.partial`` folder a save writes into."""
+    """Rank 0: the empty folder a save writes into: ``step_N.partial``, or in an object store
+    ``step_N`` itself (checkpoint/files.py), a dead save's leftovers there removed first."""
+    if files.is_url(root):
+        final = step_dir(root, step)
+        if is_checkpoint(final):  # (check_resume refuses a checkpoint.dir with later steps than the run's)
+            raise FileExistsError(f"{final} exists: a checkpoint is never replaced")
+        files.remove_tree(final)
+        return final
     partial = step_dir(root, step) + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
@@ -257,15 +309,16 @@ def begin_save(root: str, step: int) -> str:
 def finish_save(partial: str, meta: dict, keep: int) -> str:
     """Rank 0, after every rank wrote: ``tessera.json``, the rename that makes the checkpoint
     visible, then the oldest beyond ``keep`` (0: keep all) removed."""
-    write_meta(partial, meta)
+    write_meta(partial, meta)  # (in an object store, the commit: the checkpoint is whole from here)
     final = partial.removesuffix(".partial")
-    if os.path.exists(final):  # (check_resume refuses a checkpoint.dir with later steps than the run's)
-        raise FileExistsError(f"{final} exists: a checkpoint is never replaced")
-    os.replace(partial, final)
-    root = os.path.dirname(final)
+    if final != partial:
+        if os.path.exists(final):  # (check_resume refuses a checkpoint.dir with later steps than the run's)
+            raise FileExistsError(f"{final} exists: a checkpoint is never replaced")
+        os.replace(partial, final)
+    root = files.parent(final)
     if keep:
         for _, old in checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            files.remove_tree(old, marker=META)
     return final
 
 

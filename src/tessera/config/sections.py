@@ -28,6 +28,14 @@ def check(ok: bool, key: str, problem: str, fix: str) -> None:
         raise ConfigError(key, problem, fix)
 
 
+def check_local(key: str, path: str) -> None:
+    """Refuse a URL (``s3://``, ``gs://``, ``file://``, ...) where tessera reads and writes local
+    paths only: Python's file functions would take ``s3://bucket/x`` for a folder named ``s3:``."""
+    if "://" in path:
+        raise ConfigError(key, f"{path} is a URL; tessera reads and writes local (or mounted) paths there",
+                          "give a local folder, or mount the bucket (gcsfuse, s3fs-fuse, ...) and give its path")
+
+
 def resolve(switch: Switch, auto: bool) -> bool:
     """A switch's value: as given, or ``auto`` where it is ``"auto"``."""
     return auto if switch == AUTO else bool(switch)
@@ -249,9 +257,18 @@ class TrainConfig:
     inject_fault_step: int = 0
     """To try the guards: at this step (from 1; 0: never) rank 0 corrupts one of its gradients
     as train.inject_fault says."""
-    inject_fault: Literal["nan", "nan_once", "spike"] = "nan"
+    inject_fault: Literal["nan", "nan_once", "spike", "kill"] = "nan"
     """nan: every time the step runs (reproducible); nan_once: only the first time (transient);
-    spike: the gradient times 1e4 (a finite spike)."""
+    spike: the gradient times 1e4 (a finite spike); kill: the last rank kills itself (SIGKILL) as
+    the step starts, in the job's first attempt only, to try torchrun's --max-restarts."""
+    exit_after_minutes: float = 0.0
+    """Stop after the step in hand once the job has run this long, save a checkpoint and exit 0,
+    as on SIGTERM or SIGUSR1 (e.g. a few minutes before a cluster's time limit). 0: no limit."""
+    straggler_every: int = 100
+    """Every this many steps, compare each rank's work per step (its phases but the waits for
+    other ranks) with its pipeline stage's median and name the slow ones. 0: never."""
+    straggler_margin: float = 0.2
+    """A rank is a straggler when its work per step exceeds its stage's median by this fraction."""
     batch_rampup: str = ""
     """Global-batch ramp-up as "start,increment,ramp_samples": begin at start samples per step and
     add increment, in equal slices of ramp_samples consumed samples, until global_batch. Empty:
@@ -260,6 +277,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("micro_batch", "global_batch", "steps", "log_every", "eval_batches"):
             check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1", "give a value >= 1")
+        check_local("train.out_dir", self.out_dir)
+        check_local("train.sample_tokenizer", self.sample_tokenizer)
         check(self.eval_every >= 0, "train.eval_every", f"{self.eval_every} is below 0",
               "give steps between validation losses, or 0 for none")
         check(self.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", "use 0 for no sample")
@@ -277,6 +296,12 @@ class TrainConfig:
               "give the skipped steps in a row to stop after, e.g. 10")
         check(self.inject_fault_step >= 0, "train.inject_fault_step", f"{self.inject_fault_step} is below 0",
               "give the step (from 1) to inject a fault at, or 0 for never")
+        check(math.isfinite(self.exit_after_minutes) and self.exit_after_minutes >= 0, "train.exit_after_minutes",
+              f"{self.exit_after_minutes} is not a number of minutes >= 0", "give e.g. 235 for a 4-hour limit, or 0")
+        check(self.straggler_every >= 0, "train.straggler_every", f"{self.straggler_every} is below 0",
+              "give the steps between straggler checks, e.g. 100, or 0 for none")
+        check(math.isfinite(self.straggler_margin) and self.straggler_margin > 0, "train.straggler_margin",
+              f"{self.straggler_margin} is not a fraction > 0", "give e.g. 0.2 (20 % slower than the median)")
         check(math.isfinite(self.skip_spikes) and self.skip_spikes >= 0, "train.skip_spikes",
               f"{self.skip_spikes} is not a number of standard deviations >= 0", "give e.g. 6, or 0 for off")
         check(self.spike_window >= 2, "train.spike_window", f"{self.spike_window} steps give no standard deviation",
@@ -366,10 +391,19 @@ class DataConfig:
     random tokens. indexed: Megatron .bin/.idx datasets named by data.paths."""
     paths: list[str] = field(default_factory=list)
     """indexed: dataset prefixes (PREFIX.bin / PREFIX.idx), optionally weighted as Megatron's
-    ["0.7", "prefixA", "0.3", "prefixB"]; without weights, each in proportion to its tokens (of
-    the split drawn from); on the command line, comma-separated."""
+    ["0.7", "prefixA", "0.3", "prefixB"]; several without weights: one epoch of each, in
+    proportion to its samples (of the split drawn from), as megatron-core; on the command line,
+    comma-separated. A prefix may be a URL (s3://bucket/corpus): ranged reads through a local
+    cache in data.cache_dir."""
     split: str = "969,30,1"
-    """Train / valid / test weights; each dataset's documents are split in contiguous ranges."""
+    """Train / valid / test weights; each dataset's documents are split in contiguous ranges,
+    megatron-core's: part i is documents [round(a*n), round(b*n)), a and b the running sums of the
+    normalised weights."""
+    sample_order: Literal["megatron", "epochs"] = "megatron"
+    """megatron: megatron-core's GPTDataset and BlendedDataset streams, sample for sample (one
+    shuffle of all epochs' documents, then of the samples, a last epoch under 80 % used apart).
+    epochs: each epoch shuffled on its own, so a run given more train.steps serves the same
+    samples first (in megatron's order the shuffle changes with the number of epochs a run needs)."""
     cache_dir: str = ""
     """Where the sample indices (.npy) are cached; empty: an index-cache folder beside each dataset."""
     eod_id: int = -1
@@ -386,6 +420,7 @@ class DataConfig:
         check(self.source != "indexed" or bool(self.paths), "data.paths", "data.source=indexed needs datasets",
               "give data.paths, e.g. --set data.paths=my-corpus_text_document "
               '(in a TOML file: paths = ["my-corpus_text_document"])')
+        check_local("data.cache_dir", self.cache_dir)
         packing = self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
         check(not packing or self.eod_id >= 0, "data.eod_id",
               "reset_position_ids / reset_attention_mask / eod_mask_loss need the end-of-document id",
@@ -397,12 +432,14 @@ class DataConfig:
 class CheckpointConfig:
     dir: str = ""
     """Folder of this run's checkpoints, each ``step_N`` (complete, or not there at all); a run
-    resumes from its newest by itself. Empty: nothing saved."""
+    resumes from its newest by itself. A URL (s3://bucket/run, gs://...) saves to that object
+    store through fsspec (pip install s3fs / gcsfs). Empty: nothing saved."""
     save_every: int = 0
     """Save every this many steps (0: only at the end); the last step is always saved."""
     load: str = ""
     """Start from this checkpoint instead: a ``step_N`` folder, or a folder of them (its
-    newest); on any layout (tp, pp, vpp, dp, zero) and dtype. Empty: checkpoint.dir's newest, if any."""
+    newest), or such a URL (s3://...); on any layout (tp, pp, vpp, dp, zero) and dtype. Empty:
+    checkpoint.dir's newest, if any."""
     finetune: bool = False
     """From checkpoint.load take the model's weights only: Adam, step, data position, schedule
     and batch sizes start afresh."""

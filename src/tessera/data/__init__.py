@@ -9,7 +9,7 @@ import importlib
 
 _WHERE = {
     "BlendedDataset": "blend", "parse_blend": "blend",
-    "GPTDataset": "gpt_dataset", "split_documents": "gpt_dataset",
+    "GPTDataset": "gpt_dataset", "split_documents": "indices",
     "IndexedDataset": "indexed", "IndexedDatasetError": "indexed", "IndexedDatasetWriter": "indexed",
     "MicroBatches": "loader", "microbatch_counts": "loader",
     "SyntheticTokens": "sources",

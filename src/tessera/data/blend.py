@@ -1,13 +1,15 @@
-"""Blending several datasets in fixed proportions, as Megatron's ``BlendedDataset`` does.
+"""Blending several datasets in fixed proportions, as megatron-core's ``BlendedDataset`` does.
 
 Sample ``t`` of the blend comes from the dataset whose count so far lags furthest behind its
-target ``weight * t`` (Megatron's ``helpers.cpp::build_blending_indices``). Unlike sampling a
+target ``weight * t`` (megatron-core's ``helpers.cpp::build_blending_indices``, float for float). Unlike sampling a
 dataset at random, this keeps every prefix of the blend in proportion: after ``t`` samples each
 dataset's count is within one of ``weight * t`` for two datasets, and within a small constant
 for more (at most 1.35 over 200 random weightings each of 3, 4, 8 and 16 datasets, 2,000
 samples; measured, not a proven bound), so a short run sees the mix it asked for.
 
-:func:`parse_blend` reads Megatron's ``["0.7", "prefixA", "0.3", "prefixB"]`` lists.
+:func:`parse_blend` reads Megatron's ``["0.7", "prefixA", "0.3", "prefixB"]`` lists;
+:func:`blend_budgets` gives megatron-core's sample counts: the blend's length and what each
+dataset is built for.
 """
 
 from __future__ import annotations
@@ -17,14 +19,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tessera.data.indices import normalize
+
+# megatron-core's mid_level_dataset_surplus: each dataset is built for this much more than its share
+SURPLUS = 0.005
+
 
 def parse_blend(paths: Sequence[str]) -> list[tuple[float | None, str]]:
-    """``["0.7", "a", "0.3", "b"]`` -> ``[(0.7, "a"), (0.3, "b")]``; ``["a"]`` -> ``[(1.0, "a")]``;
-    paths without weights ``["a", "b"]`` -> ``[(None, "a"), (None, "b")]``: as Megatron, each
-    dataset in proportion to its size (``size_weights``).
+    """``["0.7", "a", "0.3", "b"]`` -> ``[(0.7, "a"), (0.3, "b")]``; paths without weights
+    ``["a"]`` -> ``[(None, "a")]``, ``["a", "b"]`` -> ``[(None, "a"), (None, "b")]``: as
+    megatron-core, one epoch of each dataset, in proportion to its samples.
 
-    Weights are normalised to sum to 1. A ``ValueError`` names the first entry that does not fit
-    the ``weight path weight path ...`` pattern.
+    Weights are normalised as megatron-core does (:func:`~tessera.data.indices.normalize`). A
+    ``ValueError`` names the first entry that does not fit the ``weight path weight path ...``
+    pattern.
     """
     paths = [str(p) for p in paths]
     if not paths:
@@ -34,7 +42,7 @@ def parse_blend(paths: Sequence[str]) -> list[tuple[float | None, str]]:
             raise ValueError(f"blend {paths}: weight {paths[0]!r} has no path after it")
         if not paths[0].strip():
             raise ValueError(f"blend {paths}: empty path")
-        return [(1.0, paths[0])]
+        return [(None, paths[0])]
     if all(_as_number(p) is None for p in paths):
         if any(not p.strip() for p in paths):
             raise ValueError(f"blend {paths}: empty path")
@@ -52,16 +60,20 @@ def parse_blend(paths: Sequence[str]) -> list[tuple[float | None, str]]:
         if not p.strip() or _as_number(p) is not None:
             raise ValueError(f"blend {paths}: weight {w!r} is followed by {p!r}, not a path")
         pairs.append((weight, p))
-    total = sum(w for w, _ in pairs)
-    return [(w / total, p) for w, p in pairs]
+    return list(zip(normalize([w for w, _ in pairs]), [p for _, p in pairs]))
 
 
-def size_weights(sizes: Sequence[int]) -> list[float]:
-    """An unweighted blend's weights: each dataset's share of the tokens (of the split drawn from)."""
-    total = sum(sizes)
-    if not total:
-        raise ValueError("the blend's datasets hold no tokens in this split")
-    return [size / total for size in sizes]
+def blend_budgets(weights: Sequence[float], num_samples: int) -> tuple[list[int], list[int]]:
+    """megatron-core's sample counts for a weighted blend of ``num_samples``: ``(targets, builds)``.
+
+    Dataset ``d``'s share is ``targets[d] = ceil(num_samples * w_d)``, and the blend is
+    ``sum(targets)`` samples long (at least ``num_samples``); each dataset is built for
+    ``builds[d] = ceil(targets[d] * 1.005)`` samples, the margin that covers the greedy rule's
+    lead over the exact share (``_get_size_per_split_per_dataset``, the same floats).
+    """
+    targets = [int(math.ceil(num_samples * w)) for w in weights]
+    builds = [int(math.ceil(math.ceil(num_samples * w) * (1 + SURPLUS))) for w in weights]
+    return targets, builds
 
 
 def _as_number(text: str) -> float | None:
@@ -111,7 +123,7 @@ class BlendedDataset:
     """``num_samples`` samples drawn from ``datasets`` in the proportions ``weights``.
 
     Dataset ``d`` must hold at least ``counts[d]`` samples (``blend_indices`` tells how many before
-    the datasets are built; Megatron asks each for ``ceil(weight * num_samples * 1.005)``).
+    the datasets are built; :func:`blend_budgets` gives megatron-core's margin).
     """
 
     def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int):

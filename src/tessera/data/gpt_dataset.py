@@ -1,45 +1,47 @@
-"""Documents to GPT training samples: Megatron's three indices, built with numpy and cached.
+"""Documents to GPT training samples: the three indices of indices.py, cached, and read.
 
 A GPT sample is ``seq_len + 1`` consecutive tokens of one long stream made by concatenating the
 split's documents (inputs are ``tokens[:-1]``, labels ``tokens[1:]``). Consecutive samples share
 one token: sample ``j`` covers stream positions ``[j * seq_len, (j + 1) * seq_len]``, so every
-token is a label exactly once per epoch. Three indices describe the stream, as in Megatron's
-``GPTDataset``:
+token is a label exactly once per epoch. Three indices describe the stream, as in megatron-core's
+``GPTDataset`` (indices.py builds them):
 
-- **document index** ``(num_epochs * num_docs,)`` int32: document ids in stream order, the
-  split's documents once per epoch, each epoch in its own seeded order.
-- **sample index** ``(num_samples + 1, 2)`` int64: row ``j`` is ``(position in the document
-  index, token offset in that document)`` of sample ``j``'s first token; row ``j + 1`` locates
-  its last token. Megatron builds this with a C++ loop (``helpers.cpp::build_sample_idx``); here
-  it is one ``np.cumsum`` over document lengths and one ``np.searchsorted`` of the sample starts.
-- **shuffle index** ``(num_samples,)`` int64: the order in which samples are served.
+- **document index** ``(num_epochs * num_docs,)``: document ids in stream order, the split's
+  documents once per epoch, shuffled.
+- **sample index** ``(num_samples + 1, 2)``: row ``j`` is ``(position in the document index,
+  token offset in that document)`` of sample ``j``'s first token; row ``j + 1`` locates its last.
+- **shuffle index** ``(num_samples,)``: the order in which samples are served.
 
-Where tessera differs from Megatron, and why: Megatron shuffles the document index of all epochs
-together and, when the last epoch is less than 80 % used, shuffles that epoch apart. tessera
-shuffles each epoch on its own (documents, then the samples that end in it), so epoch ``e`` is
-finished before any sample of epoch ``e + 1`` is served, with no threshold to tune, and a longer
-run (more samples, more epochs) serves the same samples first.
+``order="megatron"`` (the default, ``data.sample_order``) gives megatron-core's indices value for
+value, so sample ``i`` is megatron-core's sample ``i``; ``order="epochs"`` shuffles each epoch
+apart, so that a longer run serves the same samples first (indices.py says why they differ).
 
-The indices are cached as ``.npy`` files under a sha256 key of everything they depend on; with
-several ranks, :func:`build_on_one_rank` lets rank 0 build while the others wait, then load.
+The indices are cached as ``.npy`` files under a sha256 key of everything they depend on (the
+order and :data:`INDEX_VERSION` too); with several ranks, :func:`build_on_one_rank` lets rank 0
+build while the others wait, then load.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
-import re
 import uuid
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 import numpy as np
 
-# Bump when the meaning or layout of the cached indices changes: old caches then miss.
-INDEX_VERSION = 2
+from tessera.data.indices import (build_sample_index, epoch_indices, megatron_indices, num_epochs_needed,
+                                  parse_split, split_documents)
+
+__all__ = ["GPTDataset", "build_on_one_rank", "build_sample_index", "parse_split", "split_documents", "ORDERS"]
+
+# Bump when the meaning or layout of the cached indices changes: old caches then miss. (3: the
+# megatron-core order, its split rule and sample-index row 0, uint32/int32 dtypes.)
+INDEX_VERSION = 3
 _INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
+ORDERS = {"megatron": megatron_indices, "epochs": epoch_indices}
 
 T = TypeVar("T")
 
@@ -52,106 +54,6 @@ class Documents(Protocol):
     def __len__(self) -> int: ...
 
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray: ...
-
-
-# --- splits -------------------------------------------------------------------------------------
-
-def parse_split(split: str) -> list[float]:
-    """``"969,30,1"`` -> normalised ``[train, valid, test]`` weights (missing ones are 0).
-
-    Megatron reads every number in the string (``re.findall(r"[.0-9]+")``); tessera is stricter:
-    comma (or slash) separated, at most three, non-negative, at least one positive.
-    """
-    parts = [p.strip() for p in re.split(r"[,/]", split)]
-    if not 1 <= len(parts) <= 3:
-        raise ValueError(f"split {split!r}: give 1 to 3 comma-separated weights, e.g. '969,30,1'")
-    try:
-        weights = [float(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"split {split!r}: every weight must be a number, e.g. '969,30,1'") from None
-    if any(not np.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split {split!r}: weights must be non-negative with at least one positive")
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    return [w / total for w in weights]
-
-
-def split_documents(num_docs: int, split: str) -> list[range]:
-    """Contiguous document ranges ``[train, valid, test]`` for a ``"969,30,1"`` split string.
-
-    Megatron's rounding rule (``_get_split_indices``): each boundary is the running sum of
-    ``round(weight * num_docs)``, then all boundaries after the first are shifted by the same
-    amount so that the last one is exactly ``num_docs``. The ranges are disjoint and cover
-    ``range(num_docs)``; a zero weight gives an empty range. (tessera also clips the shifted
-    boundaries into ``[0, num_docs]``, which Megatron's rule can leave only for tiny corpora.)
-    """
-    weights = parse_split(split)
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w * float(num_docs))))
-    excess = bounds[-1] - num_docs
-    bounds = [0] + [min(max(b - excess, 0), num_docs) for b in bounds[1:]]
-    bounds = list(np.maximum.accumulate(bounds))
-    return [range(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
-
-
-# --- the three indices --------------------------------------------------------------------------
-
-def num_epochs_needed(tokens_per_epoch: int, seq_len: int, num_samples: int) -> int:
-    """Fewest epochs whose stream holds ``num_samples`` samples of ``seq_len + 1`` tokens.
-
-    ``E`` epochs hold ``(E * tokens_per_epoch - 1) // seq_len`` samples (the extra token of the
-    last sample must exist), so ``E = ceil((num_samples * seq_len + 1) / tokens_per_epoch)``.
-    """
-    return -(-(num_samples * seq_len + 1) // tokens_per_epoch)
-
-
-def build_document_index(document_range: range, num_epochs: int, seed: int) -> np.ndarray:
-    """``(num_epochs * len(document_range),)`` int32 document ids, each epoch its own shuffle.
-
-    Epoch ``e`` uses ``default_rng([seed, e])``, so adding epochs never reorders earlier ones.
-    """
-    docs = np.arange(document_range.start, document_range.stop, dtype=np.int64)
-    dtype = np.int32 if document_range.stop <= np.iinfo(np.int32).max else np.int64
-    epochs = [np.random.default_rng([seed, e]).permutation(docs) for e in range(num_epochs)]
-    return np.concatenate(epochs).astype(dtype)
-
-
-def build_sample_index(doc_lengths: np.ndarray, seq_len: int) -> np.ndarray:
-    """``(num_samples + 1, 2)`` int64 rows ``(document index position, offset)``.
-
-    ``doc_lengths`` are the lengths in document-index order. Sample ``j`` starts at stream
-    position ``p = j * seq_len``; its document is the last one whose start ``cum[d] <= p``
-    (``side="right"`` skips empty documents), its offset ``p - cum[d]``. The stream of ``N``
-    tokens holds ``(N - 1) // seq_len`` samples; the extra row locates the last one's end.
-    """
-    cum = np.zeros(len(doc_lengths) + 1, dtype=np.int64)
-    np.cumsum(doc_lengths, out=cum[1:])
-    num_samples = (int(cum[-1]) - 1) // seq_len
-    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_len
-    doc_pos = np.searchsorted(cum, starts, side="right") - 1
-    return np.stack([doc_pos, starts - cum[doc_pos]], axis=1)
-
-
-def build_shuffle_index(num_samples: int, seq_len: int, tokens_per_epoch: int, seed: int) -> np.ndarray:
-    """``(num_samples,)`` int64: the samples of each epoch (by their last token) permuted.
-
-    Sample starts grow with ``j``, so each epoch's samples are one contiguous block; the blocks
-    stay in epoch order and each is shuffled with ``default_rng([seed, epoch, 1])``.
-    """
-    T, s = tokens_per_epoch, seq_len
-    blocks = []
-    for e in range(-(-(num_samples * s + 1) // T)):
-        # Epoch e's block: the samples whose LAST token lies in epoch e, j in
-        # [ceil(e T / s) - 1, ceil((e + 1) T / s) - 1). A block is complete as soon as its epoch is
-        # built, so asking for more samples later (a longer run, another epoch) never reorders the
-        # samples already served.
-        a, b = max(-(-e * T // s) - 1, 0), -(-(e + 1) * T // s) - 1
-        if a >= num_samples:
-            break
-        block = a + np.random.default_rng([seed, e, 1]).permutation(b - a)
-        blocks.append(block[block < num_samples])
-    return np.concatenate(blocks).astype(np.int64) if blocks else np.zeros(0, dtype=np.int64)
 
 
 # --- caching ------------------------------------------------------------------------------------
@@ -211,22 +113,26 @@ def build_on_one_rank(build_fn: Callable[[], T], group=None) -> T:
 class GPTDataset:
     """Samples of ``seq_len + 1`` int64 tokens from ``docs[document_range]``, deterministic in ``seed``.
 
-    ``len(self) >= num_samples``: every sample of the epochs needed is kept (the last epoch may be
-    partly used), so a longer run with the same seed sees the same first samples.
+    ``num_samples``: the samples asked for (None: one epoch, as megatron-core's ``None``);
+    ``len(self) >= num_samples``, every sample of the epochs needed being kept (the last epoch
+    may be partly used). ``order``: ``"megatron"``, megatron-core's ``GPTDataset`` indices, or
+    ``"epochs"``, each epoch shuffled apart (a longer run then sees the same first samples).
     ``built_index`` is True when this construction built the indices, False when they came from
     ``cache_dir``. ``name`` identifies the corpus (e.g. its path prefix) in the cache key, together
     with its document count and token count.
     """
 
-    def __init__(self, docs: Documents, document_range: range, seq_len: int, num_samples: int,
-                 seed: int, cache_dir: str | None = None, name: str = ""):
+    def __init__(self, docs: Documents, document_range: range, seq_len: int, num_samples: int | None,
+                 seed: int, cache_dir: str | None = None, name: str = "", order: str = "megatron"):
         lengths = np.asarray(docs.sequence_lengths)
         if document_range.step != 1 or not 0 <= document_range.start <= document_range.stop <= len(lengths):
             raise ValueError(f"document_range {document_range} is not a contiguous range within "
                              f"the {len(lengths)} documents")
-        if seq_len < 1 or num_samples < 1:
+        if seq_len < 1 or (num_samples is not None and num_samples < 1):
             raise ValueError(f"seq_len ({seq_len}) and num_samples ({num_samples}) must be positive")
-        self.docs, self.seq_len, self.seed, self.range = docs, seq_len, seed, document_range
+        if order not in ORDERS:
+            raise ValueError(f"order {order!r}: give one of {sorted(ORDERS)}")
+        self.docs, self.seq_len, self.seed, self.range, self.order = docs, seq_len, seed, document_range, order
         self.lengths = lengths
         self.tokens_per_epoch = int(lengths[document_range.start:document_range.stop].sum(dtype=np.int64))
         if self.tokens_per_epoch < 2:
@@ -234,7 +140,7 @@ class GPTDataset:
                              f"{self.tokens_per_epoch} tokens: too few for a sample")
         self.num_epochs = num_epochs_needed(self.tokens_per_epoch, seq_len, num_samples)
         self.description = {
-            "version": INDEX_VERSION, "name": name, "num_documents": len(lengths),
+            "version": INDEX_VERSION, "order": order, "name": name, "num_documents": len(lengths),
             "num_tokens": int(lengths.sum(dtype=np.int64)),
             # the indices depend on the lengths themselves: a re-preprocessed corpus with the same
             # counts but other documents must not reuse them
@@ -248,17 +154,10 @@ class GPTDataset:
         indices = self._load() if cache_dir is not None else None
         self.built_index = indices is None
         if indices is None:
-            indices = self._build(document_range)
+            indices = ORDERS[order](lengths, document_range, seq_len, num_samples, seed)
             if cache_dir is not None:
                 self._save(indices)
         self.document_index, self.sample_index, self.shuffle_index = indices
-
-    def _build(self, document_range: range) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        document_index = build_document_index(document_range, self.num_epochs, self.seed)
-        sample_index = build_sample_index(self.lengths[document_index], self.seq_len)
-        shuffle_index = build_shuffle_index(len(sample_index) - 1, self.seq_len,
-                                            self.tokens_per_epoch, self.seed)
-        return document_index, sample_index, shuffle_index
 
     def _paths(self) -> dict[str, str]:
         base = os.path.join(self.cache_dir, self.key)
@@ -326,5 +225,6 @@ class GPTDataset:
         lengths = self.lengths[self.document_index[d0:d1 + 1]].astype(np.int64)
         # Position in the sample where each of documents d0+1..d1 starts.
         starts = lengths[0] - o0 + np.concatenate([[0], np.cumsum(lengths[1:-1])])
-        starts = starts[lengths[1:] > 0] if d1 > d0 else starts[:0]  # empty documents add nothing
+        # empty documents add nothing (nor do ones before the first token: row 0 may point at one)
+        starts = starts[(lengths[1:] > 0) & (starts > 0)] if d1 > d0 else starts[:0]
         return np.concatenate([[0], starts]).astype(np.int64)

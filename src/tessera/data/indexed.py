@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tessera.data import remote
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 # magic, version, dtype code, sequence count, document-index length: 34 bytes, no padding.
@@ -92,21 +94,26 @@ class IndexedDataset:
 
     Pickling carries only the prefix (data-loader workers reopen the maps instead of copying
     the arrays).
+
+    A prefix that is a URL (``s3://bucket/corpus``) reads an object store (data/remote.py): the
+    .idx copied once into ``cache_dir``, the .bin by ranged reads through a local block cache.
     """
 
-    def __init__(self, path_prefix: str | os.PathLike):
-        self.path_prefix = os.fspath(path_prefix)
+    def __init__(self, path_prefix: str | os.PathLike, cache_dir: str = ""):
+        self.path_prefix, self.cache_dir = os.fspath(path_prefix), cache_dir
         self._open()
 
     def _open(self) -> None:
         idx, bin_ = idx_path(self.path_prefix), bin_path(self.path_prefix)
-        missing = [p for p in (idx, bin_) if not os.path.isfile(p)]
+        url = remote.is_url(self.path_prefix)
+        missing = [p for p in (idx, bin_) if not (remote.exists(p) if url else os.path.isfile(p))]
         if missing:
             raise IndexedDatasetError(
                 f"{' and '.join(missing)}: not found (an indexed dataset needs both "
                 f"{os.path.basename(idx)} and {os.path.basename(bin_)})")
-        self.dtype, sequences, index_entries = _read_header(idx)
-        self._index = _map(idx)
+        local_idx = remote.local_copy(idx, self.cache_dir) if url else idx
+        self.dtype, sequences, index_entries = _read_header(local_idx, idx)
+        self._index = _map(local_idx)
         # Plain read-only ndarrays over the map (np.frombuffer, as Megatron): no copy, and
         # reductions return numbers rather than 0-d memmaps.
         at = _HEADER.size
@@ -124,7 +131,7 @@ class IndexedDataset:
             raise IndexedDatasetError(f"{idx}: corrupt: negative sequence length")
         self._num_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
         expected = self._num_tokens * self.dtype.itemsize
-        actual = os.path.getsize(bin_)
+        actual = remote.size(bin_) if url else os.path.getsize(bin_)
         if actual != expected:
             raise IndexedDatasetError(
                 f"{bin_}: {actual} bytes, but {idx} describes {self._num_tokens} tokens of "
@@ -133,7 +140,8 @@ class IndexedDataset:
         _check_layout(idx, self.sequence_lengths, self.sequence_pointers, self.document_indices,
                       self.dtype.itemsize)
         # An empty .bin cannot be memory-mapped; a dataset of empty sequences reads from nothing.
-        self._data = _map(bin_) if expected else np.empty(0, np.uint8)
+        self._data = (remote.RangedFile(bin_, self.cache_dir) if url else _map(bin_)) if expected \
+            else np.empty(0, np.uint8)
 
     def __len__(self) -> int:
         """The number of sequences (one per document for files tessera writes)."""
@@ -164,6 +172,8 @@ class IndexedDataset:
             raise IndexError(f"tokens [{offset}, {offset + length}) out of range of sequence {idx} "
                              f"({size} tokens) in {self.path_prefix}")
         start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
+        if isinstance(self._data, remote.RangedFile):
+            return np.frombuffer(self._data.read(start, length * self.dtype.itemsize), dtype=self.dtype)
         return np.frombuffer(self._data, dtype=self.dtype, count=length, offset=start)
 
     def __getitem__(self, idx: int) -> np.ndarray:
@@ -180,13 +190,15 @@ class IndexedDataset:
 
     @staticmethod
     def exists(path_prefix: str | os.PathLike) -> bool:
+        if remote.is_url(path_prefix):
+            return remote.exists(idx_path(path_prefix)) and remote.exists(bin_path(path_prefix))
         return os.path.isfile(idx_path(path_prefix)) and os.path.isfile(bin_path(path_prefix))
 
     def __getstate__(self) -> dict:
-        return {"path_prefix": self.path_prefix}
+        return {"path_prefix": self.path_prefix, "cache_dir": self.cache_dir}
 
     def __setstate__(self, state: dict) -> None:
-        self.path_prefix = state["path_prefix"]
+        self.path_prefix, self.cache_dir = state["path_prefix"], state.get("cache_dir", "")
         self._open()
 
     def __repr__(self) -> str:
@@ -244,9 +256,10 @@ def _map(path: str) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-def _read_header(idx: str) -> tuple[np.dtype, int, int]:
-    """Check the fixed header and that the file is exactly as long as its counts say."""
-    with open(idx, "rb") as f:
+def _read_header(path: str, idx: str) -> tuple[np.dtype, int, int]:
+    """Check the fixed header and that the file is exactly as long as its counts say (``path``:
+    the file read, ``idx``: its name in messages, where a store's copy is read)."""
+    with open(path, "rb") as f:
         raw = f.read(_HEADER.size)
     if not raw[:len(MAGIC)] == MAGIC and not (len(raw) < len(MAGIC) and MAGIC.startswith(raw)):
         raise IndexedDatasetError(f"{idx}: not a Megatron index: bad magic {raw[:len(MAGIC)]!r}, expected {MAGIC!r}")
@@ -261,7 +274,7 @@ def _read_header(idx: str) -> tuple[np.dtype, int, int]:
     if index_entries < 1:
         raise IndexedDatasetError(f"{idx}: corrupt: document index has {index_entries} entries (at least 1, the leading 0)")
     expected = _HEADER.size + 12 * sequences + 8 * index_entries
-    actual = os.path.getsize(idx)
+    actual = os.path.getsize(path)
     if actual == expected + sequences and sequences:
         raise IndexedDatasetError(f"{idx}: a multimodal index (per-sequence modes), which tessera does not read")
     if actual != expected:

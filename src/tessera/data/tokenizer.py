@@ -1,5 +1,6 @@
-"""Tokenizers for the sample printed after training: bytes (the built-in corpus's, 256 ids; no
-files, no download), or a Hugging Face ``tokenizers`` file, the one an indexed dataset was made
+"""Tokenizers for generation (the sample printed after training, ``tessera generate`` and
+``eval``): bytes (the built-in corpus's, 256 ids; no files, no download; exported as an equivalent
+``tokenizer.json``), or a Hugging Face ``tokenizers`` file, the one an indexed dataset was made
 with (``tessera preprocess`` saves a trained one as ``PREFIX.tokenizer.json``).
 """
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from tessera.data import remote
 from tessera.config import ConfigError, DataConfig
 
 
@@ -18,6 +20,29 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    @staticmethod
+    def hf_json() -> str:
+        """The same mapping as a Hugging Face ``tokenizer.json`` (what an export of a model trained
+        on bytes carries): a byte-level BPE without merges, id i being byte i (GPT-2's printable
+        stand-in characters for the bytes), no added tokens, so that `tokenizers` and transformers'
+        AutoTokenizer encode any text to its UTF-8 bytes and decode ids back as ``decode`` does."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        stand_in = _byte_characters()
+        tokenizer = Tokenizer(models.BPE(vocab={stand_in[b]: b for b in range(256)}, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        return tokenizer.to_str()
+
+
+def _byte_characters() -> dict[int, str]:
+    """GPT-2's byte -> character map (printable bytes as themselves, the others shifted past 255),
+    which byte-level pre-tokenization and decoding use."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
 
 
 class FileTokenizer:
@@ -52,13 +77,10 @@ def file_tokenizer(path: str, key: str, fix: str) -> FileTokenizer:
         raise ConfigError(key, str(e), fix) from None
 
 
-def sample_tokenizer(spec: str, data: DataConfig, vocab_size: int, prompt: str):
-    """The tokenizer of ``train.sample_tokenizer`` (a tokenizer.json or a folder holding one), or
-    where empty the data's own: bytes for the built-in corpus, ``PREFIX.tokenizer.json`` beside
-    the first indexed dataset. Refused with the key to set where there is none (synthetic
-    tokens have no text), where it has more ids than the model, or where the prompt encodes to
-    nothing."""
-    key, fix = "train.sample_tokenizer", "give the tokenizer.json the data was made with, or set train.sample_tokens=0"
+def data_tokenizer(spec: str, data: DataConfig, key: str, fix: str):
+    """The tokenizer of ``spec`` (a tokenizer.json or a folder holding one), or where empty the
+    data's own: bytes for the built-in corpus, ``PREFIX.tokenizer.json`` beside the first indexed
+    dataset. Refused under ``key`` with ``fix`` where there is none (synthetic tokens have no text)."""
     if spec:
         tokenizer = file_tokenizer(spec, key, fix)
     elif data.source == "builtin":
@@ -67,12 +89,23 @@ def sample_tokenizer(spec: str, data: DataConfig, vocab_size: int, prompt: str):
         from tessera.data.blend import parse_blend
 
         beside = parse_blend(data.paths)[0][1] + ".tokenizer.json"
+        if remote.is_url(beside):  # (a dataset in an object store: its tokenizer copied into the cache)
+            beside = remote.local_copy(beside, data.cache_dir) or beside
         if not os.path.isfile(beside):
-            raise ConfigError(key, f"the sample needs the data's tokenizer: no {beside} (`tessera preprocess` "
+            raise ConfigError(key, f"the data's tokenizer is missing: no {beside} (`tessera preprocess` "
                                    "writes it beside the pair)", fix)
         tokenizer = file_tokenizer(beside, key, fix)
     else:
-        raise ConfigError(key, f"data.source={data.source} has no text to decode a sample into", fix)
+        raise ConfigError(key, f"data.source={data.source} has no text (random token ids, no tokenizer)", fix)
+    return tokenizer
+
+
+def sample_tokenizer(spec: str, data: DataConfig, vocab_size: int, prompt: str):
+    """The closing sample's tokenizer: ``train.sample_tokenizer``, else the data's own
+    (:func:`data_tokenizer`); refused where it has more ids than the model, or where the prompt
+    encodes to nothing."""
+    tokenizer = data_tokenizer(spec, data, "train.sample_tokenizer",
+                               "give the tokenizer.json the data was made with, or set train.sample_tokens=0")
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError("model.vocab_size", f"{vocab_size} is smaller than the sample tokenizer's "
                           f"{tokenizer.vocab_size} ids", "set model.vocab_size to the tokenizer's size or more")

@@ -1,97 +1,210 @@
-"""Sampling from a tensor- and pipeline-parallel model, for the demo's closing sample.
+"""Generation from a tensor- and pipeline-parallel model, with a KV cache (models/kv_cache.py).
 
-Every TP rank of the last stage runs the same forward pass, gathers the full logits of the last
-position and draws with an identically seeded generator, so they agree without communication;
-with pipeline stages the context flows through the stages (forward only) and the last stage
-broadcasts the drawn token to the others. There is no KV cache: the context is re-run each step,
-which is fine for a short sample.
+The plan of one call; every rank of a dp replica runs it alike, with the same prompts:
+
+1. **Batch.** The prompts are left-padded to one length P (under sequence parallelism P is a
+   multiple of tp, and the batch is rounded up to one with dummy rows); a prompt longer than
+   model.seq_len keeps its last seq_len tokens.
+2. **Prefill.** The padded prompts go through the stages once; each layer writes its keys and
+   values into its preallocated cache; the last stage gathers the last position's logits over TP,
+   and every TP rank there draws the same tokens (inference/sampling.py).
+3. **Decode**, one token per sequence per step: the last stage broadcasts the drawn tokens to
+   the other pipeline ranks, the first stage embeds them, each layer writes one slot of its cache
+   and attends to it. The tokens stay on the device until the end: with stop ids, whether every
+   sequence has ended is read every few steps, the loop's one host read. ``cuda_graph`` (CUDA,
+   pp=1): each step is one replay of a captured graph (inference/decode_graph.py).
+4. **Past model.seq_len** tokens the model has no positions left: the context becomes the last
+   seq_len tokens, prefilled again for each new token (as the run's closing sample always did).
+
+``use_cache=False`` is the reference path: each step runs the whole context through the plain
+forward (padding kept apart as a document of its own, models/packed.py), sampled alike.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
+from tessera.inference.decode_graph import DecodeGraph
+from tessera.inference.sampling import Sampling, next_tokens
 from tessera.models.gpt import GPTModel
+from tessera.models.kv_cache import KVCache
 from tessera.pipeline_parallel.p2p import P2P
 from tessera.tensor_parallel.mappings import gather_from_tp_region
 from tessera.topology import Topology
 
-
-def _last_stage_logits(chunks: list[GPTModel], tokens: torch.Tensor, topo: Topology,
-                       p2p: P2P | None) -> torch.Tensor | None:
-    """Forward ``tokens`` [1, s] through the pipeline; full logits [1, s, vocab] on the last stage."""
-    pp, rank = topo.pp, topo.pp_rank
-    last = pp * len(chunks) - 1
-    if p2p is not None:
-        p2p.new_step(renegotiate=True)  # each call's context has its own length
-    logits = None
-    for c, chunk in enumerate(chunks):
-        stage = c * pp + rank
-        x = p2p.recv("F", (rank - 1) % pp, (stage - 1) // pp).wait() if stage > 0 else None
-        out = chunk(tokens=tokens if stage == 0 else None, hidden=x, context_parallel=False)  # whole contexts
-        if stage < last:
-            p2p.send("F", (rank + 1) % pp, c, out)
-        else:
-            full = gather_from_tp_region(out, chunk.tp.group)[..., : chunk.cfg.vocab_size]
-            logits = full.transpose(0, 1)
-    if p2p is not None:
-        p2p.wait_sends()
-    return logits
+CHECK_ENDED_EVERY = 16  # decode steps between reads of "has every sequence ended?"
 
 
 @torch.no_grad()
-def generate(chunks: list[GPTModel], prompt: list[int], new_tokens: int, *, topo: Topology,
-             p2p: P2P | None = None, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> list[int]:
-    """Extend ``prompt`` by ``new_tokens`` sampled ids; every rank returns the same list. The
-    chunks run in eval mode and are put back as they were, also after an error; a trainer's
-    ``p2p`` (shapes kept for the run) renegotiates its shapes at the next training step."""
+def generate(chunks: list[GPTModel], prompts: list[list[int]], max_new_tokens: int, *, topo: Topology,
+             p2p: P2P | None = None, sampling: Sampling = Sampling(), stop_ids: tuple[int, ...] = (),
+             use_cache: bool = True, cuda_graph: bool = False) -> list[list[int]]:
+    """Each prompt (token ids) followed by up to ``max_new_tokens`` new ids, ending after the first
+    of ``stop_ids`` it draws; every rank of the replica returns the same lists. The chunks run in
+    eval mode and are put back as they were, also after an error; a trainer's ``p2p`` (shapes
+    kept for the run) renegotiates its shapes at the next training step."""
     vocab = chunks[0].cfg.vocab_size
-    if not prompt:
-        raise ValueError("generate needs a prompt of at least one token id")
-    bad = [t for t in prompt if not 0 <= t < vocab]
+    if not prompts or not all(prompts):
+        raise ValueError("generate needs prompts of at least one token id each")
+    bad = [t for prompt in prompts for t in prompt if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt ids {bad[:5]} are outside the model's vocabulary [0, {vocab})")
-    if new_tokens < 0 or top_k < 0 or not temperature >= 0:
-        raise ValueError(f"generate needs new_tokens >= 0, top_k >= 0 (0: no cut) and temperature >= 0, "
-                         f"got {new_tokens}, {top_k}, {temperature}")
+    if max_new_tokens < 0:
+        raise ValueError(f"generate needs max_new_tokens >= 0, got {max_new_tokens}")
+    if cuda_graph and not (use_cache and topo.device.type == "cuda" and topo.pp == 1):
+        raise ValueError("a CUDA-graphed decode step needs the KV cache, a CUDA device and pp=1")
     was_training = chunks[0].training
     for chunk in chunks:
         chunk.eval()
     try:
-        return _sample(chunks, list(prompt), new_tokens, topo, p2p, temperature, top_k, seed)
+        run = _Generation(chunks, topo, p2p, sampling, stop_ids, use_cache, cuda_graph)
+        return run.generate([list(p) for p in prompts], max_new_tokens)
     finally:
         for chunk in chunks:
             chunk.train(was_training)
+            for module in chunk.modules():  # zero=3: FSDP keeps a root unsharded after a forward
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         if p2p is not None and p2p.failed is None:  # the next training step sends its own shapes again
             p2p.new_step(renegotiate=True)
 
 
-def _sample(chunks: list[GPTModel], ids: list[int], new_tokens: int, topo: Topology, p2p: P2P | None,
-            temperature: float, top_k: int, seed: int) -> list[int]:
-    device = topo.device
-    generator = torch.Generator(device).manual_seed(seed)
-    # (padding only under sequence parallelism: elsewhere it would cut the context to fit seq_len)
-    tp = topo.tp if chunks[0].tp.sequence_parallel else 1
-    seq_len = chunks[0].cfg.seq_len
-    last_rank = topo.ranks_of("pp")[-1]
-    for _ in range(new_tokens):
-        context = ids[-seq_len:]
-        # Under sequence parallelism the length must divide by tp: pad on the right, which a
-        # causal model cannot see from the position we read.
-        padded = context + [0] * (-len(context) % tp)
-        if len(padded) > seq_len:
-            context, padded = context[tp:], padded[tp:]
-        logits = _last_stage_logits(chunks, torch.tensor([padded], device=device), topo, p2p)
-        token = torch.zeros(1, dtype=torch.int64, device=device)
+def _cut(tokens: list[int], stop_ids: tuple[int, ...]) -> list[int]:
+    """The tokens up to and including the first stop id."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+class _Generation:
+    """One call's state: the cache, the host's count of its slots, the sampling generator."""
+
+    def __init__(self, chunks: list[GPTModel], topo: Topology, p2p: P2P | None, sampling: Sampling,
+                 stop_ids: tuple[int, ...], use_cache: bool, cuda_graph: bool):
+        self.chunks, self.topo, self.p2p, self.sampling = chunks, topo, p2p, sampling
+        self.stop_ids, self.use_cache, self.cuda_graph = tuple(stop_ids), use_cache, cuda_graph
+        first = chunks[0]
+        self.seq_len, self.vocab = first.cfg.seq_len, first.cfg.vocab_size
+        self.multiple = first.tp.size if first.tp.sequence_parallel else 1  # SP splits sequences over tp
+        self.device = topo.device
+        self.generator = torch.Generator(self.device).manual_seed(sampling.seed)
+        self.cache: KVCache | None = None
+        self.slot, self.pads = 0, []  # the next decode step's slot, each row's padding (host copies)
+        self.graph: DecodeGraph | None = None
+        self.shapes_known = False  # the decode steps' pipeline messages have negotiated their shape
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        if max_new == 0:
+            return prompts
+        n = len(prompts)
+        rows = prompts + [[0]] * (-n % self.multiple)  # (dummy rows: the batch splits over tp under SP)
+        new = torch.zeros(len(rows), max_new, dtype=torch.long, device=self.device)
+        ended = torch.zeros(n, dtype=torch.bool, device=self.device)
+        stops = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device) if self.stop_ids else None
+        logits = self.prefill(rows, max_new) if self.use_cache else self.whole_context(rows)
+        steps = 0
+        for step in range(max_new):
+            token = self.draw(logits, n)
+            new[:, step] = token
+            steps = step + 1
+            if steps == max_new:
+                break
+            if stops is not None:
+                ended |= torch.isin(token[:n], stops)
+                if steps % CHECK_ENDED_EVERY == 0 and bool(ended.all()):
+                    break
+            if not self.use_cache:
+                logits = self.whole_context(self.rows_now(rows, new, steps))
+            elif self.slot - min(self.pads) < self.seq_len and self.slot < self.cache.capacity:
+                logits = self.decode(token)
+            else:  # a position past model.seq_len: the last seq_len tokens again, from scratch
+                logits = self.prefill(self.rows_now(rows, new, steps), max_new)
+        drawn = new[:n, :steps].tolist()
+        return [prompt + _cut(tokens, self.stop_ids) for prompt, tokens in zip(prompts, drawn)]
+
+    @staticmethod
+    def rows_now(rows: list[list[int]], new: torch.Tensor, steps: int) -> list[list[int]]:
+        return [row + tokens for row, tokens in zip(rows, new[:, :steps].tolist())]
+
+    def draw(self, logits: torch.Tensor | None, n: int) -> torch.Tensor:
+        """The next token of every row, on every rank: drawn on the last stage for the ``n`` real
+        rows (dummy rows draw nothing, so the draws are the same at any tp), broadcast over pp."""
+        token = torch.zeros(len(self.pads), dtype=torch.long, device=self.device)
         if logits is not None:
-            logits = logits[0, len(context) - 1].float()
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits / max(temperature, 1e-5), dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator)
-        if topo.pp > 1:
-            dist.broadcast(token, last_rank, group=topo.group("pp"))
-        ids.append(int(token))
-    return ids
+            token[:n] = next_tokens(logits[:n], self.sampling, self.generator)
+        if self.topo.pp > 1:
+            dist.broadcast(token, self.topo.ranks_of("pp")[-1], group=self.topo.group("pp"))
+        return token
+
+    # -- the three kinds of forward -----------------------------------------------------------------
+    def left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """The last seq_len tokens of each row, left-padded to one length: (tokens [b, P], pads)."""
+        contexts = [row[-self.seq_len:] for row in rows]
+        longest = max(map(len, contexts))
+        length = -(-longest // self.multiple) * self.multiple
+        pads = [length - len(c) for c in contexts]
+        tokens = torch.tensor([[0] * pad + c for pad, c in zip(pads, contexts)], dtype=torch.long)
+        return tokens.to(self.device), pads
+
+    def prefill(self, rows: list[list[int]], max_new: int) -> torch.Tensor | None:
+        tokens, self.pads = self.left_padded(rows)
+        length = tokens.shape[1]
+        if self.cache is None:  # room for the prompts and the new tokens, or up to the last position
+            capacity = max(length, min(length + max_new - 1, self.seq_len + self.multiple - 1))
+            self.cache = KVCache.for_chunks(self.chunks, len(rows), capacity)
+        self.shapes_known, self.graph, self.slot = False, None, length
+        logits = self.forward(tokens, cache=self.cache.prefill(self.pads, length))
+        return None if logits is None else logits[-1]
+
+    def decode(self, token: torch.Tensor) -> torch.Tensor | None:
+        if self.cuda_graph:
+            if self.graph is None:
+                self.graph = DecodeGraph(lambda t: self.forward(t.view(1, -1), cache=self.cache.decode())[:, 0],
+                                         token)
+            logits = self.graph(token)
+        else:
+            logits = self.forward(token.view(1, -1), cache=self.cache.decode(self.slot + 1))
+            logits = None if logits is None else logits[:, 0]  # [b, 1, vocab]: the b tokens in a row
+        self.cache.slot += 1
+        self.slot += 1
+        return logits
+
+    def whole_context(self, rows: list[list[int]]) -> torch.Tensor | None:
+        """The reference: the whole context through the plain forward, padding a document of its own."""
+        tokens, self.pads = self.left_padded(rows)
+        self.shapes_known = False
+        packed = {}
+        if max(self.pads):
+            slots = torch.arange(tokens.shape[1], device=self.device)
+            pads = torch.tensor(self.pads, device=self.device)[:, None]
+            packed = {"position_ids": (slots - pads).clamp_min(0), "document_ids": (slots >= pads).long()}
+        logits = self.forward(tokens, **packed)
+        return None if logits is None else logits[-1]
+
+    def forward(self, tokens: torch.Tensor, **inputs) -> torch.Tensor | None:
+        """``tokens`` through this rank's chunks (the first stage embeds them, later stages receive
+        the hidden stream); the logits gathered over TP [s, b, vocab] on the last stage, else None."""
+        pp, rank, p2p = self.topo.pp, self.topo.pp_rank, self.p2p
+        last = pp * len(self.chunks) - 1
+        if p2p is not None and not self.shapes_known:  # a new shape: headers first (decode: once)
+            p2p.new_step(renegotiate=True)
+            self.shapes_known = "cache" in inputs and not inputs["cache"].last_only
+        logits = None
+        for c, chunk in enumerate(self.chunks):
+            stage = c * pp + rank
+            x = p2p.recv("F", (rank - 1) % pp, (stage - 1) // pp).wait() if stage > 0 else None
+            out = chunk(tokens=tokens if stage == 0 else None, hidden=x, context_parallel=False, **inputs)
+            if stage < last:
+                p2p.send("F", (rank + 1) % pp, c, out)
+            else:
+                logits = gather_from_tp_region(out, chunk.tp.group)[..., : self.vocab]
+        if p2p is not None:
+            p2p.wait_sends()
+        return logits
+
+
+__all__ = ["generate", "Sampling"]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.config import ModelConfig
+from tessera.models.kv_cache import Decode, Prefill
 from tessera.models.packed import PackedSequence
 from tessera.models.transformer import TPContext, TransformerLayer, build_norm
 from tessera.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -107,8 +108,9 @@ class GPTModel(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------
     def embed(self, tokens: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        """tokens [b, s] -> residual stream [s, b, h] (or [s/tp, b, h] under sequence parallel)."""
-        if tokens.dim() != 2 or tokens.shape[1] > self.cfg.seq_len:
+        """tokens [b, s] -> residual stream [s, b, h] (or [s/tp, b, h] under sequence parallel).
+        Without ``position_ids`` the tokens are positions 0 .. s-1, so s <= model.seq_len."""
+        if tokens.dim() != 2 or (position_ids is None and tokens.shape[1] > self.cfg.seq_len):
             raise ValueError(f"tokens must be [batch, seq] with seq <= model.seq_len = {self.cfg.seq_len}, "
                              f"got shape {tuple(tokens.shape)}")
         x = self.embedding(tokens.t())  # [s, b, h]
@@ -140,15 +142,22 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: Tensor | None = None, labels: Tensor | None = None,
                 hidden: Tensor | None = None, position_ids: Tensor | None = None,
-                document_ids: Tensor | None = None, *, context_parallel: bool = True):
+                document_ids: Tensor | None = None, *, context_parallel: bool = True,
+                cache: Prefill | Decode | None = None):
         """First stage: ``tokens`` [b, s]; later stages: ``hidden`` from the previous stage.
         Packed sequences (every stage): ``position_ids`` and ``document_ids`` [b, s] (models/packed.py).
         With a context-parallel group (``TPContext.cp_group``) the inputs are this rank's two chunks
         of each sample (context_parallel/chunks.py), attended by ring attention;
         ``context_parallel=False``: they are whole samples (generation), attended here.
+        ``cache``: a step of generation with a KV cache (models/kv_cache.py), which brings the
+        positions and each layer's attention through the cache (whole samples).
 
         Last stage with ``labels`` [b, s]: per-token loss [b, s] (fp32). Last stage without
-        labels: local logits [s, b, padded_vocab / tp]. Other stages: the hidden stream."""
+        labels: local logits [s, b, padded_vocab / tp] (of the last position only for a prefill:
+        [1, b, ...], or [tp, b, ...] under sequence parallelism, the last row being the
+        sequence's last). Other stages: the hidden stream."""
+        if cache is not None:
+            context_parallel, position_ids = False, cache.position_ids
         cp = self.tp.cp_group if context_parallel and group_size(self.tp.cp_group) > 1 else None
         if cp is not None and position_ids is None:  # this rank's tokens' places in the sample
             b, s = tokens.shape if tokens is not None else (hidden.shape[1], hidden.shape[0] * (
@@ -158,13 +167,17 @@ class GPTModel(nn.Module):
             position_ids = where.expand(b, s)
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         seq = PackedSequence(position_ids, document_ids, cp_group=cp)
-        for i, layer in enumerate(self.layers.values()):
-            if i < self.recompute_layers and torch.is_grad_enabled():
+        for i, (index, layer) in enumerate(self.layers.items()):
+            if cache is not None:
+                x = layer(x, cache.layer(int(index)))  # this layer's keys and values, through the cache
+            elif i < self.recompute_layers and torch.is_grad_enabled():
                 x = recompute(layer, x, seq, tracker=self.tp.rng, policy=self.recompute_policy)
             else:
                 x = layer(x, seq)
         if not self.post_process:
             return x
+        if cache is not None and cache.last_only:  # (under SP each rank's last row: gathered, the
+            x = x[-1:]                              # output layer's last row is the sequence's last)
         logits = self.logits(x)
         if labels is None:
             return logits

@@ -66,13 +66,20 @@ class PipelineExecutor:
     def _tag(self, microbatch: int, chunk: int) -> int:
         return microbatch * self.vpp + chunk
 
+    @staticmethod
+    def _received(pending: PendingRecv, timer) -> Tensor:
+        with timer.span("pipeline_wait") if timer is not None else contextlib.nullcontext():
+            return pending.wait()
+
     def run(self, micro_batches: list[dict[str, Tensor]], global_tokens: Tensor, loss_scale: float = 1.0,
-            after_comm=None) -> Tensor:
+            after_comm=None, timer=None) -> Tensor:
         """Forward and backward of every micro-batch; returns the summed loss (on the last stage;
         zero elsewhere). Gradients accumulate in ``param.grad`` (or, under DataParallel, in its buffers).
         ``after_comm``: called once this rank has issued its step's last send or receive (at once
         without any), so that collectives on other groups can start without ever being issued
-        before a pipeline message on one rank and after it on another (which can deadlock NCCL)."""
+        before a pipeline message on one rank and after it on another (which can deadlock NCCL).
+        ``timer``: an object whose ``span("pipeline_wait")`` times each wait for a received tensor
+        (training/timers.py)."""
         if len(micro_batches) != self.num_microbatches:
             raise ValueError(f"this rank's schedule runs {self.num_microbatches} micro-batches, got {len(micro_batches)}: "
                              "build the schedule for the step's micro-batch count")
@@ -107,7 +114,7 @@ class PipelineExecutor:
                     recvs[(op, key)] = self.p2p.recv(op.value[-1], action.peer, self._tag(mb, sender // self.pp))
                 elif op == Op.F:
                     stage, batch = self._stage(c), micro_batches[mb]
-                    x = recvs.pop((Op.RECV_F, key)).wait().requires_grad_() if stage > 0 else None
+                    x = self._received(recvs.pop((Op.RECV_F, key)), timer).requires_grad_() if stage > 0 else None
                     out = self.chunks[c](tokens=batch["tokens"] if stage == 0 else None, hidden=x,
                                          labels=batch["labels"] if stage == last else None,
                                          position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids"))
@@ -125,7 +132,7 @@ class PipelineExecutor:
                     _release(out)
                 elif op in (Op.B, Op.I):
                     x, out = state.pop(key)
-                    grad = None if self._stage(c) == last else recvs.pop((Op.RECV_B, key)).wait()
+                    grad = None if self._stage(c) == last else self._received(recvs.pop((Op.RECV_B, key)), timer)
                     with self.wgrad_store.defer(key) if op == Op.I else contextlib.nullcontext():
                         run_backward(out, grad)
                     if x is not None:

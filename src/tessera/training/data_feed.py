@@ -41,8 +41,12 @@ def total_samples(cfg: Config) -> int:
 
 
 def eval_samples(cfg: Config) -> int:
-    """Samples one validation loss reads."""
-    return cfg.train.eval_batches * cfg.train.global_batch
+    """Samples the validation split is built for: Megatron-LM's count for a run of train.steps,
+    ``(steps // eval_every + 1) * eval_batches * global_batch`` (its evaluations read on through
+    the split; tessera's each read the first ``eval_batches`` global batches of that stream)."""
+    t = cfg.train
+    evaluations = t.steps // t.eval_every + 1 if t.eval_every > 0 else 1
+    return evaluations * t.eval_batches * t.global_batch
 
 
 def build_source(cfg: Config, split: int = 0):

@@ -66,3 +66,8 @@ def init_distributed(device: torch.device, timeout_s: float) -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def restart_count() -> int:
+    """How often torchrun has restarted this job's workers (``--max-restarts``): 0 in the first attempt."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))

@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 
 from tessera.checkpoint import check_resume
+from tessera.checkpoint.files import check_store, is_url
 from tessera.config import Config, ConfigError, check
-from tessera.data import ByteTokenizer, microbatch_counts, sample_tokenizer
+from tessera.data import ByteTokenizer, microbatch_counts, remote, sample_tokenizer
 from tessera.data.tokenizer import file_tokenizer
 from tessera.optim import LRScheduler, MicroBatchCalculator
 from tessera.pipeline_parallel.schedules import SPLIT_BACKWARD, ScheduleError, build_all, check_kind
@@ -155,10 +156,17 @@ def check_datasets(data, vocab_size: int | None = None, validates: bool = False)
     packing = data.reset_position_ids or data.reset_attention_mask or data.eod_mask_loss
     for _, prefix in blend:
         try:
-            dataset = IndexedDataset(prefix)
+            dataset = IndexedDataset(prefix, data.cache_dir)
             lengths = dataset.sequence_lengths
         except IndexedDatasetError as e:
             raise ConfigError("data.paths", str(e), "preprocess the data with `tessera preprocess`, or fix the path") from None
+        except ImportError as e:  # (a URL whose fsspec implementation is not installed)
+            raise ConfigError("data.paths", f"{prefix}: fsspec cannot open it here ({e})",
+                              "pip install s3fs (s3://) or gcsfs (gs://)") from None
+        except (OSError, ValueError) as e:  # (a store that refuses: no bucket, no credentials, an unknown protocol)
+            raise ConfigError("data.paths", f"{prefix} cannot be read ({type(e).__name__}: {e})",
+                              "check the URL and the store's credentials (for S3: AWS_PROFILE or "
+                              "AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL)") from None
         if packing:  # a wrong data.eod_id packs nothing apart, or cuts documents at an ordinary token
             ends = document_ends(dataset)
             if ends and data.eod_id not in ends and (len(ends) == 1 or not token_occurs(dataset, data.eod_id)):
@@ -175,16 +183,18 @@ def check_datasets(data, vocab_size: int | None = None, validates: bool = False)
                                   f"{docs.stop} of {len(lengths)}, with too few tokens for a sample",
                                   f"give the {name} part more weight (data.split is train,valid,test), "
                                   f"or more documents" + (", or set train.eval_every=0" if part else ""))
-    check_data_tokenizers([prefix for _, prefix in blend], vocab_size)
+    check_data_tokenizers([prefix for _, prefix in blend], vocab_size, data.cache_dir)
 
 
-def check_data_tokenizers(prefixes: list[str], vocab_size: int | None) -> None:
+def check_data_tokenizers(prefixes: list[str], vocab_size: int | None, cache_dir: str = "") -> None:
     """Where datasets have their ``PREFIX.tokenizer.json`` (written by ``tessera preprocess``;
     datasets made elsewhere are not checked): ``vocab_size`` holds its ids, and a blend shares one
     vocabulary (the same id would mean other text in each)."""
     seen: dict[str, dict[str, int]] = {}
     for prefix in prefixes:
         path = f"{prefix}.tokenizer.json"
+        if remote.is_url(path):  # (copied into the local cache, where there is one)
+            path = remote.local_copy(path, cache_dir) or path
         if not os.path.isfile(path):
             continue
         tokenizer = file_tokenizer(path, "data.paths", "preprocess the dataset again, or remove the broken file")
@@ -245,8 +255,13 @@ def check_runnable(cfg: Config, world_size: int) -> Config:
     check_writable_dir(t.out_dir, "train.out_dir")
     if t.tensorboard:
         check_tensorboard()
-    if cfg.checkpoint.dir:
-        check_writable_dir(cfg.checkpoint.dir, "checkpoint.dir")
+    c = cfg.checkpoint
+    if c.load and is_url(c.load):
+        check_store(c.load, "checkpoint.load", write=False)
+    if c.dir and is_url(c.dir):  # (one rank writes the probe: a thousand ranks' PUTs would say nothing more)
+        check_store(c.dir, "checkpoint.dir", write=os.environ.get("RANK", "0") == "0")
+    elif c.dir:
+        check_writable_dir(c.dir, "checkpoint.dir")
     check_resume(cfg)
     check_device(t.device, t.cuda_graphs, t.fp8)
     return cfg

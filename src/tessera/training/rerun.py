@@ -112,7 +112,7 @@ class NumericsGuard:
 
     def poison(self, grads: list[Tensor]) -> None:
         """train.inject_fault_step: corrupt this rank's first non-empty gradient (rank 0)."""
-        if self.step is None or self.step + 1 != self.inject_step or self.rank != 0:
+        if self.step is None or self.step + 1 != self.inject_step or self.rank != 0 or self.inject == "kill":
             return
         if self.rerunning and self.inject == "nan_once":
             return

@@ -33,6 +33,7 @@ waiting for the host.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -45,6 +46,7 @@ from tessera.optim import DynamicLossScaler, clip_coefficient
 from tessera.optim.clip import grad_norm_and_nonfinite
 from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.training.rerun import NumericsGuard
+from tessera.training.timers import PhaseTimer
 from tessera.topology import Topology
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,15 +69,17 @@ class StepResult:
     _read: list[float] | None = field(default=None, init=False, repr=False)
 
     @staticmethod
-    def launch(loss: Tensor, grad_norm: Tensor, tokens: Tensor, skipped: bool | Tensor) -> "StepResult":
-        """``skipped``: the host's answer, or the device's flag (training/rerun.py), read with the rest."""
+    def launch(loss: Tensor, grad_norm: Tensor, tokens: Tensor, skipped: bool | Tensor,
+               clock=time.perf_counter) -> "StepResult":
+        """``skipped``: the host's answer, or the device's flag (training/rerun.py), read with the
+        rest. ``clock``: the host clock ``finished_at`` is read from (off CUDA)."""
         values = [loss.detach().double(), grad_norm.detach().double(), tokens.double()]
         if torch.is_tensor(skipped):
             values.append(skipped.double())
         values = torch.stack(values)
         skipped = skipped if isinstance(skipped, bool) else False
         if values.device.type != "cuda":
-            return StepResult(values, None, skipped, time.perf_counter())
+            return StepResult(values, None, skipped, clock())
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
         ready = torch.cuda.Event(enable_timing=True)
@@ -157,11 +161,14 @@ def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
 
 def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: PipelineExecutor,
                data_parallel, *, clip_grad: float, scaler: DynamicLossScaler | None = None,
-               guard: NumericsGuard | None = None) -> StepResult:
+               guard: NumericsGuard | None = None, timer: PhaseTimer | None = None) -> StepResult:
     """``micro_batches``: this dp rank's share. ``optimizer``: a MainParamOptimizer or
     FSDPOptimizer over the chunks the executor runs; ``data_parallel`` their DataParallel or
     FullyShardedDataParallel. ``guard``: skips a step whose gradient norm is not finite, on the
-    device (training/rerun.py); without one, such a step is applied as it is."""
+    device (training/rerun.py); without one, such a step is applied as it is. ``timer``: the
+    phases' spans (training/timers.py)."""
+    if timer is None:
+        timer = _UNTIMED
     device = topo.device
     # (pipeline middle stages hold no loss mask: their count is unused, the loss is on the last stage)
     local_tokens = sum((mb["loss_mask"].sum() for mb in micro_batches if "loss_mask" in mb),
@@ -169,13 +176,28 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
     # the step's scalars travel on their own dp communicator (Topology): on "dp" they would wait
     # for the previous step's overlapped parameter all-gather, and the forward with them
     scalars = topo.group("dp_scalars") or topo.group("dp_cp")
-    global_tokens = _sum_over(local_tokens.clone(), scalars)
+    with timer.span("dp_wait"):
+        global_tokens = _sum_over(local_tokens.clone(), scalars)
     data_parallel.start_step(len(micro_batches))
     # (a global batch without a token the loss counts, e.g. all end-of-document under
     # data.eod_mask_loss, gives loss 0 and zero gradients, not 0/0)
-    loss_sum = executor.run(micro_batches, global_tokens.clamp(min=1), loss_scale=scaler.scale if scaler is not None else 1.0,
-                            after_comm=getattr(data_parallel, "pipeline_comm_done", None))
-    data_parallel.finish_grad_sync()
+    with timer.span("forward_backward"):
+        loss_sum = executor.run(micro_batches, global_tokens.clamp(min=1),
+                                loss_scale=scaler.scale if scaler is not None else 1.0,
+                                after_comm=getattr(data_parallel, "pipeline_comm_done", None),
+                                timer=timer if timer is not _UNTIMED else None)
+    with timer.span("dp_wait"):
+        data_parallel.finish_grad_sync()
+    with timer.span("optimizer"):
+        loss, grad_norm, skipped = _finish_step(optimizer, topo, data_parallel, loss_sum, scalars, clip_grad, scaler,
+                                                guard)
+    return StepResult.launch(loss, grad_norm, global_tokens, skipped=skipped, clock=timer.clock)
+
+
+def _finish_step(optimizer, topo, data_parallel, loss_sum, scalars, clip_grad, scaler, guard):
+    """Steps 3-6 of the plan after the reductions: finalize, the norm, the optimizer step, the
+    loss; (loss, gradient norm, skipped: the host's answer or the device's flag)."""
+    device = topo.device
     grads = optimizer.grads()
     finalize_model_grads(grads, topo, done=getattr(data_parallel, "tied_reduced", ()))
     if guard is not None:
@@ -199,4 +221,17 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
     if finite:
         optimizer.step(clip_coefficient(grad_norm, clip_grad), skip=skip)
     optimizer.zero_grad()
-    return StepResult.launch(loss, grad_norm, global_tokens, skipped=not finite if skip is None else skip)
+    return loss, grad_norm, not finite if skip is None else skip
+
+
+class _Untimed:
+    """No timer: spans that record nothing, the host clock."""
+
+    clock = staticmethod(time.perf_counter)
+
+    @contextlib.contextmanager
+    def span(self, name):
+        yield
+
+
+_UNTIMED = _Untimed()

@@ -1,0 +1,189 @@
+"""Generation speed on one GPU: decode tokens/s and time to first token, tessera against Hugging
+Face transformers on the same weights, beside the physical limit.
+
+    python3 benchmarks/decode.py [MODEL] [--new-tokens 512] [--prompt-len 128] [--batches 1,32]
+                                 [--ttft-len 2048] [--skip hf] [--device cuda]
+
+MODEL: a name in benchmarks/models/ (default llama-1b) or a config TOML; random weights (seeded),
+bf16. Each batch's prompts are random ids of ``--prompt-len`` tokens (no padding), greedy.
+
+Rows (each timed after one untimed run of the same call: compilation, graph capture, allocator):
+
+- **tessera eager**: ``generate()`` with the KV cache, one eager forward per decode step;
+- **tessera graphed**: the same with ``cuda_graph=True`` (a decode step is one CUDA graph replay);
+- **transformers static+compile**: ``generate(cache_implementation="static")`` with its forward
+  compiled (``CompileConfig(fullgraph=True, mode="reduce-overhead")``: inductor and CUDA graphs);
+- **physical limit**: the HBM bytes a decode step must read (every weight but the embedding
+  table, whose b looked-up rows count, and the K/V cache of the mean context) over the bandwidth
+  a device-to-device copy reaches in this run.
+
+Decode tokens/s = batch x (new tokens - 2) / (time of ``new`` tokens - time of 2 tokens): the
+prefill, the first token and the first decode step (where tessera captures its graph) are left
+out. Time to first token: a ``--ttft-len`` prompt (batch 1)
+to its first token on the host. Every figure is from this run's GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
+
+from quick_train import model_config  # noqa: E402
+
+from tessera.config import load_config  # noqa: E402
+from tessera.inference.generate import generate  # noqa: E402
+from tessera.inference.sampling import Sampling  # noqa: E402
+from tessera.models import GPTModel, TPContext  # noqa: E402
+from tessera.topology import Topology  # noqa: E402
+
+REPEATS = 3  # timed runs per figure (the median)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(call, device: torch.device) -> float:
+    """The median wall time of ``call()`` over REPEATS runs, after one untimed run."""
+    call()
+    times = []
+    for _ in range(REPEATS):
+        sync(device)
+        began = time.perf_counter()
+        call()
+        sync(device)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Bytes per second a device-to-device copy moves (read + write), the practical HBM limit."""
+    n = int(gib * 2**30) // 2
+    a, b = torch.empty(n, dtype=torch.bfloat16, device=device), torch.empty(n, dtype=torch.bfloat16, device=device)
+    seconds = timed(lambda: b.copy_(a), device)
+    return 2 * a.numel() * a.element_size() / seconds
+
+
+def step_bytes(model: GPTModel, batch: int, context: float) -> float:
+    """HBM bytes one decode step reads: the weights (the embedding table only for the looked-up
+    rows) and each layer's K/V cache over ``context`` tokens."""
+    cfg, size = model.cfg, next(model.parameters()).element_size()
+    weights = sum(p.numel() for name, p in model.named_parameters() if name != "embedding.weight")
+    if cfg.tie_embeddings:  # (the output layer reads the embedding matrix whole)
+        weights += model.embedding.weight.numel()
+    cache = 2 * cfg.layers * cfg.num_kv_heads * cfg.head_dim * context * batch
+    return (weights + batch * cfg.hidden + cache) * size
+
+
+def tessera_rows(model: GPTModel, topo: Topology, prompts: dict, new: int, ttft_prompt, graphs: bool) -> dict:
+    out = {}
+    for graphed in (False, True) if graphs else (False,):
+        name = "tessera graphed" if graphed else "tessera eager"
+
+        def run(batch, tokens, graphed=graphed):
+            return generate([model], batch, tokens, topo=topo, sampling=Sampling(), cuda_graph=graphed)
+        row = {}
+        for b, batch in prompts.items():
+            whole, first = timed(lambda: run(batch, new), topo.device), timed(lambda: run(batch, 2), topo.device)
+            row[b] = b * (new - 2) / (whole - first)
+        row["ttft"] = timed(lambda: run([ttft_prompt], 1), topo.device)
+        out[name] = row
+    return out
+
+
+def transformers_row(model: GPTModel, prompts: dict, new: int, ttft_prompt) -> dict:
+    """transformers' LlamaForCausalLM / GPT2LMHeadModel holding the same weights, static cache, compiled."""
+    import transformers
+
+    from tessera.checkpoint import hf
+
+    cfg, device = model.cfg, next(model.parameters()).device
+    whole = {name: (t[: cfg.vocab_size] if name in ("embedding.weight", "output.weight") else t)
+             for name, t in model.state_dict().items()}
+    config = hf.hf_config(cfg) | {"dtype": "bfloat16", "use_cache": True}
+    theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    missing, unexpected = theirs.load_state_dict(hf.to_hf(whole, cfg), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # (tied: the embedding)
+        raise ValueError(f"the weights did not map: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    theirs = theirs.to(device=device, dtype=next(model.parameters()).dtype).eval()
+    kwargs = dict(do_sample=False, cache_implementation="static", pad_token_id=0)
+    if hasattr(transformers, "CompileConfig") and device.type == "cuda":
+        kwargs["compile_config"] = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
+
+    def run(batch, tokens):
+        ids = torch.tensor(batch, device=device)
+        with torch.no_grad():
+            return theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                                   min_new_tokens=tokens, **kwargs)
+    row = {}
+    for b, batch in prompts.items():
+        whole_t, first = timed(lambda: run(batch, new), device), timed(lambda: run(batch, 2), device)
+        row[b] = b * (new - 2) / (whole_t - first)
+    row["ttft"] = timed(lambda: run([ttft_prompt], 1), device)
+    # the same weights: greedy tokens agree (16-bit rounding may part them after a while)
+    prompt = next(iter(prompts.values()))[0]
+    ours = generate([model], [prompt], 32, topo=Topology.build(device=device))[0][len(prompt):]
+    same = next((i for i, (a, b) in enumerate(zip(ours, run([prompt], 32)[0, len(prompt):].tolist())) if a != b), 32)
+    print(f"transformers: the first {same} of 32 greedy tokens equal tessera's", flush=True)
+    return {"transformers static+compile": row}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", default="llama-1b")
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    parser.add_argument("--ttft-len", type=int, default=2048, help="the time-to-first-token prompt's length")
+    parser.add_argument("--skip", default="", help="comma-separated: hf, graphs")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="model overrides (smoke runs)")
+    args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    device = torch.device(args.device)
+    cfg = load_config(model_config(args.model), args.overrides).model
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = GPTModel(cfg, TPContext(fused_elementwise=cfg.family == "llama" and device.type == "cuda"), device=device)
+    model.init_weights(1234)
+    model.to(dtype).eval()
+    topo = Topology.build(device=device)
+    gen = torch.Generator().manual_seed(0)
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts = {b: torch.randint(0, cfg.vocab_size, (b, args.prompt_len), generator=gen).tolist() for b in batches}
+    ttft_prompt = torch.randint(0, cfg.vocab_size, (min(args.ttft_len, cfg.seq_len),), generator=gen).tolist()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"decode: {args.model} ({cfg.family}, {sum(p.numel() for p in model.parameters()):,} parameters, {dtype}) "
+          f"on {name}, torch {torch.__version__}; prompts of {args.prompt_len} tokens, {args.new_tokens} new, greedy",
+          flush=True)
+    rows = tessera_rows(model, topo, prompts, args.new_tokens, ttft_prompt, "graphs" not in skip and device.type == "cuda")
+    if "hf" not in skip:
+        try:
+            rows |= transformers_row(model, prompts, args.new_tokens, ttft_prompt)
+        except Exception as e:  # noqa: BLE001 -- reported, the other rows still print
+            print(f"transformers: not measured ({type(e).__name__}: {str(e)[:300]})", flush=True)
+    if device.type == "cuda":
+        bandwidth = copy_bandwidth(device)
+        context = args.prompt_len + args.new_tokens / 2
+        rows["physical limit"] = {b: b * bandwidth / step_bytes(model, b, context) for b in batches}
+        print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; a decode step reads "
+              + ", ".join(f"{step_bytes(model, b, context) / 1e9:.2f} GB at batch {b}" for b in batches)
+              + f" (mean context {context:.0f} tokens)")
+    header = ["", *[f"batch {b} tok/s" for b in batches], f"TTFT {len(ttft_prompt)} (ms)"]
+    print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
+    for label, row in rows.items():
+        cells = [f"{row[b]:,.0f}" for b in batches] + [f"{row['ttft'] * 1e3:.1f}" if "ttft" in row else "-"]
+        print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

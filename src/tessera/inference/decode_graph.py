@@ -1,0 +1,43 @@
+"""A decode step as one CUDA graph: the forward of every layer for one token per sequence, the
+cache written in place at the slot the cache's device tensor names, the logits gathered over TP,
+captured once and replayed each step (a few microseconds of launch for hundreds of kernels).
+
+What makes the step capturable is in models/kv_cache.py: preallocated caches, writes at a device
+slot (``index_copy_``), attention over the whole capacity masked to the valid slots (a static
+shape), positions computed on the device. Sampling runs eagerly after the replay. pp=1 only (the
+pipeline's messages are not captured). Opt-in (``tessera generate --cuda-graph``) until measured:
+benchmarks/decode.py compares it with the eager step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+class DecodeGraph:
+    """``step(tokens)`` captured: calling it copies ``tokens`` [b] into the captured input, replays,
+    and returns the captured output (overwritten by the next call)."""
+
+    def __init__(self, step: Callable[[Tensor], Tensor], tokens: Tensor):
+        self.tokens = tokens.clone()
+        # warm up on a side stream (lazy initialisations, NCCL communicators, cuBLAS workspaces);
+        # it writes the same slot the replay writes again
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(self.tokens)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = step(self.tokens)
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.output
+
+
+__all__ = ["DecodeGraph"]
