@@ -4,10 +4,12 @@ forward, on any layout, on CPU processes (gloo) or where the config says.
     python3 benchmarks/activation_memory.py NPROC [section.key=value ...]
     python3 benchmarks/activation_memory.py 4 model.seq_len=16384 parallel.cp=4
 
-Every tensor saved for backward is counted once by its storage (``saved_tensors_hooks``), so the
-figure is what a layout keeps, not what the allocator happened to hold: the quantity context
-parallelism (1/cp), sequence parallelism and recomputation divide. Prints each rank's figure and
-the largest, as a RESULT line.
+Every storage the forward allocates and leaves alive (``models/activations.py``'s ``kept_bytes``:
+tensors autograd saved, recomputed layers' inputs, what selective recomputation keeps) is counted
+once, the loss left out, so the figure is what a layout keeps, not what the allocator happened to
+hold: the quantity context parallelism (1/cp), sequence parallelism and recomputation
+(``train.recompute=selective|full``) divide. Prints each rank's figure and the largest, as a
+RESULT line.
 """
 
 from __future__ import annotations
@@ -17,25 +19,12 @@ import sys
 import torch
 
 from tessera.config import load_config
+from tessera.models.activations import kept_bytes
 from tessera.testing import run_ranks
 
 MODEL = ["model.family=llama", "model.layers=4", "model.hidden=256", "model.heads=4", "model.kv_heads=2",
          "model.vocab_size=256", "model.seq_len=4096", "train.micro_batch=1", "train.global_batch=1",
          "data.source=synthetic", "train.device=cpu"]
-
-
-def saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd saves while ``fn()`` runs."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(storages.values())
 
 
 def _rank(rank: int, world: int, overrides: list[str]) -> int:
@@ -50,8 +39,11 @@ def _rank(rank: int, world: int, overrides: list[str]) -> int:
     chunk = parts.chunks[0]  # (pp=1: one stage holds the whole model)
     if cfg.parallel.pp > 1:
         raise SystemExit("pp > 1: measure one stage at a time is not done here; use parallel.pp=1")
-    return saved_bytes(lambda: chunk(tokens=batch["tokens"], labels=batch["labels"],
-                                     position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids")))
+    out = []
+    kept = kept_bytes(lambda: out.append(chunk(tokens=batch["tokens"], labels=batch["labels"],
+                                               position_ids=batch.get("position_ids"),
+                                               document_ids=batch.get("document_ids"))))
+    return kept - out[0].untyped_storage().nbytes()
 
 
 def main() -> None:

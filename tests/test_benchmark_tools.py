@@ -210,3 +210,25 @@ def test_the_decode_benchmark_prints_its_table_on_a_tiny_model(capsys):
     assert "the first 32 of 32 greedy tokens equal tessera's" in out, out
     assert "| | batch 1 tok/s | batch 2 tok/s | TTFT 16 (ms) |".replace("| |", "|  |") in out, out
     assert "| tessera eager |" in out and "| transformers static+compile |" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags,count", [([], 10), (["--llama8b", "--no-offload-too"], 2)])
+def test_memory_check_runs_its_configurations_on_tiny_shapes(flags, count):
+    """benchmarks/memory_check.py --cpu-smoke: every configuration built, stepped and compared,
+    one JSON line each, then the table (the GPU numbers come from the GPU machine)."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, "benchmarks/memory_check.py", "--cpu-smoke", "--steps", "2", *flags],
+                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=400, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == count and not any("error" in r for r in rows), rows
+    for row in rows:
+        assert row["predicted_gib"] > 0 and row["measured_step_s"] > 0 and row["predicted_step_s"] > 0
+        assert (row["predicted_host_gib"] > 0) == ("offload=on" in row["config"] or row["config"].startswith("llama-8b offload"))
+    table = out.stdout.split("\n\n")[-1].splitlines()
+    assert table[0].startswith("| config | predicted GiB | measured GiB") and len(table) == count + 2

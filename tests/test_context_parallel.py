@@ -59,7 +59,8 @@ def _runs(tmp_path, family: list[str], data: list[str]) -> dict:
                "cp2-pp2-vpp2": ["parallel.cp=2", "parallel.pp=2", "parallel.vpp=2"],
                "cp2-dp2-zero1": ["parallel.cp=2", "parallel.dp=2", "parallel.zero=1"],
                "cp2-dp2-zero3": ["parallel.cp=2", "parallel.dp=2", "parallel.zero=3"],
-               "cp2-recompute": ["parallel.cp=2", "parallel.dp=2", "train.recompute=full"]}
+               "cp2-recompute": ["parallel.cp=2", "parallel.dp=2", "train.recompute=full"],
+               "cp2-selective": ["parallel.cp=2", "parallel.dp=2", "train.recompute=selective"]}
 
     def save(name):
         return [f"checkpoint.dir={tmp_path / name}", f"train.out_dir={tmp_path / name}-out"]

@@ -1,7 +1,9 @@
-"""Activation recomputation (train.recompute): a recomputed layer keeps only its input and runs
-again in the backward; the run's losses and gradient norms equal those of a run without it, to
-the bit, with dropout on TP-split activations (the tracker's streams put back for the rerun), in
-pipelines with a split backward, under FSDP, and for the first N layers of each chunk only."""
+"""Activation recomputation (train.recompute): a recomputed layer keeps only its input (full), or
+its input and its GEMMs' and attention's outputs (selective), and runs again in the backward; the
+losses, gradient norms and final weights equal those of a run without it, to the bit: with dropout
+on TP-split activations under SP (the tracker's streams put back for the rerun), with fp8 GEMMs,
+in pipelines whose backward is split (zero-bubble's deferred weight gradients), under FSDP, with
+context parallelism, and for the first N layers of each chunk only."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import torch
 
 from tessera.config import ConfigError, ModelConfig, load_config
 from tessera.models import GPTModel
+from tessera.tensor_parallel.random import SelectivePolicy
+from tessera.models.activations import kept_bytes
 from tessera.testing import run_ranks
 from tessera.training.preflight import validate
 
@@ -17,13 +21,31 @@ BASE = ["model.hidden=32", "model.layers=4", "model.heads=4", "model.seq_len=16"
         "train.micro_batch=1", "train.global_batch=8", "train.seed=5", "train.steps=3", "train.log_every=1",
         "data.source=synthetic", "optim.lr=1e-2", "model.dropout=0.2"]
 
+RECOMPUTE = {"plain": [], "full": ["train.recompute=full"], "selective": ["train.recompute=selective"],
+             "selective-first1": ["train.recompute=selective", "train.recompute_layers=1"]}
 
-def _runs(rank, world, runs):
-    """Each run's (loss, grad norm) per step on the logging rank (None elsewhere), and how many
-    layer forwards this rank recomputed."""
+# world size, topology sizes, overrides (on training_runs.BASE: 2 layers unless given)
+LAYOUTS = {
+    "tp2-sp-dropout": (2, dict(tp=2), ["parallel.tp=2", "parallel.sequence_parallel=true", "model.dropout=0.2",
+                                       "model.layers=4"]),
+    "pp2-zb-h1": (2, dict(pp=2), ["parallel.pp=2", "parallel.schedule=zb-h1", "model.layers=4"]),
+    "pp2-vpp2-interleaved-zb": (2, dict(pp=2), ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved-zb",
+                                                "model.layers=8"]),
+    "dp2-fsdp": (2, dict(dp=2), ["parallel.dp=2", "parallel.zero=3", "model.layers=4"]),
+    "tp2-sp-fp8": (2, dict(tp=2), ["parallel.tp=2", "parallel.sequence_parallel=true", "train.fp8=tensorwise",
+                                   "model.layers=4", "model.family=llama"]),
+}
+
+
+def _runs(rank, world, sizes, layout):
+    """Each recompute mode's training_runs.train_run on ``layout``, and how many layer forwards
+    this rank recomputed."""
+    from training_runs import train_run
+
     from tessera.models import gpt
-    from tessera.training.trainer import train
+    from tessera.topology import Topology
 
+    topo = Topology.build(**sizes)
     calls, real = [], gpt.recompute
 
     def counted(*args, **kw):
@@ -31,69 +53,82 @@ def _runs(rank, world, runs):
         return real(*args, **kw)
 
     gpt.recompute = counted
-    out = []
-    for run in runs:
+    out = {}
+    for name, extra in RECOMPUTE.items():
         calls.clear()
-        history = train(load_config(None, BASE + run))
-        out.append(([(m["loss"], m["grad_norm"]) for m in history] or None, len(calls)))
+        run = train_run(topo, layout + extra)
+        out[name] = dict(losses=run["losses"], norms=run["norms"], params=run["params"], recomputed=len(calls))
     return out
-
-
-LAYOUTS = {
-    "tp2-sp-dropout": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-    "pp2-zb-h1": (2, ["parallel.pp=2", "parallel.schedule=zb-h1"]),
-    "dp2-fsdp": (2, ["parallel.dp=2", "parallel.zero=3"]),
-}
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", [name if name == "pp2-zb-h1" else pytest.param(name, marks=pytest.mark.slow)
                                   for name in LAYOUTS])
-def test_recomputed_layers_give_the_same_run_to_the_bit(tmp_path, name):
-    world, layout = LAYOUTS[name]
-    runs = [layout + [f"train.out_dir={tmp_path}/{what}", *extra] for what, extra in
-            (("plain", []), ("full", ["train.recompute=full"]), ("first1", ["train.recompute=full", "train.recompute_layers=1"]))]
-    by_rank = run_ranks(_runs, world, runs, timeout=280)
-    plain, full, first = (next(r[i][0] for r in by_rank if r[i][0] is not None) for i in range(3))
-    assert len(plain) == 3 and full == plain and first == plain, (plain, full, first)
-    recomputed = [[r[i][1] for r in by_rank] for i in range(3)]
-    assert sum(recomputed[0]) == 0 and sum(recomputed[2]) < sum(recomputed[1]), recomputed
-    assert all(n > 0 for n in recomputed[2]), recomputed  # every rank recomputed some of its layers
+def test_recomputed_layers_give_the_same_run_to_the_bit(name):
+    world, sizes, layout = LAYOUTS[name]
+    by_rank = run_ranks(_runs, world, sizes, layout, timeout=280)
+    for rank in by_rank:
+        plain = rank["plain"]
+        for mode in RECOMPUTE:
+            run = rank[mode]
+            assert run["losses"] == plain["losses"] and run["norms"] == plain["norms"], (mode, run, plain)
+            for key, p in plain["params"].items():
+                assert torch.equal(run["params"][key], p), (mode, key)
+        counts = {mode: rank[mode]["recomputed"] for mode in RECOMPUTE}
+        assert counts["plain"] == 0 and counts["full"] == counts["selective"] > counts["selective-first1"] > 0, counts
 
 
-def _saved_bytes(model: GPTModel, tokens: torch.Tensor) -> int:
-    """Bytes of the tensors autograd keeps from one forward for the backward."""
-    seen = {}
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_recomputed_layers_under_context_parallelism_give_the_same_run_to_the_bit(tmp_path):
+    """cp=2 (ring attention, whose blocks selective recomputation does not keep): the trainer's
+    losses and gradient norms (the weights: test_context_parallel.py, against one process)."""
+    from training_runs import train_histories
 
-    def pack(t):
-        seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens[:, :-1], tokens[:, 1:]).sum().backward()
-    return sum(seen.values())
+    runs = [["parallel.cp=2", "model.family=llama", "model.kv_heads=2", "model.dropout=0",
+             f"train.out_dir={tmp_path}/{name}", *extra] for name, extra in RECOMPUTE.items()]
+    histories = train_histories(2, BASE, runs, timeout=280)
+    curves = [[(m["loss"], m["grad_norm"]) for m in h] for h in histories]
+    assert len(curves[0]) == 3 and all(c == curves[0] for c in curves), curves
 
 
-def test_a_recomputed_layer_keeps_only_its_input():
-    """The forward of 4 recomputed layers keeps a fraction of what the plain one keeps; the
-    gradients are the same."""
-    cfg = ModelConfig(hidden=64, layers=4, heads=4, seq_len=64, vocab_size=50)
+def _kept(model: GPTModel, tokens: torch.Tensor) -> int:
+    """Bytes one forward keeps for the backward (the loss left out); the backward is run too."""
+    box = []
+    kept = kept_bytes(lambda: box.append(model(tokens[:, :-1], tokens[:, 1:])))
+    loss = box.pop()
+    kept -= loss.untyped_storage().nbytes()
+    loss.sum().backward()
+    return kept
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_selective_keeps_less_than_none_and_more_than_full(family):
+    """The same gradients from all three modes; what the forward keeps: none > selective > full."""
+    cfg = ModelConfig(family=family, hidden=64, layers=4, heads=4, seq_len=64, vocab_size=50)
     tokens = torch.randint(0, 50, (4, 65), generator=torch.Generator().manual_seed(0))
-    plain, again = GPTModel(cfg), GPTModel(cfg)
-    plain.init_weights(1)
-    again.init_weights(1)
-    again.recompute_layers = 4
-    kept, kept_again = _saved_bytes(plain, tokens), _saved_bytes(again, tokens)
-    assert kept_again < 0.4 * kept, (kept_again, kept)
-    for p, q in zip(plain.parameters(), again.parameters()):
-        assert torch.equal(p.grad, q.grad)
+    kept, grads = {}, {}
+    for mode in ("none", "selective", "full"):
+        model = GPTModel(cfg)
+        model.init_weights(1)
+        if mode != "none":
+            model.recompute_layers = 4
+            model.recompute_policy = SelectivePolicy() if mode == "selective" else None
+        kept[mode] = _kept(model, tokens)
+        grads[mode] = [p.grad for p in model.parameters()]
+    assert kept["full"] < 0.2 * kept["none"] and 0.4 * kept["none"] < kept["selective"] < 0.8 * kept["none"], kept
+    for mode in ("selective", "full"):
+        assert all(torch.equal(g, h) for g, h in zip(grads[mode], grads["none"])), mode
 
 
 def test_combinations_it_does_not_run_are_refused():
     for extra, key in [(["train.recompute_layers=2"], "train.recompute_layers"),
                        (["train.recompute=full", "train.compile=true"], "train.compile"),
+                       (["train.recompute=selective", "train.compile=true"], "train.compile"),
                        (["train.recompute=full", "train.recompute_layers=-1"], "train.recompute_layers")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, BASE + extra)
-    with pytest.raises(ConfigError, match=r"train\.cuda_graphs: a graphed layer's backward"):
-        validate(load_config(None, BASE + ["model.dropout=0", "train.recompute=full", "train.cuda_graphs=true"]), 1)
+    for mode in ("full", "selective"):
+        with pytest.raises(ConfigError, match=r"train\.cuda_graphs: a graphed layer's backward"):
+            validate(load_config(None, BASE + ["model.dropout=0", f"train.recompute={mode}",
+                                               "train.cuda_graphs=true"]), 1)

@@ -1,5 +1,6 @@
 """Command line: ``tessera train --config FILE [--set section.key=value ...]``, ``tessera config``,
 ``tessera schedule --kind interleaved --pp 4 --vpp 2 --microbatches 8 [--out schedule.svg]``,
+``tessera plan --config FILE --gpus N --gpu-memory 80GB``,
 ``tessera preprocess --input FILE.jsonl --tokenizer SPEC --output-prefix P``, ``tessera data inspect P``,
 ``tessera checkpoint inspect|export|import ...``, ``tessera generate|eval --checkpoint CKPT ...``.
 
@@ -49,6 +50,29 @@ def _parser() -> argparse.ArgumentParser:
     schedule.add_argument("--comm", type=_positive(float, zero_ok=True), default=0.0, help="latency of one send between ranks")
     schedule.add_argument("--out", help="write the timeline picture here (.svg, or .png with matplotlib)")
     schedule.add_argument("--print-actions", action="store_true", help="print each rank's action list")
+    plan = sub.add_parser("plan", help="the layouts that fit N GPUs, fastest first by a stated model, and why the "
+                                       "others do not")
+    plan.add_argument("--config", help="TOML file with [model], [train], ... sections")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override one config value (repeatable)")
+    plan.add_argument("--gpus", type=_positive(int), required=True, metavar="N", help="GPUs to lay the run out on")
+    plan.add_argument("--gpu-memory", required=True, metavar="SIZE", help="memory per GPU, e.g. 80GB (GB = GiB)")
+    plan.add_argument("--headroom", type=_positive(float, zero_ok=True), default=0.1,
+                      help="fraction of the memory kept free for the CUDA context, NCCL and fragmentation (0.1)")
+    plan.add_argument("--gpus-per-node", type=_positive(int), default=8, help="GPUs joined by NVLink (8)")
+    plan.add_argument("--tflops", type=_positive(float), default=989.4, help="the GPU's dense peak, TFLOP/s (989.4)")
+    plan.add_argument("--mfu", type=_positive(float), default=0.4, help="the fraction of the peak reached (0.4)")
+    plan.add_argument("--node-bandwidth", type=_positive(float), default=300.0,
+                      help="GB/s a collective reaches inside a node (300)")
+    plan.add_argument("--network-bandwidth", type=_positive(float), default=40.0,
+                      help="GB/s per GPU across nodes (40)")
+    plan.add_argument("--hbm-bandwidth", type=_positive(float), default=3350.0, help="GB/s of GPU memory (3350)")
+    plan.add_argument("--pcie-bandwidth", type=_positive(float), default=25.0,
+                      help="GB/s each way between a GPU and host memory, for optimizer offload (25)")
+    plan.add_argument("--host-bandwidth", type=_positive(float), default=50.0,
+                      help="GB/s of host memory one GPU's offloaded AdamW reaches (50)")
+    plan.add_argument("--top", type=_positive(int), default=10, help="fitting layouts shown (10)")
+    plan.add_argument("--all", action="store_true", help="list every layout that does not fit under its group")
     from tessera.data.commands import add_data_commands
 
     add_data_commands(sub)  # preprocess, data inspect
@@ -112,6 +136,33 @@ def _schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """``tessera plan``: every layout of the config on --gpus GPUs, checked, sized and ranked."""
+    from tessera.training.planner import Machine, no_fit, parse_memory, plan, render
+
+    try:
+        memory = parse_memory(args.gpu_memory)
+        if not args.headroom < 1:
+            raise ValueError(f"--headroom {args.headroom} leaves no memory: give a fraction below 1, e.g. 0.1")
+        if not args.mfu <= 1:
+            raise ValueError(f"--mfu {args.mfu} is above the GPU's peak: give a fraction, e.g. 0.4")
+        machine = Machine(gpus=args.gpus, memory=memory, headroom=args.headroom, gpus_per_node=args.gpus_per_node,
+                          peak_flops=args.tflops * 1e12, mfu=args.mfu, node_bandwidth=args.node_bandwidth * 1e9,
+                          network_bandwidth=args.network_bandwidth * 1e9, hbm_bandwidth=args.hbm_bandwidth * 1e9,
+                          pcie_bandwidth=args.pcie_bandwidth * 1e9, host_bandwidth=args.host_bandwidth * 1e9)
+        base = load_config(args.config, args.overrides)
+        verdicts = plan(base, machine)
+    except ValueError as e:  # (ConfigError too)
+        print(f"tessera: {e}", file=sys.stderr)
+        return 2
+    print(render(base, machine, verdicts, top=args.top, every=args.all))
+    refusal = no_fit(verdicts, machine)
+    if refusal:
+        print(f"tessera: {refusal}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
@@ -122,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "schedule":
         return _schedule(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command in ("preprocess", "data"):
         from tessera.data.commands import run_data_command
 

@@ -156,10 +156,18 @@ class ParallelConfig:
     tp_comm_overlap: Switch = AUTO
     """tp > 1: a column-parallel layer's backward overlaps its input gradient's reduction with the
     weight-gradient GEMM. auto: on inside CUDA-graphed layers, where it measured faster."""
+    optimizer_offload: bool = False
+    """zero 0-2: keep the fp32 main parameters and Adam's moments in (pinned) host memory and run
+    AdamW on the CPU; each step copies this rank's gradients to the host and the updated
+    parameters back. Frees 12 bytes per optimizer element of GPU memory for host memory and time."""
 
     def __post_init__(self) -> None:
         check(self.zero in (0, 1, 2, 3), "parallel.zero", f"{self.zero!r} is not 0, 1, 2 or 3",
               "use 0 (replicated), 1 (distributed optimizer), 2 (+ sharded gradients) or 3 (FSDP)")
+        check(not (self.optimizer_offload and self.zero == 3), "parallel.optimizer_offload",
+              "zero=3 (FSDP) keeps its fp32 shards as the model's own parameters, which the forward gathers "
+              "on the GPU, so there is no separate main copy to move to the host",
+              "use parallel.zero=1 or 2 with optimizer_offload (each rank offloads its shard), or turn it off")
         check(self.bucket_size >= 1, "parallel.bucket_size", "must be >= 1", "give elements per bucket, e.g. 40000000")
         for name in ("tp", "cp", "pp", "vpp"):
             check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1", "use 1 for no parallelism on this axis")
@@ -227,12 +235,14 @@ class TrainConfig:
     timeout_s: float = 300.0
     """A collective that waits this long ends the job; so does a step after the first that takes
     longer than this and five times the slowest step before it (every thread's stack printed)."""
-    recompute: Literal["none", "full"] = "none"
-    """full: a recomputed layer keeps only its input and runs its forward again in the backward,
-    with the same dropout masks (eager layers only). Trades compute for activation memory."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation, for models that do not fit otherwise (eager layers only). full: a
+    recomputed layer keeps only its input and runs its forward again in the backward. selective: it
+    also keeps its GEMMs' and attention's outputs and runs only the rest again (norms, RoPE,
+    activations, dropout with the same masks, TP collectives): no GEMM or attention kernel twice."""
     recompute_layers: int = 0
-    """train.recompute=full: how many layers of each pipeline chunk, from its first, are
-    recomputed; 0, or more than a chunk holds: all of them."""
+    """train.recompute: how many layers of each pipeline chunk, from its first, are recomputed;
+    0, or more than a chunk holds: all of them."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """A bf16/fp32 step whose gradient norm is inf or nan changes nothing. stop: re-run its batch
     on the same weights and random streams, say whether the fault is reproducible, and stop (exit
@@ -279,7 +289,7 @@ class TrainConfig:
         check(self.recompute_layers >= 0, "train.recompute_layers", f"{self.recompute_layers} is below 0",
               "give the layers per pipeline chunk to recompute, or 0 for all")
         check(self.recompute != "none" or not self.recompute_layers, "train.recompute_layers",
-              "is set but train.recompute=none", "set train.recompute=full")
+              "is set but train.recompute=none", "set train.recompute=selective or full")
         check(self.recompute == "none" or self.compile is not True, "train.compile",
               "true with train.recompute: compiled layers are not recomputed", "set train.compile=auto or false")
         check(self.max_skipped_steps >= 1, "train.max_skipped_steps", f"{self.max_skipped_steps} is below 1",

@@ -28,16 +28,19 @@ class MemoryReport:
     main_params: int
     optimizer_state: int
     numel: int  # parameters of this rank's model (unsharded count)
+    host: int = 0  # in host memory, not in ``total``: offloaded main params, Adam state, gradient copies
 
     @property
     def total(self) -> int:
+        """Bytes on the device."""
         return self.params + self.grads + self.main_params + self.optimizer_state
 
     def __str__(self) -> str:
         unit, size = ("GiB", 2**30) if self.total >= 2**30 else ("MiB", 2**20)
         return (f"model state per rank {self.total / size:.3f} {unit} ({self.total / max(self.numel, 1):.2f} bytes "
                 f"per parameter): params {self.params / size:.3f}, grads {self.grads / size:.3f}, "
-                f"main params {self.main_params / size:.3f}, optimizer {self.optimizer_state / size:.3f}")
+                f"main params {self.main_params / size:.3f}, optimizer {self.optimizer_state / size:.3f}"
+                + (f"; in host memory {self.host / size:.3f} (offloaded optimizer)" if self.host else ""))
 
 
 def bytes_per_parameter(zero: int, dp: int, dtype: str = "bf16", grad_dtype: str = "fp32") -> float:
@@ -66,5 +69,8 @@ def memory_report(data_parallel, optimizer) -> MemoryReport:
     """Measure this rank's model state (a DataParallel and its MainParamOptimizer, or a
     FullyShardedDataParallel and its FSDPOptimizer)."""
     params, grads, numel = data_parallel.model_state_bytes()
-    return MemoryReport(params=params, grads=grads, main_params=optimizer.main_param_bytes(),
-                        optimizer_state=optimizer.state_bytes(), numel=numel)
+    main, state = optimizer.main_param_bytes(), optimizer.state_bytes()
+    if getattr(optimizer, "offload", False):  # (parallel.optimizer_offload: all of it in host memory)
+        host = main + state + sum(g.numel() * g.element_size() for g in optimizer.host_grads)
+        return MemoryReport(params=params, grads=grads, main_params=0, optimizer_state=0, numel=numel, host=host)
+    return MemoryReport(params=params, grads=grads, main_params=main, optimizer_state=state, numel=numel)

@@ -29,7 +29,7 @@ from tessera.tensor_parallel.layers import (
 )
 from tessera.context_parallel import positions
 from tessera.tensor_parallel.mappings import gather_from_tp_region, group_rank, group_size, scatter_to_sequence_region
-from tessera.tensor_parallel.random import recompute, stable_seed
+from tessera.tensor_parallel.random import SelectivePolicy, recompute, stable_seed
 from tessera.tensor_parallel.wgrad import WeightGradStore
 
 
@@ -53,8 +53,10 @@ class GPTModel(nn.Module):
         # Keys are global layer indices: "layers.7" is the same layer on any pipeline layout.
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, self.tp, device) for i in self.layer_range})
         # how many of these layers, from the first, keep only their input and run again in the
-        # backward (train.recompute; tensor_parallel/random.py's recompute)
+        # backward (train.recompute; tensor_parallel/random.py's recompute), and with a policy what
+        # else they keep (selective: the GEMMs' and attention's outputs)
         self.recompute_layers = 0
+        self.recompute_policy: SelectivePolicy | None = None
         self.wgrad_store: WeightGradStore | None = None  # (use_weight_grad_store)
         if post_process:
             self.final_norm = build_norm(cfg, self.tp, device)
@@ -169,7 +171,7 @@ class GPTModel(nn.Module):
             if cache is not None:
                 x = layer(x, cache.layer(int(index)))  # this layer's keys and values, through the cache
             elif i < self.recompute_layers and torch.is_grad_enabled():
-                x = recompute(layer, x, seq, tracker=self.tp.rng)
+                x = recompute(layer, x, seq, tracker=self.tp.rng, policy=self.recompute_policy)
             else:
                 x = layer(x, seq)
         if not self.post_process:

@@ -10,6 +10,12 @@ this rank owns: the whole bucket (zero=0) or this rank's 1/dp shard (zero 1/2, Z
 - Each parameter's part of a range is its own optimizer tensor (a view of the range), so
   matrices get weight decay and vectors (norms, biases) do not, and the gradient norm counts
   each part by its parameter's rule (tessera.optim.clip).
+- ``offload`` (``parallel.optimizer_offload``): the main parameters are fp32 copies in host
+  memory (pinned where CUDA is present), Adam's moments with them, and AdamW runs on the CPU
+  (torch's fused CPU kernel, multi-threaded). A step copies each range's reduced fp32 gradient
+  to a host buffer (non-blocking into pinned memory, then one wait), updates, and copies the
+  parameters back (through an fp32 device buffer, cast on the GPU, for a 16-bit model). Finalize,
+  unscaling and the norm still work on the device gradients.
 
 Both classes present the same face to the training step: ``grads()`` (this rank's fp32
 gradients with the parameter each belongs to, ready for finalize, unscaling and clipping),
@@ -26,10 +32,11 @@ from tessera.config import OptimConfig
 from tessera.distributed.data_parallel import DataParallel
 
 
-def _adamw(groups: list[dict], cfg: OptimConfig, on_cuda: bool) -> torch.optim.AdamW:
-    """Fused on CUDA, foreach elsewhere."""
+def _adamw(groups: list[dict], cfg: OptimConfig, on_cuda: bool, fused: bool = False) -> torch.optim.AdamW:
+    """Fused on CUDA (or where asked: the offloaded update's CPU kernel), foreach elsewhere."""
+    fused = on_cuda or fused
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             fused=on_cuda or None, foreach=None if on_cuda else True)
+                             fused=fused or None, foreach=None if fused else True)
 
 
 def _decay_groups(pieces: list[tuple[Tensor, nn.Parameter]], cfg: OptimConfig) -> list[dict]:
@@ -50,10 +57,10 @@ class _AdamW:
 
     inner: torch.optim.AdamW
 
-    def _build(self, pieces: list[tuple[Tensor, nn.Parameter]], cfg: OptimConfig) -> None:
+    def _build(self, pieces: list[tuple[Tensor, nn.Parameter]], cfg: OptimConfig, fused: bool = False) -> None:
         """``pieces``: (tensor AdamW updates, the model parameter it stands for)."""
         self.tensors = [t for t, _ in pieces]
-        self.inner = _adamw(_decay_groups(pieces, cfg), cfg, bool(pieces) and pieces[0][0].is_cuda)
+        self.inner = _adamw(_decay_groups(pieces, cfg), cfg, bool(pieces) and pieces[0][0].is_cuda, fused)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -98,33 +105,50 @@ class _AdamW:
         self.inner.load_state_dict({"state": state, "param_groups": self.inner.state_dict()["param_groups"]})
 
 
+def _host(like: Tensor, pin: bool) -> Tensor:
+    """An fp32 host tensor of ``like``'s length, page-locked where ``pin`` (fast, asynchronous copies)."""
+    return torch.empty(like.numel(), dtype=torch.float32, pin_memory=pin)
+
+
 class MainParamOptimizer(_AdamW):
-    def __init__(self, dp: DataParallel, cfg: OptimConfig):
-        self.dp, self.sharded = dp, dp.sharded
+    def __init__(self, dp: DataParallel, cfg: OptimConfig, offload: bool = False):
+        self.dp, self.sharded, self.offload = dp, dp.sharded, offload
         self.mains: list[Tensor] = []  # one flat fp32 tensor per range
+        self.host_grads: list[Tensor] = []  # offload: each range's gradient on the host
         self.pieces: list[tuple[nn.Parameter, int, int, nn.Parameter]] = []  # (tensor, range, a..b, model param)
+        pin = offload and torch.cuda.is_available()
         for i, rng in enumerate(dp.ranges):
-            main = rng.param if rng.param.dtype == torch.float32 else rng.param.float()
+            if offload:
+                main = _host(rng.param, pin)
+                main.copy_(rng.param)
+                self.host_grads.append(_host(rng.param, pin))
+            else:
+                main = rng.param if rng.param.dtype == torch.float32 else rng.param.float()
             self.mains.append(main)
             for param, a, b in rng.fragments:
                 self.pieces.append((nn.Parameter(main[a:b]), i, slice(a, b), param))
-        self._build([(t, p) for t, _, _, p in self.pieces], cfg)
+        self._build([(t, p) for t, _, _, p in self.pieces], cfg, fused=offload)
         # which ranges hold an fp32 copy (bf16/fp16 model) rather than the model's own storage
         self.copies = [m.data_ptr() != rng.param.data_ptr() for m, rng in zip(self.mains, dp.ranges)]
 
     def grads(self) -> list[tuple[Tensor, nn.Parameter]]:
-        """Point every main parameter's ``.grad`` at its reduced fp32 gradient; return them."""
+        """Point every main parameter's ``.grad`` at its reduced fp32 gradient; return them
+        (offload: the device gradients, which the step then copies to the host)."""
         flat = [rng.fp32_grad() for rng in self.dp.ranges]
         out = []
         for tensor, i, part, param in self.pieces:
-            tensor.grad = flat[i][part]
-            out.append((tensor.grad, param))
+            if not self.offload:
+                tensor.grad = flat[i][part]
+            out.append((flat[i][part], param))
         return out
 
     def step(self, grad_multiplier: Tensor | None = None, skip: Tensor | None = None) -> None:
         """AdamW on the main parameters with every gradient times ``grad_multiplier`` (the
         clipping factor; applied by the fused kernel on CUDA), then the model's copy updated;
         where ``skip`` is set, nothing changes (the copy and gather then carry the same values)."""
+        if self.offload:
+            self._host_step(grad_multiplier, skip)
+            return
         if grad_multiplier is not None and self.inner.defaults.get("fused"):
             self.inner.grad_scale = 1.0 / grad_multiplier  # the fused kernel divides by it
         elif grad_multiplier is not None:
@@ -137,11 +161,36 @@ class MainParamOptimizer(_AdamW):
             self.inner.grad_scale = None
 
     @torch.no_grad()
+    def _host_step(self, grad_multiplier: Tensor | None, skip: Tensor | None) -> None:
+        """offload: the gradients (as finalized, unscaled, on the device) to the host, AdamW there
+        with the clipping factor applied by a foreach multiply (as the CPU path without offload),
+        the parameters back, the gather started."""
+        for rng, host in zip(self.dp.ranges, self.host_grads):
+            host.copy_(rng.grad, non_blocking=True)
+        if grad_multiplier is not None:
+            grad_multiplier = grad_multiplier.cpu()  # (waits for the stream: the copies above are in it)
+        skip = skip.cpu() if skip is not None else None
+        if self.dp.ranges and self.dp.ranges[0].grad.is_cuda:
+            torch.cuda.current_stream(self.dp.ranges[0].grad.device).synchronize()
+        for tensor, i, part, _ in self.pieces:
+            tensor.grad = self.host_grads[i][part]
+        if grad_multiplier is not None:
+            torch._foreach_mul_([t.grad for t, *_ in self.pieces], grad_multiplier)
+        self._adam_step(skip)
+        self._copy_to_model()
+        self.dp.start_param_gather()
+
+    @torch.no_grad()
     def _copy_to_model(self) -> None:
-        """The updated fp32 main parameters into the model's (16-bit) buffer, where they are copies."""
+        """The updated fp32 main parameters into the model's (16-bit) buffer, where they are copies
+        (offload: from the host, through an fp32 device buffer where the model is 16-bit, so that
+        the cast runs on the GPU rather than the CPU)."""
         for main, rng, copy in zip(self.mains, self.dp.ranges, self.copies):
-            if copy:
-                rng.param.copy_(main)
+            if not copy:
+                continue
+            if main.device != rng.param.device and rng.param.dtype != torch.float32:
+                main = main.to(rng.param.device, non_blocking=True)
+            rng.param.copy_(main, non_blocking=main.is_pinned())
 
     def zero_grad(self) -> None:
         for tensor, *_ in self.pieces:

@@ -85,27 +85,84 @@ class RNGTracker:
         self.states = {k: v.clone() for k, v in states.items() if k}
 
 
-def recompute(fn, *args, tracker: RNGTracker | None = None):
+# -- selective recomputation: which ops' outputs a recomputed layer keeps ---------------------------
+def _attention_ops() -> set:
+    """The attention kernels SDPA and varlen attention dispatch to (those this torch has)."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+             "_efficient_attention_forward", "_cudnn_attention_forward")
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    varlen = getattr(getattr(torch.ops, "torch_attn", None), "_varlen_attn", None)
+    return ops | ({varlen.default} if varlen is not None else set())
+
+
+class SelectivePolicy:
+    """What ``train.recompute=selective`` keeps of a layer (a policy of torch's selective activation
+    checkpointing, called for every op the layer's forward dispatches): the outputs of the GEMMs
+    (``mm``, ``addmm``, ``_scaled_mm``: the linear layers, whose FLOPs dominate a layer) and of the
+    attention kernel (``attention``; its FLOPs grow with the sequence). Everything else runs again
+    in the backward: norms, RoPE, activations, dropout, residual adds, copies, the TP collectives
+    (in-place c10d calls, which a cache could not stand for). Batched ``bmm`` is not kept: it is
+    reference attention's s x s scores. Never kept: an attention kernel that draws dropout, so
+    every random op runs again in its order and draws the mask it drew the first time.
+    ``attention=False`` (context parallelism): ring attention calls the kernel once per K/V block,
+    and keeping every block's output would hold cp times a layer's attention output."""
+
+    def __init__(self, attention: bool = True):
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        aten = torch.ops.aten
+        self.save, self.recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+        self.gemms = {aten.mm.default, aten.addmm.default}
+        if hasattr(aten, "_scaled_mm"):
+            self.gemms.add(aten._scaled_mm.default)
+        self.attention = _attention_ops() if attention else set()
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        if op in self.gemms:
+            return self.save
+        if op in self.attention and not _dropout_p(op, args, kwargs):
+            return self.save
+        return self.recompute
+
+
+def _dropout_p(op, args, kwargs) -> float:
+    """The ``dropout_p`` an attention op was called with (0 where it has none)."""
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" not in names:
+        return 0.0
+    i = names.index("dropout_p")
+    return float(args[i] if i < len(args) else kwargs.get("dropout_p", 0.0))
+
+
+def recompute(fn, *args, tracker: RNGTracker | None = None, policy: SelectivePolicy | None = None):
     """``fn(*args)`` keeping only its inputs: run again in the backward to rebuild what it saved
     (activation recomputation, Megatron's CheckpointFunction), through torch.utils.checkpoint
-    (non-reentrant). torch restores the device's default stream for the rerun; the tracker's
-    named streams (``tp``: dropout on TP-split activations) are put back here, as they were when
-    ``fn`` first ran, and after the rerun to where the forward left them: every recomputed
-    dropout mask equals the original, and later draws are unchanged."""
-    from torch.utils.checkpoint import checkpoint
+    (non-reentrant). With a ``policy`` (selective recomputation), the outputs of the ops it names
+    are kept too and the rerun takes them from there instead of computing them again (torch's
+    selective activation checkpointing). torch restores the device's default stream for the rerun;
+    the tracker's named streams (``tp``: dropout on TP-split activations) are put back here, as
+    they were when ``fn`` first ran, and after the rerun to where the forward left them: every
+    recomputed dropout mask equals the original, and later draws are unchanged."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     def contexts():
+        first_run, rerun = (create_selective_checkpoint_contexts(policy) if policy is not None
+                            else (contextlib.nullcontext(), contextlib.nullcontext()))
         if tracker is None:
-            return contextlib.nullcontext(), contextlib.nullcontext()
+            return first_run, rerun
         first = dict(tracker.states)  # (fork replaces a state, never changes one in place)
 
         @contextlib.contextmanager
         def as_first():
             now, tracker.states = tracker.states, dict(first)
             try:
-                yield
+                with rerun:
+                    yield
             finally:
                 tracker.states = now
-        return contextlib.nullcontext(), as_first()
+        return first_run, as_first()
 
     return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)

@@ -27,6 +27,7 @@ from tessera.pipeline_parallel.schedules import build_schedule
 from tessera.pipeline_parallel.stage import build_stage_chunks
 from tessera.precision import Float8Recipe
 from tessera.tensor_parallel import RNGTracker
+from tessera.tensor_parallel.random import SelectivePolicy
 from tessera.tensor_parallel.wgrad import WeightGradStore
 from tessera.topology import Topology
 from tessera.training.cuda_graphs import LayerGraphs, graph_stage
@@ -90,8 +91,10 @@ def build_chunks(cfg: Config, topo: Topology, plan: ExecutionPlan, rng: RNGTrack
     chunks = build_stage_chunks(cfg.model, tp, topo.pp_rank, p.pp, p.vpp, list(plan.layout), topo.device)
     for chunk in chunks:
         chunk.init_weights(t.seed)
-        if t.recompute == "full":
+        if t.recompute != "none":
             chunk.recompute_layers = t.recompute_layers or len(chunk.layers)
+            if t.recompute == "selective":  # ring attention's blocks are not kept (SelectivePolicy)
+                chunk.recompute_policy = SelectivePolicy(attention=p.cp == 1)
         if plan.compiled:  # per layer: one graph reused by every layer of the same shape
             for layer in chunk.layers.values():
                 layer.compile()
@@ -109,7 +112,7 @@ def build_data_parallel(chunks: list[GPTModel], topo: Topology, cfg: Config):
                                  grad_dtype=DTYPES[t.grad_dtype], bucket_size=p.bucket_size,
                                  overlap_grad_reduce=p.overlap_grad_reduce,
                                  overlap_param_gather=p.overlap_param_gather, embedding_group=topo.group("embedding"))
-    return data_parallel, MainParamOptimizer(data_parallel, cfg.optim)
+    return data_parallel, MainParamOptimizer(data_parallel, cfg.optim, offload=cfg.parallel.optimizer_offload)
 
 
 def build(cfg: Config, topo: Topology, plan: ExecutionPlan | None = None,

@@ -41,6 +41,8 @@ from tessera.training.data_feed import DataFeed
 from tessera.training.evaluate import validation_loss
 from tessera.training.energy import EnergyMeter
 from tessera.training.launch import init_distributed, pick_device, restart_count, world_from_env
+from tessera.training.memory_model import describe as describe_memory
+from tessera.training.memory_model import predict_ranks
 from tessera.training.metrics import CHECKPOINT_LOCK_NAME, JsonlLogger, NullLogger, lock_out_dir
 from tessera.training.monitor import Monitor
 from tessera.training.plan import make_plan
@@ -348,6 +350,7 @@ def _train(cfg: Config, stop: StopRequest, clock) -> list[dict]:
         parts = build(cfg, topo, make_plan(cfg, device))
         logger.print(describe(cfg, parts, logs))
         logger.print(str(memory_report(parts.data_parallel, parts.optimizer)))
+        logger.print(describe_memory(predict_ranks(cfg, parts.plan, device.type)))
         parts.model.train()
         # graphed layers are captured after data parallelism placed the parameters in their
         # buffers, on the stream the steps then run on
