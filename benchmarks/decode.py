@@ -85,9 +85,9 @@ def step_bytes(model: GPTModel, batch: int, context: float) -> float:
     return (weights + batch * cfg.hidden + cache) * size
 
 
-def tessera_rows(model: GPTModel, topo: Topology, prompts: dict, new: int, ttft_prompt, graphs: bool) -> dict:
+def tessera_rows(model: GPTModel, topo: Topology, prompts: dict, new: int, ttft_prompt, modes: tuple) -> dict:
     out = {}
-    for graphed in (False, True) if graphs else (False,):
+    for graphed in modes:
         name = "tessera graphed" if graphed else "tessera eager"
 
         def run(batch, tokens, graphed=graphed):
@@ -146,7 +146,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     parser.add_argument("--ttft-len", type=int, default=2048, help="the time-to-first-token prompt's length")
-    parser.add_argument("--skip", default="", help="comma-separated: hf, graphs")
+    parser.add_argument("--skip", default="", help="comma-separated: hf, eager, graphs")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="model overrides (smoke runs)")
     args = parser.parse_args(argv)
@@ -166,7 +166,9 @@ def main(argv: list[str]) -> None:
     print(f"decode: {args.model} ({cfg.family}, {sum(p.numel() for p in model.parameters()):,} parameters, {dtype}) "
           f"on {name}, torch {torch.__version__}; prompts of {args.prompt_len} tokens, {args.new_tokens} new, greedy",
           flush=True)
-    rows = tessera_rows(model, topo, prompts, args.new_tokens, ttft_prompt, "graphs" not in skip and device.type == "cuda")
+    modes = tuple(graphed for graphed in (False, True) if ("graphs" if graphed else "eager") not in skip
+                  and (device.type == "cuda" or not graphed))
+    rows = tessera_rows(model, topo, prompts, args.new_tokens, ttft_prompt, modes)
     if "hf" not in skip:
         try:
             rows |= transformers_row(model, prompts, args.new_tokens, ttft_prompt)
