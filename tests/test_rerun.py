@@ -71,7 +71,7 @@ def test_a_skipped_step_leaves_weights_moments_and_step_count(monkeypatch, fused
     from tessera.optim import optimizers
 
     if fused:  # what CUDA runs: AdamW(fused=True), found_inf read on the device
-        monkeypatch.setattr(optimizers, "_adamw", lambda groups, cfg, on_cuda: torch.optim.AdamW(
+        monkeypatch.setattr(optimizers, "_adamw", lambda groups, cfg, on_cuda, fused=False: torch.optim.AdamW(
             groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True))
     optimizer, run_backward = _optimizer_and_backward(dtype)
     assert bool(optimizer.inner.defaults.get("fused")) == fused
