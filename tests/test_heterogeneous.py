@@ -29,9 +29,9 @@ def _runs(tmp, model, world, layout):
     """The one-process reference and the run on ``layout``, each saving its final checkpoint."""
     def compute():
         ref = train_histories(1, model, [[f"checkpoint.dir={tmp}/ref", f"train.out_dir={tmp}/ref_out"]])[0]
-        run = train_histories(world, model, [layout + [f"checkpoint.dir={tmp}/het", f"train.out_dir={tmp}/het_out"]],
-                              timeout=300)[0]
-        return ref, run
+        run = train_histories(world, model, [layout + [f"checkpoint.dir={tmp}/het", f"train.out_dir={tmp}/het_out",
+                                                       "checkpoint.save_every=2"]], timeout=300)[0]
+        return ref, run, tmp
     return shared_result(_RESULTS, (tuple(model), tuple(layout)), compute)
 
 
@@ -48,10 +48,67 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_heterogeneous_pipeline_trains_as_one_process(tmp_path, name):
     model, world, layout = CASES[name]
-    ref, run = _runs(tmp_path, model, world, layout)
+    ref, run, tmp = _runs(tmp_path, model, world, layout)
     assert len(ref) == 4 and ref[-1]["loss"] < ref[0]["loss"]
     assert_same_curve(ref, run, rel=1e-5, what=name)
-    want, got = read_whole(f"{tmp_path}/ref/step_00000004"), read_whole(f"{tmp_path}/het/step_00000004")
+    want, got = read_whole(f"{tmp}/ref/step_00000004"), read_whole(f"{tmp}/het/step_00000004")
     assert want.keys() == got.keys()
     for key in want:
         tp_close(got[key], want[key], f"{name}: final {key}")  # (4 Adam steps amplify rounding)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_heterogeneous_checkpoint_continues_on_a_homogeneous_layout(tmp_path):
+    """Saved at step 2 by (tp=1, dp=2) -> (tp=2, dp=1) under zero=1, loaded by tp=2 x pp=2 (weights
+    and Adam's moments resharded): steps 3 and 4 are the one-process run's."""
+    model, world, layout = CASES["dp2 -> tp2 sp zero1"]
+    ref, _, tmp = _runs(tmp_path, model, world, layout)
+    homogeneous = ["parallel.pp=2", "parallel.tp=2", f"checkpoint.load={tmp}/het/step_00000002",
+                   f"train.out_dir={tmp_path}/cont_out"]
+    (continued,) = train_histories(4, model, [homogeneous], timeout=300)
+    assert_same_curve(ref[2:], continued, rel=1e-5, what="heterogeneous checkpoint, homogeneous continuation")
+
+
+REFUSED = [
+    # (overrides, world size, key named in the error, words in the message)
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2"], 5, "parallel.stage_dp",
+     "needs 2+2 = 4 ranks (stage_tp[s]*stage_dp[s] per stage), not the world size 5"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1,1", "parallel.stage_dp=1,2,1"], 4, "parallel.stage_tp",
+     "has 3 entries for pp=2 stages"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1"], 4, "parallel.stage_dp", "is empty while the other"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "parallel.tp=2"], 4, "parallel.tp",
+     "the stage lists set each stage's sizes"),
+    (["parallel.pp=2", "parallel.stage_tp=3,1", "parallel.stage_dp=1,1"], 4, "model.heads",
+     "not divisible by stage 0's tp=3"),
+    (["parallel.pp=2", "parallel.stage_tp=1,1", "parallel.stage_dp=3,2"], 5, "train.micro_batch",
+     "does not split over stage 1's dp=2"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "parallel.cp=2"], 4, "parallel.cp",
+     "the bridge re-splits batch and sequence"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "parallel.zero=3"], 4, "parallel.zero",
+     "zero 0 and 1 only"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "model.tie_embeddings=true"], 4,
+     "model.tie_embeddings", "needs the two stages on equal grids"),
+    (["parallel.pp=2", "parallel.vpp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2"], 4, "parallel.vpp",
+     "neighbouring stages only"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "parallel.schedule=interleaved"], 4,
+     "parallel.schedule", "interleaved with"),
+    (["parallel.pp=2", "parallel.stage_tp=2,x", "parallel.stage_dp=1,2"], 4, "parallel.stage_tp",
+     "not a list of integers"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,key,words", REFUSED)
+def test_layouts_that_cannot_run_are_refused_in_words(overrides, world, key, words):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, TWO + overrides), world)
+    assert e.value.key == key and words in str(e.value), str(e.value)
+
+
+def test_equal_stage_grids_are_the_homogeneous_pipeline():
+    cfg = validate(load_config(None, TWO + ["parallel.pp=2", "parallel.stage_tp=2,2", "parallel.stage_dp=1,1"]), 4)
+    p = cfg.parallel
+    assert (p.tp, p.dp, p.stage_tp, p.stage_dp) == (2, 1, [], [])
+    het = check_runnable(load_config(None, TWO + ["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2",
+                                                  "train.micro_batch=2"]), 4)
+    assert het.parallel.dp == 2  # a pipeline micro-batch: micro_batch x the largest stage dp
