@@ -12,9 +12,11 @@ import torch
 
 from tessera.checkpoint.dcp import read_whole
 from tessera.config import ConfigError, load_config
+from tessera.models import GPTModel
+from tessera.testing import run_ranks
 from tessera.training.preflight import check_runnable, validate
 
-from parity import assert_same_curve, tp_close
+from parity import assert_close, assert_same_curve, compare_to_full, param_kind, tp_close
 from training_runs import shared_result, train_histories
 
 BASE = ["model.hidden=32", "model.heads=4", "model.seq_len=16", "model.vocab_size=256", "model.ffn_hidden=64",
@@ -112,3 +114,59 @@ def test_equal_stage_grids_are_the_homogeneous_pipeline():
     het = check_runnable(load_config(None, TWO + ["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2",
                                                   "train.micro_batch=2"]), 4)
     assert het.parallel.dp == 2  # a pipeline micro-batch: micro_batch x the largest stage dp
+
+
+def _gradients(rank, world, overrides):
+    """One step's gradients as the optimizer gets them (dp-reduced and finalized), by name."""
+    from tessera.training.build import build, build_topology
+    from tessera.training.data_feed import DataFeed
+    from tessera.training.step import train_step
+
+    cfg = validate(load_config(None, overrides), world)
+    topo = build_topology(cfg, torch.device("cpu"))
+    parts = build(cfg, topo)
+    names = {id(p): n for chunk in parts.chunks for n, p in chunk.named_parameters()}
+    seen, grads, step = {}, parts.optimizer.grads, parts.optimizer.step
+
+    def recording_grads():
+        pairs = grads()
+        seen["pairs"] = pairs
+        return pairs
+
+    def recording_step(*args, **kwargs):  # (after finalize_model_grads, before the update)
+        seen.update({names[id(p)]: g.detach().reshape(p.shape).clone() for g, p in seen.pop("pairs")})
+        return step(*args, **kwargs)
+
+    parts.optimizer.grads, parts.optimizer.step = recording_grads, recording_step
+    micro_batches = DataFeed(cfg, topo).next()
+    train_step(parts.optimizer, micro_batches, topo, parts.executor(len(micro_batches)), parts.data_parallel,
+               clip_grad=0.0)
+    return topo.pp_rank, topo.tp_rank, topo.dp_rank, seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["tp2 -> dp2", "dp2 -> tp2 sp", "tp2 -> tp1 -> tp2"])
+def test_every_gradient_is_the_one_process_models(name):
+    model, world, layout = {**CASES, "dp2 -> tp2 sp": (TWO, 4, ["parallel.pp=2", "parallel.stage_tp=1,2",
+                                                                "parallel.stage_dp=2,1",
+                                                                "parallel.sequence_parallel=true"])}[name]
+    ((_, _, _, want),) = run_ranks(_gradients, 1, model, timeout=120)
+    got = run_ranks(_gradients, world, model + layout, timeout=300)
+    cfg = load_config(None, model)
+    with torch.device("meta"):
+        whole = GPTModel(cfg.model)
+    checked = set()
+    for stage in sorted({r[0] for r in got}):
+        ranks = [r for r in got if r[0] == stage]
+        for param in ranks[0][3]:
+            for dp_rank in sorted({r[2] for r in ranks}):
+                shards = [r[3][param] for r in sorted(ranks, key=lambda r: r[1]) if r[2] == dp_rank]
+                # the last stage's copy of a tied embedding: the embedding's whole gradient
+                source = "embedding.weight" if param == "output.weight" and param not in want else param
+                kind, sizes = param_kind(whole, source) if source == param else ("vocab", None)
+                compare_to_full(kind, sizes, shards, want[source], f"{name}: stage {stage} dp {dp_rank} {param}",
+                                cfg.model.vocab_size, check=assert_close)
+            checked.add(param)
+    tied = {"output.weight"} if cfg.model.tie_embeddings else set()
+    assert checked == set(want) | tied, (set(want) | tied) ^ checked
