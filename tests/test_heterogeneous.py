@@ -170,3 +170,22 @@ def test_every_gradient_is_the_one_process_models(name):
             checked.add(param)
     tied = {"output.weight"} if cfg.model.tie_embeddings else set()
     assert checked == set(want) | tied, (set(want) | tied) ^ checked
+
+
+def test_tessera_schedule_draws_heterogeneous_stages(tmp_path, capsys):
+    """A stage on more ranks runs its share of a micro-batch faster: the simulator scales each
+    stage's times by 1 / (tp * dp), and `tessera schedule --stage-tp/--stage-dp` draws it."""
+    from tessera.cli import main
+    from tessera.pipeline_parallel.schedules import build_all
+    from tessera.pipeline_parallel.simulator import Costs, simulate
+
+    assert Costs.stage_scale([2, 1, 2], [1, 1, 1]) == (0.5, 1.0, 0.5)
+    timeline = simulate(build_all("1f1b", 3, 1, 6), 1, Costs(rank_scale=Costs.stage_scale([2, 1, 2], [1, 1, 1])))
+    assert [timeline.busy(r) for r in range(3)] == [9.0, 18.0, 9.0]  # 6 x (F + B) = 18 on one rank
+    assert main(["schedule", "--kind", "1f1b", "--stage-tp", "2,1,2", "--stage-dp", "1,1,1", "--microbatches", "6",
+                 "--out", str(tmp_path / "het.svg")]) == 0
+    out = capsys.readouterr().out
+    assert "pp=3 vpp=1 stage_tp=2,1,2 stage_dp=1,1,1 microbatches=6: step time 20" in out
+    assert "stage_tp=2,1,2" in (tmp_path / "het.svg").read_text()
+    assert main(["schedule", "--stage-tp", "2,1"]) == 2
+    assert "--stage-tp and --stage-dp give one size per stage each" in capsys.readouterr().err
