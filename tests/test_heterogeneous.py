@@ -97,6 +97,10 @@ REFUSED = [
      "parallel.schedule", "interleaved with"),
     (["parallel.pp=2", "parallel.stage_tp=2,x", "parallel.stage_dp=1,2"], 4, "parallel.stage_tp",
      "not a list of integers"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "train.eval_every=2"], 4,
+     "train.eval_every", "no path through the bridge yet"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "train.sample_tokens=4"], 4,
+     "train.sample_tokens", "no path through the bridge yet"),
 ]
 
 

@@ -151,6 +151,10 @@ def validate_stages(cfg: Config, world_size: int) -> Config:
           "for one tp size", "leave train.cuda_graphs at auto (off here)")
     check(p.schedule in ("auto", "1f1b", "gpipe", "zb-h1"), "parallel.schedule",
           f"{p.schedule} with {given}", "use parallel.schedule=1f1b, gpipe, zb-h1 or auto")
+    check(t.eval_every == 0, "train.eval_every", f"{t.eval_every} with {given}: the validation loss has no "
+          "path through the bridge yet", "set train.eval_every=0, or evaluate the checkpoint with `tessera eval`")
+    check(t.sample_tokens == 0, "train.sample_tokens", f"{t.sample_tokens} with {given}: generation has no path "
+          "through the bridge yet", "set train.sample_tokens=0, or sample from the checkpoint with `tessera generate`")
     check(cfg.data.eod_id < m.vocab_size, "data.eod_id", f"{cfg.data.eod_id} is outside model.vocab_size={m.vocab_size}",
           "give the end-of-document id your preprocessing appended (`tessera preprocess` prints it)")
     MicroBatchCalculator.from_config(t, max(p.stage_dp))  # every ramp-up batch divides into micro-batches
