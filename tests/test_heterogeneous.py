@@ -1,5 +1,5 @@
 """Heterogeneous pipelines end to end (``parallel.stage_tp`` / ``stage_dp``): the trainer on
-stages of different tp and dp sizes, joined by the bridge, gives the one-process model's loss
+stages of different tp and dp sizes, joined by the bridge (zb-h1 chosen by auto, and 1f1b), gives the one-process model's loss
 and gradient norm at every step and its final weights (fp32, gloo): (tp=2, dp=1) -> (tp=1, dp=2),
 (tp=1, dp=2) -> (tp=2, dp=1) with sequence parallelism and zero=1, and (tp=2) -> (tp=1) -> (tp=2)
 on 5 ranks with tied embeddings; a heterogeneous run's checkpoint loads into a homogeneous run
@@ -41,7 +41,8 @@ CASES = {
     "tp2 -> dp2": (TWO, 4, ["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2"]),
     "dp2 -> tp2 sp zero1": (TWO, 4, ["parallel.pp=2", "parallel.stage_tp=1,2", "parallel.stage_dp=2,1",
                                      "parallel.sequence_parallel=true", "parallel.zero=1"]),
-    "tp2 -> tp1 -> tp2": (THREE, 5, ["parallel.pp=3", "parallel.stage_tp=2,1,2", "parallel.stage_dp=1,1,1"]),
+    "tp2 -> tp1 -> tp2": (THREE, 5, ["parallel.pp=3", "parallel.stage_tp=2,1,2", "parallel.stage_dp=1,1,1",
+                                    "parallel.schedule=1f1b"]),
 }
 
 
