@@ -1,6 +1,7 @@
 """Heterogeneous pipelines end to end (``parallel.stage_tp`` / ``stage_dp``): the trainer on
-stages of different tp and dp sizes, joined by the bridge (zb-h1 chosen by auto, and 1f1b), gives the one-process model's loss
-and gradient norm at every step and its final weights (fp32, gloo): (tp=2, dp=1) -> (tp=1, dp=2),
+stages of different tp and dp sizes, joined by the bridge (zb-h1 as auto picks it, and 1f1b),
+gives the one-process model's loss and gradient norm at every step, every gradient of a step and
+the final weights (fp32, gloo): (tp=2, dp=1) -> (tp=1, dp=2),
 (tp=1, dp=2) -> (tp=2, dp=1) with sequence parallelism and zero=1, and (tp=2) -> (tp=1) -> (tp=2)
 on 5 ranks with tied embeddings; a heterogeneous run's checkpoint loads into a homogeneous run
 that continues the same losses; layouts that cannot run are refused in words."""
