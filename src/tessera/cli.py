@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     schedule.add_argument("--cost-i", type=_positive(float), help="input-grad backward time (default: half of B)")
     schedule.add_argument("--cost-w", type=_positive(float), help="weight-grad backward time (default: half of B)")
     schedule.add_argument("--comm", type=_positive(float, zero_ok=True), default=0.0, help="latency of one send between ranks")
+    schedule.add_argument("--stage-tp", type=_sizes_list, help="heterogeneous stages: each stage's tp, e.g. 2,1 "
+                          "(with --stage-dp; --pp is their length): a stage's times scale by 1 / (tp * dp)")
+    schedule.add_argument("--stage-dp", type=_sizes_list, help="heterogeneous stages: each stage's dp, e.g. 1,2")
     schedule.add_argument("--out", help="write the timeline picture here (.svg, or .png with matplotlib)")
     schedule.add_argument("--print-actions", action="store_true", help="print each rank's action list")
     plan = sub.add_parser("plan", help="the layouts that fit N GPUs, fastest first by a stated model, and why the "
@@ -98,6 +101,17 @@ def _positive(kind: type, zero_ok: bool = False):
     return parse
 
 
+def _sizes_list(text: str) -> list[int]:
+    """An argparse type: comma-separated sizes >= 1 (one per pipeline stage)."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated sizes >= 1, one per stage, e.g. 2,1; got {text}")
+    return sizes
+
+
 def _schedule(args: argparse.Namespace) -> int:
     """Build, check and simulate one schedule; print one summary line; draw it if asked."""
     from tessera.pipeline_parallel.schedules import ScheduleError, build_all, check_matched
@@ -105,13 +119,22 @@ def _schedule(args: argparse.Namespace) -> int:
     from tessera.pipeline_parallel.timeline import draw_timeline, summary
 
     half = args.cost_b / 2
-    costs = Costs(F=args.cost_f, B=args.cost_b, I=args.cost_i or half, W=args.cost_w or half, comm=args.comm)
+    scale, grids = (), ""
+    if args.stage_tp or args.stage_dp:
+        if not (args.stage_tp and args.stage_dp and len(args.stage_tp) == len(args.stage_dp)):
+            print("tessera: --stage-tp and --stage-dp give one size per stage each, e.g. --stage-tp 2,1 "
+                  "--stage-dp 1,2", file=sys.stderr)
+            return 2
+        args.pp, scale = len(args.stage_tp), Costs.stage_scale(args.stage_tp, args.stage_dp)
+        grids = f" stage_tp={','.join(map(str, args.stage_tp))} stage_dp={','.join(map(str, args.stage_dp))}"
+    costs = Costs(F=args.cost_f, B=args.cost_b, I=args.cost_i or half, W=args.cost_w or half, comm=args.comm,
+                  rank_scale=scale)
     try:
         schedules = build_all(args.kind, args.pp, args.vpp, args.microbatches)
         check_matched(schedules)
         timeline = simulate(schedules, args.vpp, costs)
         if args.out:  # a picture it cannot write is refused like a bad schedule: ValueError
-            draw_timeline(timeline, args.out, title=summary(timeline, args.kind))
+            draw_timeline(timeline, args.out, title=summary(timeline, args.kind) + grids)
     except (ScheduleError, ValueError) as e:
         print(f"tessera: {e}", file=sys.stderr)
         return 2
@@ -123,11 +146,12 @@ def _schedule(args: argparse.Namespace) -> int:
             print(f"rank {rank}: " + " ".join(map(str, actions)))
     # The textbook value assumes whole rounds of pp micro-batches (interleaved-zb has none).
     textbook = analytic_bubble(args.kind, args.pp, args.vpp, args.microbatches)
-    analytic = f" (analytic {textbook:.3f})" if args.microbatches % args.pp == 0 and textbook is not None else ""
+    analytic = f" (analytic {textbook:.3f})" if args.microbatches % args.pp == 0 and textbook is not None \
+        and not grids else ""
     peaks = [timeline.peak_in_flight(r) for r in range(args.pp)]
     deferred = [timeline.peak_weight_grads_pending(r) for r in range(args.pp)]
     held = [timeline.peak_held(r) for r in range(args.pp)]  # F to W: what a split backward costs in memory
-    print(f"{args.kind} pp={args.pp} vpp={args.vpp} microbatches={args.microbatches}: "
+    print(f"{args.kind} pp={args.pp} vpp={args.vpp}{grids} microbatches={args.microbatches}: "
           f"step time {timeline.step_time:g}, bubble {timeline.bubble_fraction:.3f}{analytic}, "
           f"peak in-flight micro-batches per rank {peaks}"
           + (f", peak deferred weight gradients per rank {deferred}, peak held from F to W per rank {held}"

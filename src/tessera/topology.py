@@ -61,6 +61,7 @@ class Topology:
     dp_mesh: DeviceMesh | None = None
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
     timeout: datetime.timedelta | None = None
+    heterogeneous = False  # (a class constant: StageTopology's stages have grids of their own)
 
     def new_groups(self, members: list[list[int]]) -> dist.ProcessGroup | None:
         """Create a group for each rank list (all ranks must call this alike); return ours."""

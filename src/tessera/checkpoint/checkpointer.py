@@ -67,6 +67,9 @@ class Checkpointer:
         # the dp (and cp) replicas share their streams; a run of another layout draws in another order
         self._rng_key = (f"rng.tp{topo.tp_rank}_of_{topo.tp}.pp{topo.pp_rank}_of_{topo.pp}"
                          f".vpp{cfg.parallel.vpp}.dp{topo.dp}" + (f".cp{topo.cp}" if topo.cp > 1 else ""))
+        if topo.heterogeneous:  # (streams restored on the same stage grids only)
+            grid = topo.grid
+            self._rng_key += ".stage_tp" + "_".join(map(str, grid.stage_tp)) + ".stage_dp" + "_".join(map(str, grid.stage_dp))
         self.background = cfg.checkpoint.async_save and bool(cfg.checkpoint.dir)
         self._group = None
         if self.background and dist.is_initialized():  # (made on every rank alike: the config is the same)
@@ -110,7 +113,8 @@ class Checkpointer:
                     "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
                     "numerics": guard.state_dict() if guard is not None else None,
                     "layout": {"tp": t.tp, "cp": t.cp, "pp": t.pp, "dp": t.dp, "vpp": p.vpp, "zero": p.zero,
-                               "dtype": self.cfg.train.dtype},
+                               "dtype": self.cfg.train.dtype,
+                               **({"stage_tp": list(p.stage_tp), "stage_dp": list(p.stage_dp)} if t.heterogeneous else {})},
                     "config": to_dict(self.cfg)}
         partial = _broadcast(store.begin_save(self.cfg.checkpoint.dir, step) if self.rank == 0 else None)
         _barrier()  # (the folder exists before any rank writes into it)

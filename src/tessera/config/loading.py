@@ -73,6 +73,15 @@ _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no"
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Check (and for strings from the command line, parse) ``value`` against the field's type."""
+    if typing.get_origin(hint) is list and typing.get_args(hint) == (int,):  # a TOML list, or "1,2" from --set
+        items = [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+        try:
+            if not isinstance(items, list) or any(isinstance(x, (bool, float)) for x in items):
+                raise ValueError(items)
+            return [int(x) for x in items]
+        except (TypeError, ValueError):
+            raise ConfigError(key, f"{value!r} is not a list of integers",
+                              "give a list, e.g. [1, 2] in a TOML file, 1,2 with --set") from None
     if typing.get_origin(hint) is list:  # list[str]: a TOML list, or "a,b,c" from --set
         items = [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(x, str) for x in items):

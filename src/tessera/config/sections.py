@@ -160,6 +160,14 @@ class ParallelConfig:
     """zero 0-2: keep the fp32 main parameters and Adam's moments in (pinned) host memory and run
     AdamW on the CPU; each step copies this rank's gradients to the host and the updated
     parameters back. Frees 12 bytes per optimizer element of GPU memory for host memory and time."""
+    stage_tp: list[int] = field(default_factory=list)
+    """Heterogeneous pipeline: the tp size of each pipeline stage (pp entries; empty: parallel.tp
+    everywhere). Stage s runs on stage_tp[s]*stage_dp[s] ranks of its own, joined to its
+    neighbours by a bridge that re-splits activations (docs/architecture.md, heterogeneous layouts)."""
+    stage_dp: list[int] = field(default_factory=list)
+    """Heterogeneous pipeline: the dp size of each pipeline stage (pp entries; empty: the same dp
+    everywhere). Each pipeline micro-batch (train.micro_batch x the largest stage_dp samples) is
+    split over a stage's dp replicas along the batch."""
 
     def __post_init__(self) -> None:
         check(self.zero in (0, 1, 2, 3), "parallel.zero", f"{self.zero!r} is not 0, 1, 2 or 3",
@@ -172,6 +180,15 @@ class ParallelConfig:
         for name in ("tp", "cp", "pp", "vpp"):
             check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1", "use 1 for no parallelism on this axis")
         check(self.dp >= 0, "parallel.dp", "must be >= 0", "use 0 to derive it from the world size")
+        for name in ("stage_tp", "stage_dp"):
+            sizes = getattr(self, name)
+            check(all(n >= 1 for n in sizes), f"parallel.{name}", f"{sizes} has an entry < 1",
+                  "give one size >= 1 per pipeline stage, or leave it empty")
+            check(not sizes or len(sizes) == self.pp, f"parallel.{name}",
+                  f"{sizes} has {len(sizes)} entries for pp={self.pp} stages", f"give {self.pp} entries, one per stage")
+        check(bool(self.stage_tp) == bool(self.stage_dp), "parallel.stage_dp" if self.stage_tp else "parallel.stage_tp",
+              "is empty while the other of stage_tp / stage_dp is given",
+              "give both parallel.stage_tp and parallel.stage_dp, one entry per stage")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -12,6 +12,9 @@ The partial sums are then all-reduced over the model-parallel group (tp x pp), a
 when each dp rank holds a different shard of the gradients (zero >= 1); replicated gradients
 (zero=0) are identical across dp and need no dp reduction.
 
+Heterogeneous stages (``topo.heterogeneous``): each stage has its own dp, so the sum runs over
+every rank at once, the dp replicas of an unsharded gradient (zero=0) adding theirs on dp rank 0 only.
+
 The gradients come as ``(grad, param)`` pairs: ``grad`` is what the optimizer will use (a whole
 gradient or this rank's shard of it) and ``param`` says how to count it.
 """
@@ -59,6 +62,12 @@ def grad_norm_and_nonfinite(grads: Grads, topo: Topology, sharded: bool = False,
         others = norms([g for g, p in grads if not counts_once_here(p, topo.tp_rank)])
         bad = (~torch.isfinite(counted)).sum() + (~torch.isfinite(others)).sum()
         sq = torch.stack([sq, bad.float()])
+    if topo.heterogeneous:  # ("mp" is every rank: each stage's dp replicas of a gradient count once)
+        if not sharded and topo.dp_rank > 0:
+            sq = sq * torch.tensor([0.0, 1.0], device=device) if count_nonfinite else sq * 0.0
+        if topo.group("mp") is not None:
+            dist.all_reduce(sq, group=topo.group("mp"))
+        return (sq[0].sqrt(), sq[1]) if count_nonfinite else (sq.sqrt(), None)
     for axis in ("mp", "dp_cp") if sharded else ("mp",):
         if topo.group(axis) is not None:
             dist.all_reduce(sq, group=topo.group(axis))

@@ -27,6 +27,9 @@ class Costs:
     I: float = 1.0  # noqa: E741
     W: float = 1.0
     comm: float = 0.0
+    # per pipeline rank, a factor on its compute times (heterogeneous stages: a stage of tp x dp
+    # ranks runs a pipeline micro-batch in 1 / (tp * dp) of one rank's time); empty: all 1
+    rank_scale: tuple[float, ...] = ()
 
     def __post_init__(self):
         for name in ("F", "B", "I", "W", "comm"):
@@ -34,9 +37,18 @@ class Costs:
             if not (0 <= value < math.inf and (value > 0 or name == "comm")):
                 raise ValueError(f"Costs.{name} must be a finite time {'>= 0' if name == 'comm' else '> 0'}, "
                                  f"not {value}")
+        if not all(0 < x < math.inf for x in self.rank_scale):
+            raise ValueError(f"Costs.rank_scale must hold finite factors > 0, not {list(self.rank_scale)}")
 
-    def of(self, op: Op) -> float:
-        return getattr(self, op.value)
+    def of(self, op: Op, rank: int = 0) -> float:
+        return getattr(self, op.value) * (self.rank_scale[rank] if self.rank_scale else 1.0)
+
+    @staticmethod
+    def stage_scale(stage_tp: list[int], stage_dp: list[int]) -> tuple[float, ...]:
+        """``rank_scale`` of heterogeneous stages: a pipeline micro-batch's work split ideally over
+        each stage's tp x dp ranks, relative to the smallest stage grid."""
+        smallest = min(t * d for t, d in zip(stage_tp, stage_dp))
+        return tuple(smallest / (t * d) for t, d in zip(stage_tp, stage_dp))
 
 
 @dataclass
@@ -103,6 +115,8 @@ def simulate(schedules: list[list[Action]], vpp: int | None = None, costs: Costs
     """``vpp`` defaults to the number of chunks the actions use."""
     costs = costs or Costs()
     pp = len(schedules)
+    if costs.rank_scale and len(costs.rank_scale) != pp:
+        raise ValueError(f"Costs.rank_scale has {len(costs.rank_scale)} factors for {pp} pipeline ranks")
     orders = [[a for a in actions if a.op in COMPUTE] for actions in schedules]
     vpp = vpp or 1 + max((a.chunk for order in orders for a in order), default=0)
     uses_split = [any(a.op == Op.I for a in order) for order in orders]
@@ -123,7 +137,7 @@ def simulate(schedules: list[list[Action]], vpp: int | None = None, costs: Costs
                     local = dep[3] == r
                     ready = ends[dep] + (0.0 if local else costs.comm)
                 start = max(free[r], ready)
-                end = start + costs.of(action.op)
+                end = start + costs.of(action.op, r)
                 ends[(action.op, action.microbatch, action.chunk, r)] = end
                 timeline.spans[r].append((action, start, end))
                 free[r] = end

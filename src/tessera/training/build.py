@@ -21,6 +21,7 @@ from tessera.distributed.data_parallel import DataParallel
 from tessera.distributed.fsdp import FullyShardedDataParallel
 from tessera.models import GPTModel, TPContext
 from tessera.optim.optimizers import FSDPOptimizer, MainParamOptimizer
+from tessera.pipeline_parallel.bridge import Bridge
 from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.pipeline_parallel.p2p import P2P
 from tessera.pipeline_parallel.schedules import build_schedule
@@ -29,6 +30,7 @@ from tessera.precision import Float8Recipe
 from tessera.tensor_parallel import RNGTracker
 from tessera.tensor_parallel.random import SelectivePolicy
 from tessera.tensor_parallel.wgrad import WeightGradStore
+from tessera.stage_topology import StageTopology
 from tessera.topology import Topology
 from tessera.training.cuda_graphs import LayerGraphs, graph_stage
 from tessera.training.plan import ExecutionPlan, make_plan
@@ -76,6 +78,9 @@ class Parts:
 def build_topology(cfg: Config, device: torch.device) -> Topology:
     """The rank grid and its process groups (after ``launch.init_distributed``; ``cfg`` validated)."""
     p = cfg.parallel
+    if p.stage_tp:  # a grid per stage (validated: parallel.dp is the largest stage dp)
+        return StageTopology.build_stages(p.stage_tp, p.stage_dp, device,
+                                          timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
     return Topology.build(tp=p.tp, cp=p.cp, pp=p.pp, dp=p.dp, device=device,
                           timeout=datetime.timedelta(seconds=cfg.train.timeout_s))
 
@@ -84,7 +89,7 @@ def build_chunks(cfg: Config, topo: Topology, plan: ExecutionPlan, rng: RNGTrack
     """This rank's model chunks, initialised from the seed (the same full weights on any layout),
     with recomputation and compilation as the config and plan say."""
     p, t = cfg.parallel, cfg.train
-    tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel, rng=rng, cp_group=topo.group("cp"),
+    tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel and topo.tp > 1, rng=rng, cp_group=topo.group("cp"),
                    fused_cross_entropy=plan.fused_cross_entropy, comm_overlap=plan.comm_overlap,
                    fused_elementwise=plan.fused_elementwise,
                    fp8=Float8Recipe(t.fp8) if t.fp8 != "none" else None)
@@ -137,7 +142,11 @@ def build(cfg: Config, topo: Topology, plan: ExecutionPlan | None = None,
         if plan.compiled:  # compiled layers find their weights by storage, final now
             store.register(p for chunk in chunks for p in chunk.parameters())
     # every step's micro-batches have one shape, so the stages negotiate activation shapes once
-    p2p = P2P(topo, keep_shapes=True) if p.pp > 1 else None
+    p2p = None
+    if topo.heterogeneous:  # stages on grids of their own: the bridge re-splits what they exchange
+        p2p = Bridge(topo, sequence_parallel=p.sequence_parallel, keep_shapes=True)
+    elif p.pp > 1:
+        p2p = P2P(topo, keep_shapes=True)
     return Parts(cfg=cfg, topo=topo, plan=plan, rng=rng, chunks=chunks, data_parallel=data_parallel,
                  optimizer=optimizer, wgrad_store=store, p2p=p2p)
 

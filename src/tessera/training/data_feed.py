@@ -10,6 +10,9 @@
   :class:`MicroBatchCalculator` position, which is what a resumed run restores.
 - Packed sequences: positions, document ids and the EOD loss mask are computed from the tokens
   on each rank after the broadcast (models/packed.py), rather than broadcast.
+- Heterogeneous stages (stage_topology.py): a pipeline micro-batch is micro_batch x the largest
+  stage dp samples, read whole by every stage's TP rank 0, each dp rank keeping its rows (the
+  bridge hands activations between stages on the same split).
 - Context parallelism: the cp ranks of a dp rank read the same samples; each keeps its two
   chunks of every field along the sequence (context_parallel/chunks.py), computed from the whole
   sample first (document ids and positions run across chunk boundaries).
@@ -70,13 +73,15 @@ class DataFeed:
         d = cfg.data
         self.packing = d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
         self.reads = topo.is_first_stage or topo.is_last_stage or self.packing
-        self.batches = MicroBatchCalculator.from_config(cfg.train, topo.dp) if split == 0 else \
-            MicroBatchCalculator(cfg.train.global_batch, cfg.train.micro_batch, topo.dp)
+        t = cfg.train
+        # heterogeneous stages: the whole pipeline micro-batch on every stage, sliced into its dp rows
+        micro_batch, dp = (t.micro_batch * cfg.parallel.dp, 1) if topo.heterogeneous else (t.micro_batch, topo.dp)
+        self.batches = MicroBatchCalculator(t.global_batch, micro_batch, dp, t.rampup if split == 0 else None)
         self.loader = None
         self.header = None  # each field's key, per-micro-batch shape and dtype, after the first step
         source = build_source(cfg, split)  # on every rank: index building waits for rank 0
         if self.reads and topo.tp_rank == 0:
-            self.loader = MicroBatches(source, batches=self.batches, dp_rank=topo.dp_rank,
+            self.loader = MicroBatches(source, batches=self.batches, dp_rank=0 if topo.heterogeneous else topo.dp_rank,
                                        vocab_size=cfg.model.vocab_size)
 
     def next(self) -> list[dict]:
@@ -98,6 +103,9 @@ class DataFeed:
         self.header = [(k, tuple(v.shape[1:]), v.dtype) for k, v in stacked.items()]
         if self.packing:
             stacked = self._add_document_fields(stacked)
+        if self.topo.heterogeneous and self.topo.dp > 1:  # this dp rank's rows: [m, B, s] -> [m, B / dp, s]
+            rows = next(iter(stacked.values())).shape[1] // self.topo.dp
+            stacked = {k: v[:, self.topo.dp_rank * rows:(self.topo.dp_rank + 1) * rows] for k, v in stacked.items()}
         if self.topo.cp > 1:  # this rank's chunks of each sample: [m, b, s] -> [m, b, 2s / 2cp]
             stacked = {k: zigzag(v, self.topo.cp_rank, self.topo.cp, dim=2) for k, v in stacked.items()}
         count = next(iter(stacked.values())).shape[0]

@@ -27,6 +27,11 @@ def validate(cfg: Config, world_size: int) -> Config:
     """The sizes checked against each other and the world size, and the combinations no layout
     runs. Returns ``cfg`` with ``parallel.dp`` resolved."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.stage_tp and len(set(p.stage_tp)) == 1 and len(set(p.stage_dp)) == 1 and p.tp in (1, p.stage_tp[0]) \
+            and p.dp in (0, p.stage_dp[0]):  # equal grids everywhere: the homogeneous pipeline
+        p.tp, p.dp, p.stage_tp, p.stage_dp = p.stage_tp[0], p.stage_dp[0], [], []
+    if p.stage_tp:
+        return validate_stages(cfg, world_size)
     mp = p.tp * p.cp * p.pp
     sizes = f"tp*cp*pp = {p.tp}*{p.cp}*{p.pp}" if p.cp > 1 else f"tp*pp = {p.tp}*{p.pp}"
     check(world_size % mp == 0, "parallel.tp" if p.cp == 1 else "parallel.cp",
@@ -102,6 +107,59 @@ def validate(cfg: Config, world_size: int) -> Config:
     p.dp = dp
     if t.cuda_graphs is True:
         check_graphable(cfg, "none" if p.schedule == "auto" and p.pp == 1 else p.schedule)
+    return cfg
+
+
+def validate_stages(cfg: Config, world_size: int) -> Config:
+    """A heterogeneous layout (``parallel.stage_tp`` / ``stage_dp``): each stage's grid checked
+    against the model, the grids against the world size, and what the bridge does not carry
+    refused. Then ``parallel.dp`` is the largest stage dp: a pipeline micro-batch is
+    train.micro_batch x that many samples, split over each stage's dp replicas."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    given = f"stage_tp={p.stage_tp} stage_dp={p.stage_dp}"
+    check(p.tp == 1 and p.dp in (0, max(p.stage_dp)), "parallel.tp" if p.tp != 1 else "parallel.dp",
+          f"tp={p.tp} dp={p.dp} with {given}: the stage lists set each stage's sizes",
+          "leave parallel.tp=1 and parallel.dp=0 with parallel.stage_tp / stage_dp")
+    ranks = [tp * dp for tp, dp in zip(p.stage_tp, p.stage_dp)]
+    check(sum(ranks) == world_size, "parallel.stage_dp", f"{given} needs {'+'.join(map(str, ranks))} = "
+          f"{sum(ranks)} ranks (stage_tp[s]*stage_dp[s] per stage), not the world size {world_size}",
+          f"give stages whose ranks sum to {world_size}, or launch {sum(ranks)} processes")
+    for s, tp in enumerate(p.stage_tp):
+        for key, n in (("model.heads", m.heads), ("model.kv_heads", m.num_kv_heads), ("model.ffn_hidden", m.ffn_size)):
+            check(n % tp == 0, key, f"{n} is not divisible by stage {s}'s tp={tp} (parallel.stage_tp)",
+                  "choose stage tp sizes that divide model.heads, kv_heads and ffn_hidden")
+        check(not p.sequence_parallel or tp == 1 or m.seq_len % tp == 0, "model.seq_len",
+              f"{m.seq_len} is not divisible by stage {s}'s tp={tp}, which sequence parallelism needs",
+              "choose seq_len as a multiple of every stage's tp, or turn parallel.sequence_parallel off")
+    rows = t.micro_batch * max(p.stage_dp)  # one pipeline micro-batch
+    for s, dp in enumerate(p.stage_dp):
+        check(rows % dp == 0, "train.micro_batch", f"a pipeline micro-batch of micro_batch*max(stage_dp) = "
+              f"{t.micro_batch}*{max(p.stage_dp)} = {rows} samples does not split over stage {s}'s dp={dp}",
+              "choose stage dp sizes that divide the largest one, or a micro_batch that makes them divide")
+    check(t.global_batch % rows == 0, "train.global_batch", f"{t.global_batch} is not divisible by the pipeline "
+          f"micro-batch micro_batch*max(stage_dp) = {rows}", f"choose a multiple of {rows}")
+    check(p.cp == 1, "parallel.cp", f"cp={p.cp} with {given}: the bridge re-splits batch and sequence, not "
+          "context-parallel chunks", "set parallel.cp=1 with heterogeneous stages")
+    check(p.vpp == 1, "parallel.vpp", f"vpp={p.vpp} with {given}: the bridge joins neighbouring stages only",
+          "set parallel.vpp=1 with heterogeneous stages")
+    check(p.zero in (0, 1), "parallel.zero", f"{p.zero} with {given}: heterogeneous stages are proven with zero 0 "
+          "and 1 only", "set parallel.zero=0 or 1")
+    check(not m.tie_embeddings or (p.stage_tp[0], p.stage_dp[0]) == (p.stage_tp[-1], p.stage_dp[-1]),
+          "model.tie_embeddings", f"true with {given}: the tied copies on the first and last stage are summed "
+          "rank by rank, which needs the two stages on equal grids", "set model.tie_embeddings=false, or give "
+          "the first and last stage the same tp and dp")
+    check(t.cuda_graphs is not True, "train.cuda_graphs", f"true with {given}: graphed layers are captured "
+          "for one tp size", "leave train.cuda_graphs at auto (off here)")
+    check(p.schedule in ("auto", "1f1b", "gpipe", "zb-h1"), "parallel.schedule",
+          f"{p.schedule} with {given}", "use parallel.schedule=1f1b, gpipe, zb-h1 or auto")
+    check(t.eval_every == 0, "train.eval_every", f"{t.eval_every} with {given}: the validation loss has no "
+          "path through the bridge yet", "set train.eval_every=0, or evaluate the checkpoint with `tessera eval`")
+    check(t.sample_tokens == 0, "train.sample_tokens", f"{t.sample_tokens} with {given}: generation has no path "
+          "through the bridge yet", "set train.sample_tokens=0, or sample from the checkpoint with `tessera generate`")
+    check(cfg.data.eod_id < m.vocab_size, "data.eod_id", f"{cfg.data.eod_id} is outside model.vocab_size={m.vocab_size}",
+          "give the end-of-document id your preprocessing appended (`tessera preprocess` prints it)")
+    MicroBatchCalculator.from_config(t, max(p.stage_dp))  # every ramp-up batch divides into micro-batches
+    p.dp = max(p.stage_dp)
     return cfg
 
 
