@@ -103,6 +103,8 @@ REFUSED = [
      "train.eval_every", "no path through the bridge yet"),
     (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "train.sample_tokens=4"], 4,
      "train.sample_tokens", "no path through the bridge yet"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "parallel.optimizer_offload=true"], 4,
+     "parallel.optimizer_offload", "not proven on heterogeneous stages"),
 ]
 
 

@@ -148,6 +148,8 @@ def validate_stages(cfg: Config, world_size: int) -> Config:
           "model.tie_embeddings", f"true with {given}: the tied copies on the first and last stage are summed "
           "rank by rank, which needs the two stages on equal grids", "set model.tie_embeddings=false, or give "
           "the first and last stage the same tp and dp")
+    check(not p.optimizer_offload, "parallel.optimizer_offload", f"true with {given}: the offloaded update is "
+          "not proven on heterogeneous stages", "set parallel.optimizer_offload=false with heterogeneous stages")
     check(t.cuda_graphs is not True, "train.cuda_graphs", f"true with {given}: graphed layers are captured "
           "for one tp size", "leave train.cuda_graphs at auto (off here)")
     check(p.schedule in ("auto", "1f1b", "gpipe", "zb-h1"), "parallel.schedule",
