@@ -169,3 +169,19 @@ def test_two_ranks_save_to_s3_in_the_background_and_resume(s3, tmp_path):
     straight, _ = run(4, tmp_path / "c", tmp_path / "ck")
     keys = ("step", "loss", "grad_norm")
     assert [[m[k] for k in keys] for m in first + resumed] == [[m[k] for k in keys] for m in straight]
+
+
+def test_missing_credentials_are_refused_before_any_work(s3, tmp_path, monkeypatch):
+    """No AWS credentials anywhere botocore looks: refused in words naming the key, before training."""
+    from tessera.training.preflight import check_runnable
+
+    url = s3("nocreds") + "/run"
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(ConfigError) as e:
+        check_runnable(load_config(None, TINY + [f"checkpoint.dir={url}", f"train.out_dir={tmp_path}"]), 1)
+    assert e.value.key == "checkpoint.dir" and "NoCredentialsError" in e.value.problem
+    assert "AWS_ACCESS_KEY_ID" in str(e.value)
