@@ -90,7 +90,7 @@ REFUSED = [
     (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "parallel.cp=2"], 4, "parallel.cp",
      "the bridge re-splits batch and sequence"),
     (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "parallel.zero=3"], 4, "parallel.zero",
-     "zero 0 and 1 only"),
+     "FSDP shards over a dp device mesh"),
     (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "model.tie_embeddings=true"], 4,
      "model.tie_embeddings", "needs the two stages on equal grids"),
     (["parallel.pp=2", "parallel.vpp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2"], 4, "parallel.vpp",
@@ -99,12 +99,21 @@ REFUSED = [
      "parallel.schedule", "interleaved with"),
     (["parallel.pp=2", "parallel.stage_tp=2,x", "parallel.stage_dp=1,2"], 4, "parallel.stage_tp",
      "not a list of integers"),
-    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "train.eval_every=2"], 4,
-     "train.eval_every", "no path through the bridge yet"),
     (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "train.sample_tokens=4"], 4,
      "train.sample_tokens", "no path through the bridge yet"),
     (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "parallel.optimizer_offload=true"], 4,
      "parallel.optimizer_offload", "not proven on heterogeneous stages"),
+    # the checks of every layout run with stage lists too
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "train.fp8=tensorwise", "train.dtype=fp16"], 4,
+     "train.fp8", "with train.dtype=fp16"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "train.fused_elementwise=true"], 4,
+     "train.fused_elementwise", "gpt2's LayerNorm and GELU"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "data.paths=corpus"], 4,
+     "data.paths", "data.source=builtin reads no datasets"),
+    (["parallel.pp=2", "parallel.stage_tp=1,1", "parallel.stage_dp=2,1", "parallel.sequence_parallel=true"], 3,
+     "parallel.sequence_parallel", "needs tp > 1"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "parallel.zero=2",
+      "parallel.schedule=zb-h1"], 4, "parallel.schedule", "holds every zero=2 gradient bucket open"),
 ]
 
 
