@@ -1,10 +1,11 @@
 """Heterogeneous pipelines end to end (``parallel.stage_tp`` / ``stage_dp``): the trainer on
-stages of different tp and dp sizes, joined by the bridge (zb-h1 as auto picks it, and 1f1b),
-gives the one-process model's loss and gradient norm at every step, every gradient of a step and
-the final weights (fp32, gloo): (tp=2, dp=1) -> (tp=1, dp=2),
-(tp=1, dp=2) -> (tp=2, dp=1) with sequence parallelism and zero=1, and (tp=2) -> (tp=1) -> (tp=2)
-on 5 ranks with tied embeddings; a heterogeneous run's checkpoint loads into a homogeneous run
-that continues the same losses; layouts that cannot run are refused in words."""
+stages of different tp and dp sizes, joined by the bridge (zb-h1 as auto picks it, 1f1b and
+gpipe), gives the one-process model's loss and gradient norm at every step, every gradient of a
+step and the final weights (fp32, gloo): (tp=2, dp=1) -> (tp=1, dp=2),
+(tp=1, dp=2) -> (tp=2, dp=1) with sequence parallelism and zero 1 or 2, and (tp=2) -> (tp=1) ->
+(tp=2) on 5 ranks with tied embeddings; validation losses through the bridge are the one-process
+ones; checkpoints move between heterogeneous and homogeneous layouts both ways and continue the
+same losses; layouts that cannot run are refused in words, the checks of every layout included."""
 
 from __future__ import annotations
 
