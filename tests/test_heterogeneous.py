@@ -1,10 +1,11 @@
 """Heterogeneous pipelines end to end (``parallel.stage_tp`` / ``stage_dp``): the trainer on
-stages of different tp and dp sizes, joined by the bridge (zb-h1 as auto picks it, and 1f1b),
-gives the one-process model's loss and gradient norm at every step, every gradient of a step and
-the final weights (fp32, gloo): (tp=2, dp=1) -> (tp=1, dp=2),
-(tp=1, dp=2) -> (tp=2, dp=1) with sequence parallelism and zero=1, and (tp=2) -> (tp=1) -> (tp=2)
-on 5 ranks with tied embeddings; a heterogeneous run's checkpoint loads into a homogeneous run
-that continues the same losses; layouts that cannot run are refused in words."""
+stages of different tp and dp sizes, joined by the bridge (zb-h1 as auto picks it, 1f1b and
+gpipe), gives the one-process model's loss and gradient norm at every step, every gradient of a
+step and the final weights (fp32, gloo): (tp=2, dp=1) -> (tp=1, dp=2),
+(tp=1, dp=2) -> (tp=2, dp=1) with sequence parallelism and zero 1 or 2, and (tp=2) -> (tp=1) ->
+(tp=2) on 5 ranks with tied embeddings; validation losses through the bridge are the one-process
+ones; checkpoints move between heterogeneous and homogeneous layouts both ways and continue the
+same losses; layouts that cannot run are refused in words, the checks of every layout included."""
 
 from __future__ import annotations
 
@@ -24,18 +25,27 @@ BASE = ["model.hidden=32", "model.heads=4", "model.seq_len=16", "model.vocab_siz
         "data.source=builtin", "train.micro_batch=1", "train.global_batch=8", "train.steps=4", "train.log_every=1",
         "train.device=cpu", "optim.lr=3e-3", "optim.eps=1e-6", "optim.warmup=0", "optim.clip_grad=0.5", "train.seed=11"]
 TWO = BASE + ["model.layers=2", "model.tie_embeddings=false"]
+VALIDATED = TWO + ["train.eval_every=2", "train.eval_batches=1"]  # a validation loss after steps 2 and 4
 THREE = BASE + ["model.layers=3"]
 _RESULTS: dict = {}
+
+
+def _reference(tmp, model):
+    """The one-process run of ``model`` (its history, and where it saved its final checkpoint)."""
+    def compute():
+        out = f"{tmp}/ref_{len(_RESULTS)}"
+        return train_histories(1, model, [[f"checkpoint.dir={out}", f"train.out_dir={out}_out"]])[0], out
+    return shared_result(_RESULTS, tuple(model), compute)
 
 
 def _runs(tmp, model, world, layout):
     """The one-process reference and the run on ``layout``, each saving its final checkpoint."""
     def compute():
-        ref = train_histories(1, model, [[f"checkpoint.dir={tmp}/ref", f"train.out_dir={tmp}/ref_out"]])[0]
         run = train_histories(world, model, [layout + [f"checkpoint.dir={tmp}/het", f"train.out_dir={tmp}/het_out",
                                                        "checkpoint.save_every=2"]], timeout=300)[0]
-        return ref, run, tmp
-    return shared_result(_RESULTS, (tuple(model), tuple(layout)), compute)
+        return run, tmp
+    ref, ref_dir = _reference(tmp, model)
+    return (ref, ref_dir, *shared_result(_RESULTS, (tuple(model), tuple(layout)), compute))
 
 
 CASES = {
@@ -44,7 +54,16 @@ CASES = {
                                      "parallel.sequence_parallel=true", "parallel.zero=1"]),
     "tp2 -> tp1 -> tp2": (THREE, 5, ["parallel.pp=3", "parallel.stage_tp=2,1,2", "parallel.stage_dp=1,1,1",
                                     "parallel.schedule=1f1b"]),
+    # with validation losses, which walk the stages forward only through the same bridge
+    "tp2 -> dp2 gpipe": (VALIDATED, 4, ["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2",
+                                        "parallel.schedule=gpipe"]),
+    "dp2 -> tp2 sp zero2": (VALIDATED, 4, ["parallel.pp=2", "parallel.stage_tp=1,2", "parallel.stage_dp=2,1",
+                                           "parallel.sequence_parallel=true", "parallel.zero=2"]),
 }
+
+
+def _valid(history):
+    return [(m["step"], m["valid_loss"]) for m in history if "valid_loss" in m]
 
 
 @pytest.mark.slow
@@ -52,10 +71,13 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_heterogeneous_pipeline_trains_as_one_process(tmp_path, name):
     model, world, layout = CASES[name]
-    ref, run, tmp = _runs(tmp_path, model, world, layout)
+    ref, ref_dir, run, tmp = _runs(tmp_path, model, world, layout)
     assert len(ref) == 4 and ref[-1]["loss"] < ref[0]["loss"]
     assert_same_curve(ref, run, rel=1e-5, what=name)
-    want, got = read_whole(f"{tmp}/ref/step_00000004"), read_whole(f"{tmp}/het/step_00000004")
+    if "train.eval_every=2" in model:
+        assert [s for s, _ in _valid(ref)] == [2, 4] and [s for s, _ in _valid(run)] == [2, 4], name
+        assert [v for _, v in _valid(run)] == pytest.approx([v for _, v in _valid(ref)], rel=1e-5), name
+    want, got = read_whole(f"{ref_dir}/step_00000004"), read_whole(f"{tmp}/het/step_00000004")
     assert want.keys() == got.keys()
     for key in want:
         tp_close(got[key], want[key], f"{name}: final {key}")  # (4 Adam steps amplify rounding)
@@ -67,11 +89,31 @@ def test_a_heterogeneous_checkpoint_continues_on_a_homogeneous_layout(tmp_path):
     """Saved at step 2 by (tp=1, dp=2) -> (tp=2, dp=1) under zero=1, loaded by tp=2 x pp=2 (weights
     and Adam's moments resharded): steps 3 and 4 are the one-process run's."""
     model, world, layout = CASES["dp2 -> tp2 sp zero1"]
-    ref, _, tmp = _runs(tmp_path, model, world, layout)
+    ref, _, _, tmp = _runs(tmp_path, model, world, layout)
     homogeneous = ["parallel.pp=2", "parallel.tp=2", f"checkpoint.load={tmp}/het/step_00000002",
                    f"train.out_dir={tmp_path}/cont_out"]
     (continued,) = train_histories(4, model, [homogeneous], timeout=300)
     assert_same_curve(ref[2:], continued, rel=1e-5, what="heterogeneous checkpoint, homogeneous continuation")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_checkpoints_load_into_heterogeneous_layouts(tmp_path):
+    """tp=2 x pp=2 saves at step 2; (tp=2, dp=1) -> (tp=1, dp=2) loads it and saves at step 3;
+    (tp=1, dp=2) -> (tp=2, dp=1) with sequence parallelism and zero=1 loads that (weights and Adam's
+    moments resharded each time): every step is the one-process run's."""
+    ref, _ = _reference(tmp_path, TWO)
+    homogeneous = ["parallel.pp=2", "parallel.tp=2", f"checkpoint.dir={tmp_path}/homo", "checkpoint.save_every=2",
+                   f"train.out_dir={tmp_path}/homo_out"]
+    first = CASES["tp2 -> dp2"][2] + [f"checkpoint.load={tmp_path}/homo/step_00000002",
+                                      f"checkpoint.dir={tmp_path}/het", "checkpoint.save_every=1",
+                                      f"train.out_dir={tmp_path}/het_out"]
+    second = CASES["dp2 -> tp2 sp zero1"][2] + [f"checkpoint.load={tmp_path}/het/step_00000003",
+                                                f"train.out_dir={tmp_path}/het2_out"]
+    saved, continued, again = train_histories(4, TWO, [homogeneous, first, second], timeout=400)
+    assert_same_curve(ref, saved, rel=1e-5, what="tp=2 x pp=2")
+    assert_same_curve(ref[2:], continued, rel=1e-5, what="homogeneous checkpoint, heterogeneous continuation")
+    assert_same_curve(ref[3:], again, rel=1e-5, what="heterogeneous checkpoint, another heterogeneous layout")
 
 
 REFUSED = [
@@ -90,7 +132,7 @@ REFUSED = [
     (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "parallel.cp=2"], 4, "parallel.cp",
      "the bridge re-splits batch and sequence"),
     (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "parallel.zero=3"], 4, "parallel.zero",
-     "zero 0 and 1 only"),
+     "FSDP shards over a dp device mesh"),
     (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "model.tie_embeddings=true"], 4,
      "model.tie_embeddings", "needs the two stages on equal grids"),
     (["parallel.pp=2", "parallel.vpp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2"], 4, "parallel.vpp",
@@ -99,12 +141,21 @@ REFUSED = [
      "parallel.schedule", "interleaved with"),
     (["parallel.pp=2", "parallel.stage_tp=2,x", "parallel.stage_dp=1,2"], 4, "parallel.stage_tp",
      "not a list of integers"),
-    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "train.eval_every=2"], 4,
-     "train.eval_every", "no path through the bridge yet"),
     (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "train.sample_tokens=4"], 4,
      "train.sample_tokens", "no path through the bridge yet"),
     (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "parallel.optimizer_offload=true"], 4,
      "parallel.optimizer_offload", "not proven on heterogeneous stages"),
+    # the checks of every layout run with stage lists too
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "train.fp8=tensorwise", "train.dtype=fp16"], 4,
+     "train.fp8", "with train.dtype=fp16"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "train.fused_elementwise=true"], 4,
+     "train.fused_elementwise", "gpt2's LayerNorm and GELU"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "data.paths=corpus"], 4,
+     "data.paths", "data.source=builtin reads no datasets"),
+    (["parallel.pp=2", "parallel.stage_tp=1,1", "parallel.stage_dp=2,1", "parallel.sequence_parallel=true"], 3,
+     "parallel.sequence_parallel", "needs tp > 1"),
+    (["parallel.pp=2", "parallel.stage_tp=2,1", "parallel.stage_dp=1,2", "parallel.zero=2",
+      "parallel.schedule=zb-h1"], 4, "parallel.schedule", "holds every zero=2 gradient bucket open"),
 ]
 
 

@@ -231,3 +231,16 @@ def test_offload_moves_the_optimizer_to_the_host_and_ranks_after_the_same_layout
     squeezed = _verdicts(gpus=2, memory=int((on.peak.total + off.peak.total) / 2 / 0.9))[2]
     fitting = {v.layout for v in squeezed if v.fits}
     assert on.layout in fitting and off.layout not in fitting
+
+
+def test_heterogeneous_stages_plan_for_their_own_tp():
+    """parallel.tp stays 1 under stage lists: each rank plans for its stage's tp (the trainer passes
+    ``topo.tp``), and without one the largest stage's, never tp=1 choices for a tp=2 stage."""
+    cfg = validate(load_config(None, ["model.family=llama", "parallel.pp=2", "parallel.stage_tp=1,2",
+                                      "parallel.stage_dp=2,1", "parallel.schedule=1f1b",
+                                      "model.tie_embeddings=false"]), 4)
+    assert cfg.parallel.tp == 1
+    one, two, default = (make_plan(cfg, CUDA, tp) for tp in (1, 2, None))
+    assert (one.compiled, one.fuse_wgrad) == (True, True)  # the tp=1 stage: llama compiled, fused W
+    assert (two.compiled, two.fuse_wgrad, two.graphed) == (False, False, False)  # tp=2 (no graphs at pp > 1)
+    assert default == two

@@ -35,7 +35,8 @@ def test_trainer_releases_the_layer_graphs_after_training_and_after_an_error(mon
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     make_plan = trainer.make_plan
-    monkeypatch.setattr(trainer, "make_plan", lambda cfg, device: dataclasses.replace(make_plan(cfg, device), graphed=True))
+    monkeypatch.setattr(trainer, "make_plan", lambda cfg, device, tp=None: dataclasses.replace(make_plan(cfg, device, tp),
+                                                                                               graphed=True))
     monkeypatch.setattr(trainer, "step_stream", step_stream)
     monkeypatch.setattr(build, "graph_stage",
                         lambda chunks, cfg, data_parallel=None, fused=False: log.append("captured") or [Recorded()])

@@ -3,7 +3,8 @@ layers, seeded layout-independent init, recompute, compile), data parallelism an
 the weight-gradient store that routes deferred or fused gradients into data parallelism's buffers,
 the pipeline's point-to-point and executors. ``tessera train`` and the benchmarks build alike.
 
-    parts = build(cfg, build_topology(cfg, device), make_plan(cfg, device))
+    topo = build_topology(cfg, device)
+    parts = build(cfg, topo, make_plan(cfg, device, topo.tp))
     result = train_step(parts.optimizer, micro_batches, parts.topo, parts.executor(len(micro_batches)),
                         parts.data_parallel, clip_grad=cfg.optim.clip_grad)
 """
@@ -128,7 +129,7 @@ def build(cfg: Config, topo: Topology, plan: ExecutionPlan | None = None,
     where the caller changes them first (e.g. freezes parameters)."""
     p, t = cfg.parallel, cfg.train
     validate(cfg, topo.world_size)  # (parallel.dp resolved; idempotent)
-    plan = plan or make_plan(cfg, topo.device)
+    plan = plan or make_plan(cfg, topo.device, topo.tp)
     if chunks is None:
         chunks = build_chunks(cfg, topo, plan, RNGTracker.for_rank(t.seed, topo.tp_rank, topo.pp_rank, topo.device))
     rng = chunks[0].tp.rng

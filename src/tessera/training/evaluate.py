@@ -9,7 +9,8 @@ dp ranks: one figure, the same on every layout (tests/test_evaluate.py).
 The forward walks the stages as sampling does (inference/generate.py): micro-batch by
 micro-batch, each virtual stage receiving its input from the one before, with no overlap
 between micro-batches. A validation loss is a small part of a run, and this keeps it out of the
-schedules' action lists, whose executor is built around backward.
+schedules' action lists, whose executor is built around backward. Heterogeneous stages make the
+same calls on the bridge (pipeline_parallel/bridge.py), which re-splits each activation.
 """
 
 from __future__ import annotations

@@ -110,26 +110,29 @@ def _graphable(cfg: Config, schedule: str) -> bool:
     return True
 
 
-def make_plan(cfg: Config, device: torch.device) -> ExecutionPlan:
+def make_plan(cfg: Config, device: torch.device, tp: int | None = None) -> ExecutionPlan:
     """Resolve the config's switches for ``device`` (``cfg`` validated: ``parallel.dp`` set).
-    Explicit true / false stand; each auto follows the rule beside it."""
+    Explicit true / false stand; each auto follows the rule beside it. ``tp``: the tp size of the
+    rank's own layers (its stage's under ``parallel.stage_tp``; by default the largest stage's,
+    or ``parallel.tp``): the layer-level choices follow the layers the rank runs."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
     cuda = device.type == "cuda"
+    tp = tp or (max(p.stage_tp) if p.stage_tp else p.tp)
     schedule = choose_schedule(p.schedule, p.pp, p.vpp, microbatches(cfg), p.zero)
     layout = stage_layer_ranges(m.layers, p.pp, p.vpp, parse_layout(p.pp_layout, m, p.pp, p.vpp))
     split = schedule in SPLIT_BACKWARD
     # tp > 1: the halved GEMMs leave eager layers bound by the host's launches; graphs replay them
-    graphed = resolve(t.cuda_graphs, cuda and p.tp > 1 and t.compile is not True and _graphable(cfg, schedule))
+    graphed = resolve(t.cuda_graphs, cuda and tp > 1 and t.compile is not True and _graphable(cfg, schedule))
     # tp = 1: inductor fuses llama's many small elementwise kernels; not around deferred weight
     # gradients (eager layers with compiled elementwise functions measured faster there)
-    compiled = resolve(t.compile, cuda and p.tp == 1 and p.cp == 1 and m.family == "llama" and not split
+    compiled = resolve(t.compile, cuda and tp == 1 and p.cp == 1 and m.family == "llama" and not split
                        and not graphed and t.recompute == "none" and t.fp8 == "none")
     # tp = 1: one fp32-accumulating GEMM per weight gradient instead of a GEMM and an add; in
     # compiled layers only where auto compiled them (the combination measured for llama)
-    fuse = resolve(t.grad_accum_fusion, cuda and p.tp == 1 and p.zero < 3 and not graphed
+    fuse = resolve(t.grad_accum_fusion, cuda and tp == 1 and p.zero < 3 and not graphed
                    and (not compiled or t.compile == "auto"))
     elementwise = cuda and not compiled and m.family == "llama" and t.fused_elementwise is not False
-    overlap = resolve(p.tp_comm_overlap, graphed and p.tp > 1)
+    overlap = resolve(p.tp_comm_overlap, graphed and tp > 1)
     return ExecutionPlan(schedule=schedule, layout=tuple(len(r) for r in layout), compiled=compiled,
                          graphed=graphed, fuse_wgrad=fuse, fused_elementwise=elementwise, comm_overlap=overlap,
                          fused_cross_entropy=cuda and t.fused_cross_entropy)

@@ -24,14 +24,27 @@ from tessera.training.plan import check_graphable, choose_schedule, microbatches
 
 
 def validate(cfg: Config, world_size: int) -> Config:
-    """The sizes checked against each other and the world size, and the combinations no layout
-    runs. Returns ``cfg`` with ``parallel.dp`` resolved."""
-    p, m, t = cfg.parallel, cfg.model, cfg.train
+    """The sizes checked against each other and the world size (each stage's under
+    ``parallel.stage_tp`` / ``stage_dp``), then the combinations no layout runs. Returns ``cfg``
+    with ``parallel.dp`` resolved."""
+    p, t = cfg.parallel, cfg.train
     if p.stage_tp and len(set(p.stage_tp)) == 1 and len(set(p.stage_dp)) == 1 and p.tp in (1, p.stage_tp[0]) \
             and p.dp in (0, p.stage_dp[0]):  # equal grids everywhere: the homogeneous pipeline
         p.tp, p.dp, p.stage_tp, p.stage_dp = p.stage_tp[0], p.stage_dp[0], [], []
     if p.stage_tp:
-        return validate_stages(cfg, world_size)
+        validate_stages(cfg, world_size)
+    else:
+        _validate_sizes(cfg, world_size)
+    _check_combinations(cfg, world_size)
+    if t.cuda_graphs is True:
+        check_graphable(cfg, "none" if p.schedule == "auto" and p.pp == 1 else p.schedule)
+    return cfg
+
+
+def _validate_sizes(cfg: Config, world_size: int) -> None:
+    """One grid of tp x cp x pp x dp: its sizes against the world size, the model and the batch;
+    sets ``parallel.dp``."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
     mp = p.tp * p.cp * p.pp
     sizes = f"tp*cp*pp = {p.tp}*{p.cp}*{p.pp}" if p.cp > 1 else f"tp*pp = {p.tp}*{p.pp}"
     check(world_size % mp == 0, "parallel.tp" if p.cp == 1 else "parallel.cp",
@@ -41,16 +54,6 @@ def validate(cfg: Config, world_size: int) -> Config:
     dp = p.dp or world_size // mp
     check(dp * mp == world_size, "parallel.dp", f"{sizes}*dp = {mp}*{p.dp} = {mp * p.dp} is not the world size "
           f"{world_size}", "set parallel.dp=0 to derive it")
-    if p.zero == 3 and world_size == 1:
-        # FSDP shards over a process group, and a single launched process runs without one
-        import torch.distributed as dist
-        check(dist.is_available() and dist.is_initialized(), "parallel.zero",
-              "zero=3 (FSDP) needs a process group, and a single process runs without one",
-              "use parallel.zero=0 (one process has nothing to shard over), or launch several processes")
-    # builtin and synthetic data read no datasets: paths given with them would be ignored silently
-    check(cfg.data.source == "indexed" or not cfg.data.paths, "data.paths",
-          f"data.source={cfg.data.source} reads no datasets, so {cfg.data.paths} would be ignored",
-          "set data.source=indexed to train on them, or leave data.paths empty")
     check(m.heads % p.tp == 0, "model.heads", f"{m.heads} heads are not divisible by tp={p.tp}",
           "choose heads as a multiple of parallel.tp")
     check(m.num_kv_heads % p.tp == 0, "model.kv_heads", f"{m.num_kv_heads} kv heads are not divisible by tp={p.tp}",
@@ -69,6 +72,23 @@ def validate(cfg: Config, world_size: int) -> Config:
           f"{m.seq_len}{f' / cp={p.cp} = {local}' if p.cp > 1 else ''} is not divisible by tp={p.tp}, which "
           "sequence parallelism needs", f"choose seq_len as a multiple of {p.tp * p.cp} or turn "
           "parallel.sequence_parallel off")
+    p.dp = dp
+
+
+def _check_combinations(cfg: Config, world_size: int) -> None:
+    """The combinations of switches no layout runs (every layout, heterogeneous stages included)."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    tp = max(p.stage_tp) if p.stage_tp else p.tp  # (sequence parallelism: some stage has tp > 1)
+    if p.zero == 3 and world_size == 1:
+        # FSDP shards over a process group, and a single launched process runs without one
+        import torch.distributed as dist
+        check(dist.is_available() and dist.is_initialized(), "parallel.zero",
+              "zero=3 (FSDP) needs a process group, and a single process runs without one",
+              "use parallel.zero=0 (one process has nothing to shard over), or launch several processes")
+    # builtin and synthetic data read no datasets: paths given with them would be ignored silently
+    check(cfg.data.source == "indexed" or not cfg.data.paths, "data.paths",
+          f"data.source={cfg.data.source} reads no datasets, so {cfg.data.paths} would be ignored",
+          "set data.source=indexed to train on them, or leave data.paths empty")
     check(p.cp == 1 or m.dropout == 0, "model.dropout", f"{m.dropout} with cp={p.cp}: ring attention has no "
           "attention dropout", "set model.dropout=0 (as LLM pretraining runs) or parallel.cp=1")
     check(t.fp8 == "none" or t.dtype != "fp16", "train.fp8", f"{t.fp8} with train.dtype=fp16: the fp8 GEMMs run "
@@ -77,8 +97,8 @@ def validate(cfg: Config, world_size: int) -> Config:
           "run eagerly", "leave train.compile at auto (off with fp8) or set train.fp8=none")
     check(p.cp == 1 or t.compile is not True, "train.compile", f"true with cp={p.cp}: ring attention's exchanges "
           "run in eager layers", "leave train.compile at auto (off with cp) or set parallel.cp=1")
-    check(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel",
-          "sequence parallelism needs tp > 1", "set parallel.tp >= 2 or turn it off")
+    check(not p.sequence_parallel or tp > 1, "parallel.sequence_parallel",
+          "sequence parallelism needs tp > 1", "set parallel.tp >= 2 (or a stage's tp) or turn it off")
     check(p.vpp == 1 or p.pp > 1, "parallel.vpp", "vpp > 1 needs pp >= 2 (model chunks interleave over stages)",
           "set parallel.vpp=1 or parallel.pp >= 2")
     check(p.pp <= m.layers, "parallel.pp", f"pp={p.pp} exceeds model.layers={m.layers}",
@@ -104,17 +124,14 @@ def validate(cfg: Config, world_size: int) -> Config:
           "kernel each already", "set train.fused_elementwise=false for model.family=gpt2")
     check(cfg.data.eod_id < m.vocab_size, "data.eod_id", f"{cfg.data.eod_id} is outside model.vocab_size={m.vocab_size}",
           "give the end-of-document id your preprocessing appended (`tessera preprocess` prints it)")
-    p.dp = dp
-    if t.cuda_graphs is True:
-        check_graphable(cfg, "none" if p.schedule == "auto" and p.pp == 1 else p.schedule)
-    return cfg
 
 
 def validate_stages(cfg: Config, world_size: int) -> Config:
     """A heterogeneous layout (``parallel.stage_tp`` / ``stage_dp``): each stage's grid checked
     against the model, the grids against the world size, and what the bridge does not carry
-    refused. Then ``parallel.dp`` is the largest stage dp: a pipeline micro-batch is
-    train.micro_batch x that many samples, split over each stage's dp replicas."""
+    refused (the general checks follow in :func:`validate`). Then ``parallel.dp`` is the largest
+    stage dp: a pipeline micro-batch is train.micro_batch x that many samples, split over each
+    stage's dp replicas."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     given = f"stage_tp={p.stage_tp} stage_dp={p.stage_dp}"
     check(p.tp == 1 and p.dp in (0, max(p.stage_dp)), "parallel.tp" if p.tp != 1 else "parallel.dp",
@@ -142,8 +159,8 @@ def validate_stages(cfg: Config, world_size: int) -> Config:
           "context-parallel chunks", "set parallel.cp=1 with heterogeneous stages")
     check(p.vpp == 1, "parallel.vpp", f"vpp={p.vpp} with {given}: the bridge joins neighbouring stages only",
           "set parallel.vpp=1 with heterogeneous stages")
-    check(p.zero in (0, 1), "parallel.zero", f"{p.zero} with {given}: heterogeneous stages are proven with zero 0 "
-          "and 1 only", "set parallel.zero=0 or 1")
+    check(p.zero < 3, "parallel.zero", f"3 with {given}: FSDP shards over a dp device mesh, and stages on grids "
+          "of their own have none", "set parallel.zero=0, 1 or 2")
     check(not m.tie_embeddings or (p.stage_tp[0], p.stage_dp[0]) == (p.stage_tp[-1], p.stage_dp[-1]),
           "model.tie_embeddings", f"true with {given}: the tied copies on the first and last stage are summed "
           "rank by rank, which needs the two stages on equal grids", "set model.tie_embeddings=false, or give "
@@ -154,12 +171,8 @@ def validate_stages(cfg: Config, world_size: int) -> Config:
           "for one tp size", "leave train.cuda_graphs at auto (off here)")
     check(p.schedule in ("auto", "1f1b", "gpipe", "zb-h1"), "parallel.schedule",
           f"{p.schedule} with {given}", "use parallel.schedule=1f1b, gpipe, zb-h1 or auto")
-    check(t.eval_every == 0, "train.eval_every", f"{t.eval_every} with {given}: the validation loss has no "
-          "path through the bridge yet", "set train.eval_every=0, or evaluate the checkpoint with `tessera eval`")
     check(t.sample_tokens == 0, "train.sample_tokens", f"{t.sample_tokens} with {given}: generation has no path "
           "through the bridge yet", "set train.sample_tokens=0, or sample from the checkpoint with `tessera generate`")
-    check(cfg.data.eod_id < m.vocab_size, "data.eod_id", f"{cfg.data.eod_id} is outside model.vocab_size={m.vocab_size}",
-          "give the end-of-document id your preprocessing appended (`tessera preprocess` prints it)")
     MicroBatchCalculator.from_config(t, max(p.stage_dp))  # every ramp-up batch divides into micro-batches
     p.dp = max(p.stage_dp)
     return cfg

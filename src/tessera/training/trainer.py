@@ -347,7 +347,7 @@ def _train(cfg: Config, stop: StopRequest, clock) -> list[dict]:
         logger = JsonlLogger(t.out_dir, t.log_every, config=to_dict(cfg), tensorboard=t.tensorboard) \
             if logs else NullLogger()  # (takes out_dir's lock)
         stack.callback(logger.close)
-        parts = build(cfg, topo, make_plan(cfg, device))
+        parts = build(cfg, topo, make_plan(cfg, device, topo.tp))  # (the rank's own stage tp)
         logger.print(describe(cfg, parts, logs))
         logger.print(str(memory_report(parts.data_parallel, parts.optimizer)))
         logger.print(describe_memory(predict_ranks(cfg, parts.plan, device.type)))
