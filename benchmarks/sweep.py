@@ -2,13 +2,16 @@
 
     python3 benchmarks/sweep.py                  # every shape, tessera then the peer for each
     python3 benchmarks/sweep.py --part 1/2       # the first half of the shapes (a call's budget)
-    python3 benchmarks/sweep.py --only s8k-gqa8 --dry-run
+    python3 benchmarks/sweep.py --only s8k-gqa8-v128k --dry-run
+    python3 benchmarks/sweep.py --part 2/3 --try train.compile=false   # auto's choice against another
 
 Each shape is a Llama-style model (RMSNorm, SwiGLU, RoPE, grouped-query attention, untied head)
 run by benchmarks/quick_train.py (tessera, every fast path at ``auto``) and by
 .peers/torch_gpt_bench.py (plain PyTorch, torch.compile, fused AdamW, fp32 master weights and
 bf16 autocast) with the same shape and batch. It prints a markdown table of tokens/s, the ratio
-and tessera's MFU. SWEEP_BUDGET (seconds, default 560) bounds the whole call: runs that would
+and tessera's MFU. ``--try KEY=VALUE[+KEY=VALUE]`` (repeatable) adds a tessera run per shape
+with those overrides, its ratio to auto's run beside it: the check that auto chose the faster
+path on that shape. SWEEP_BUDGET (seconds, default 560) bounds the whole call: runs that would
 pass it are skipped and said so.
 """
 
@@ -75,6 +78,17 @@ def parameters(s: Shape) -> float:
     return s.layers * layer + 2 * s.vocab * s.hidden + s.hidden
 
 
+def variants(argv: list[str]) -> list[list[str]]:
+    """``--try a=1+b=2 --try c=3`` -> [["a=1", "b=2"], ["c=3"]]."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--try":
+            if i + 1 >= len(argv) or "=" not in argv[i + 1]:
+                raise SystemExit("--try takes KEY=VALUE[+KEY=VALUE...], e.g. --try train.compile=false")
+            out.append(argv[i + 1].split("+"))
+    return out
+
+
 def pick(argv: list[str]) -> tuple[list[Shape], bool]:
     shapes, dry = SHAPES, "--dry-run" in argv
     if "--only" in argv:
@@ -99,11 +113,14 @@ def mfu_of(line: str) -> str:
 
 def main() -> None:
     shapes, dry = pick(sys.argv[1:])
+    tries = variants(sys.argv[1:])
     deadline = time.monotonic() + float(os.environ.get("SWEEP_BUDGET", "560"))
     rows = []
     for s in shapes:
         runs = [("tessera", [sys.executable, "benchmarks/quick_train.py", "llama-1b", *s.tessera_overrides(STEPS)]),
                 ("torch", [sys.executable, ".peers/torch_gpt_bench.py", *s.peer_flags(STEPS)])]
+        runs += [("+".join(extra), [sys.executable, "benchmarks/quick_train.py", "llama-1b",
+                                    *s.tessera_overrides(STEPS), *extra]) for extra in tries]
         figures = {}
         for system, cmd in runs:
             if dry:
@@ -122,6 +139,13 @@ def main() -> None:
             rows.append((s, figures))
     if dry:
         return
+    for s, figures in rows if tries else ():
+        auto = figures.get("tessera", (None, ""))[0]
+        for extra in tries:
+            name = "+".join(extra)
+            theirs = figures.get(name, (None, ""))[0]
+            print(f"{s.name}: {name} {f'{theirs:,.0f}' if theirs else 'failed'} tokens/s"
+                  + (f", {theirs / auto:.3f} of auto's" if theirs and auto else ""))
     print("\n| shape | params | head dim | GQA | seq | vocab | micro-batch | tessera tokens/s | MFU | "
           "PyTorch compiled | tessera / PyTorch |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
