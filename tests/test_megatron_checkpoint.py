@@ -1,0 +1,180 @@
+"""Megatron-Core distributed checkpoints in and out, with megatron-core as the real client.
+
+megatron-core builds a small GPTModel (local layer spec, fp32, one gloo process) of a GPT and a
+Llama configuration and saves it with its own ``dist_checkpointing.save`` the way Megatron-LM's
+``save_checkpoint`` does (``iter_NNNNNNN/`` with the model's sharded state, the iteration and the
+args in common.pt). ``tessera checkpoint import --megatron`` converts it; tessera's logits equal
+megatron-core's forward and a run resumed from it takes its first step on the samples Megatron
+would have served next, at megatron-core's loss on them. ``tessera checkpoint export --megatron``
+writes one megatron-core's ``dist_checkpointing.load`` reads into a fresh GPTModel, whose logits
+then equal tessera's. The refusals need no megatron-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from tessera.checkpoint import dcp, megatron, store
+from tessera.config import ModelConfig, load_config
+from tessera.models import GPTModel
+
+HIDDEN, HEADS, LAYERS, VOCAB, SEQ = 64, 4, 2, 128, 16
+FAMILIES = {
+    "gpt2": dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
+                 openai_gelu=True, add_bias_linear=True, group_query_attention=False, num_query_groups=None,
+                 untie_embeddings_and_output_weights=False, ffn_hidden_size=4 * HIDDEN, norm_epsilon=1e-5),
+    "llama": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, openai_gelu=False,
+                  add_bias_linear=False, group_query_attention=True, num_query_groups=2,
+                  untie_embeddings_and_output_weights=True, ffn_hidden_size=96, norm_epsilon=1e-6, rotary_base=500000),
+}
+
+
+def megatron_args(family: str, **more) -> argparse.Namespace:
+    """Megatron-LM's args of a run (the part its checkpoints' common.pt carries that matters here)."""
+    return argparse.Namespace(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, kv_channels=None,
+                              padded_vocab_size=VOCAB, seq_length=SEQ, max_position_embeddings=SEQ, rotary_percent=1.0,
+                              global_batch_size=4, micro_batch_size=2, seed=1234, train_iters=20, lr=1e-4,
+                              min_lr=1e-5, lr_warmup_iters=2, lr_decay_style="cosine", lr_decay_iters=None,
+                              weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
+                              consumed_train_samples=28, **(FAMILIES[family] | more))
+
+
+@pytest.fixture(scope="module")
+def mcore():
+    """megatron-core on one gloo process (model parallel sizes 1). Its torch_dist save calls
+    ``torch.cuda.synchronize`` and ``torch.cuda.current_device`` unconditionally (0.16.1): on CPU
+    those two become a no-op and the CPU for this module's tests. Its RNG tracker is the
+    inference one, which forks without CUDA."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed here (pip install -e '.[test]')")
+    pytest.importorskip("psutil", reason="megatron-core's checkpoint writer needs psutil (the test extra)")
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    with pytest.MonkeyPatch.context() as patch:
+        if not torch.cuda.is_available():
+            patch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+            patch.setattr(torch.cuda, "current_device", lambda: "cpu")
+        dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        # (megatron-core's inference tracker: forks without CUDA streams; the models here draw no dropout)
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        try:
+            yield dist_checkpointing
+        finally:
+            initialize_rng_tracker(force_reset=True)
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def megatron_model(args: argparse.Namespace, seed: int):
+    """megatron-core's GPTModel (local spec) for ``args``, every parameter random (norms and
+    biases too: a mapping that mixes them up shows)."""
+    from megatron.core.models.gpt import GPTModel as MegatronGPT
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    a = vars(args)
+    gelu = (lambda x: torch.nn.functional.gelu(x, approximate="tanh")) if a["openai_gelu"] else None
+    config = TransformerConfig(
+        num_layers=a["num_layers"], hidden_size=a["hidden_size"], num_attention_heads=a["num_attention_heads"],
+        num_query_groups=a["num_query_groups"], ffn_hidden_size=a["ffn_hidden_size"], normalization=a["normalization"],
+        layernorm_epsilon=a["norm_epsilon"], gated_linear_unit=a["swiglu"], add_bias_linear=a["add_bias_linear"],
+        activation_func=torch.nn.functional.silu if a["swiglu"] else gelu, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, params_dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = MegatronGPT(config, get_gpt_layer_local_spec(normalization=a["normalization"]),
+                        vocab_size=a["padded_vocab_size"], max_sequence_length=a["max_position_embeddings"],
+                        position_embedding_type=a["position_embedding_type"], rotary_base=a.get("rotary_base", 10000),
+                        share_embeddings_and_output_weights=not a["untie_embeddings_and_output_weights"])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1).add_(1.0 if p.ndim == 1 and p.shape[0] == HIDDEN else 0.0)
+    return model.eval()
+
+
+def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    s = tokens.shape[1]
+    position_ids = torch.arange(s).expand_as(tokens)
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]  # (True: masked; its default mask is on CUDA)
+    with torch.no_grad():
+        return model(tokens, position_ids, attention_mask=causal)
+
+
+def save_megatron(dist_checkpointing, model, args, root, iteration: int) -> None:
+    """As Megatron-LM's save_checkpoint: iter_NNNNNNN/ and latest_checkpointed_iteration.txt."""
+    folder = os.path.join(root, f"iter_{iteration:07d}")
+    os.makedirs(folder)
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": iteration, "args": args,
+                             "checkpoint_version": 3.0}, folder)
+    with open(os.path.join(root, megatron.LATEST), "w") as f:
+        f.write(str(iteration))
+
+
+def tessera_model(path: str) -> GPTModel:
+    cfg = ModelConfig(**store.read_meta(path)["config"]["model"])
+    model = GPTModel(cfg)
+    whole = dcp.read_whole(path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.zero_()
+            p[: whole["model." + name].shape[0]].copy_(whole["model." + name])
+    return model.eval()
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tessera", "checkpoint", *args], capture_output=True, text=True,
+                          timeout=180)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_megatron_checkpoint_imports_resumes_and_exports_back(mcore, tmp_path, family):
+    from tessera.training.data_feed import build_source
+    from tessera.training.trainer import train
+
+    args = megatron_args(family)
+    theirs = megatron_model(args, seed=1)
+    save_megatron(mcore, theirs, args, tmp_path / "meg", iteration=7)
+    done = cli("import", "--megatron", f"{tmp_path}/meg", "--out", f"{tmp_path}/ck")
+    assert done.returncode == 0, done.stderr
+    assert "optimizer state not imported: Adam moments start at zero" in done.stdout
+    path = f"{tmp_path}/ck/step_00000007"
+    meta = store.read_meta(path)
+    assert (meta["step"], meta["batches"]["consumed_samples"]) == (7, 28)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    ours = tessera_model(path)
+    torch.testing.assert_close(ours.full_logits(tokens), megatron_logits(theirs, tokens), rtol=0, atol=1e-5)
+
+    # a run resumed with the printed settings goes on at step 8 with samples 28..31, Megatron's next
+    flags = done.stdout.split("resume from it with: ")[1].split(" --set train.steps")[0].split()
+    base = [flags[i + 1] for i in range(0, len(flags), 2)] + [
+        "train.steps=8", "data.source=synthetic", f"train.out_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/run",
+        "train.log_every=1", "train.eval_every=0"]
+    history = train(load_config(None, base))
+    assert [h["step"] for h in history] == [8]
+    source = build_source(load_config(None, base))
+    rows = torch.stack([torch.from_numpy(source[i].astype("int64")) for i in range(28, 32)])
+    with torch.no_grad():
+        logits = megatron_logits(theirs, rows[:, :-1])
+        want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), rows[:, 1:].reshape(-1))
+    assert history[0]["loss"] == pytest.approx(want.item(), abs=1e-5)
+
+    # export: megatron-core loads it into a fresh GPTModel, whose logits are tessera's
+    done = cli("export", path, "--megatron", f"{tmp_path}/back")
+    assert done.returncode == 0, done.stderr
+    fresh = megatron_model(args, seed=2)
+    folder = megatron.iteration_folder(f"{tmp_path}/back")
+    assert folder.endswith("iter_0000007")
+    loaded = mcore.load({"model": fresh.sharded_state_dict()}, folder)
+    fresh.load_state_dict(loaded["model"])
+    assert loaded["iteration"] == 7 and loaded["args"].consumed_train_samples == 28
+    torch.testing.assert_close(megatron_logits(fresh, tokens), ours.full_logits(tokens), rtol=0, atol=1e-5)
