@@ -178,3 +178,113 @@ def test_a_megatron_checkpoint_imports_resumes_and_exports_back(mcore, tmp_path,
     fresh.load_state_dict(loaded["model"])
     assert loaded["iteration"] == 7 and loaded["args"].consumed_train_samples == 28
     torch.testing.assert_close(megatron_logits(fresh, tokens), ours.full_logits(tokens), rtol=0, atol=1e-5)
+
+
+# -- refusals and layouts, on checkpoints tessera writes (no megatron-core needed) ------------------
+def run(capsys, *args) -> subprocess.CompletedProcess:
+    """``tessera checkpoint ...`` in this process (the refusals: fast), as :func:`cli` reports it."""
+    from tessera.cli import main
+
+    code = main(["checkpoint", *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def tessera_megatron(root, family: str = "llama", iteration: int = 3, rename=None, **args) -> ModelConfig:
+    """A Megatron checkpoint of a random tessera model, written by tessera's exporter; ``rename``
+    maps Megatron keys to others, ``args`` override its args."""
+    a = megatron_args(family)
+    m = ModelConfig(family=family, vocab_size=VOCAB, hidden=HIDDEN, layers=LAYERS, heads=HEADS,
+                    kv_heads=a.num_query_groups or 0, ffn_hidden=a.ffn_hidden_size, seq_len=SEQ,
+                    tie_embeddings=family == "gpt2", norm_eps=a.norm_epsilon, rope_theta=float(getattr(a, "rotary_base", 1e4)))
+    model = GPTModel(m)
+    model.init_weights(3)
+    whole = {n: p.detach()[: VOCAB] if n in ("embedding.weight", "output.weight") else p.detach()
+             for n, p in model.named_parameters()}
+    state = megatron.to_megatron(whole, m)
+    state = {(rename or {}).get(k, k): v for k, v in state.items()}
+    common = {"iteration": iteration, "args": megatron.megatron_args(m, consumed_train_samples=12) }
+    vars(common["args"]).update(args)
+    megatron.write_megatron(str(root), iteration, state, common)
+    return m
+
+
+def test_qkv_regrouping_is_megatrons_per_group_layout():
+    m = ModelConfig(family="llama", hidden=32, heads=4, kv_heads=2, vocab_size=64, seq_len=8)
+    hd = m.head_dim  # rows: tessera [q0 q1 q2 q3 | k0 k1 | v0 v1]; Megatron [q0 q1 k0 v0 | q2 q3 k1 v1]
+    rows = torch.arange(8 * hd).float()
+    got = megatron._qkv_to_megatron(rows, m).view(8, hd)[:, 0] // hd
+    assert got.tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+    assert torch.equal(megatron._qkv_to_tessera(megatron._qkv_to_megatron(rows, m), m), rows)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_local_and_fused_norm_names_import_alike(capsys, tmp_path, family):
+    local = {f"decoder.layers.{fused}": f"decoder.layers.{name}" for fused, name in megatron._LOCAL.items()}
+    tessera_megatron(tmp_path / "fused", family)
+    tessera_megatron(tmp_path / "local", family, rename=local)
+    for name in ("fused", "local"):
+        done = run(capsys, "import", "--megatron", f"{tmp_path}/{name}", "--out", f"{tmp_path}/ck_{name}")
+        assert done.returncode == 0, done.stderr
+    a, b = (dcp.read_whole(f"{tmp_path}/ck_{n}/step_00000003") for n in ("fused", "local"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    meta = store.read_meta(f"{tmp_path}/ck_fused/step_00000003")
+    assert (meta["step"], meta["batches"]["consumed_samples"], meta["adam_step"]) == (3, 12, 0.0)
+
+
+REFUSALS = {
+    "moe": (dict(num_experts=8), "mixture-of-experts"),
+    "mla": (dict(multi_latent_attention=True), "MLA"),
+    "erf_gelu": (dict(openai_gelu=False), "exact \\(erf\\) GELU"),
+    "squared_relu": (dict(squared_relu=True), "squared ReLU"),
+    "norm": (dict(normalization="RMSNorm"), "normalization=RMSNorm, position_embedding_type=learned_absolute"),
+    "qk_norm": (dict(qk_layernorm=True), "QK layer norms"),
+    "vocab": (dict(padded_vocab_size=VOCAB + 64), f"padded_vocab_size = {VOCAB + 64}, the embedding has {VOCAB}"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_import_refuses_a_model_tessera_does_not_compute(capsys, tmp_path, case):
+    args, words = REFUSALS[case]
+    tessera_megatron(tmp_path / "meg", "gpt2", **args)
+    done = run(capsys, "import", "--megatron", f"{tmp_path}/meg", "--out", f"{tmp_path}/ck")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    import re
+    assert re.search(words, done.stderr), done.stderr
+    assert not os.path.exists(f"{tmp_path}/ck")
+
+
+@pytest.mark.parametrize("key, words", [("mlp.experts.linear_fc1.weight", "mixture-of-experts layers (MoE)"),
+                                        ("self_attention.linear_q_down_proj.weight", "multi-latent attention (MLA)")])
+def test_import_refuses_moe_and_mla_weights_by_their_names(capsys, tmp_path, key, words):
+    tessera_megatron(tmp_path / "meg", rename={"decoder.layers.mlp.linear_fc1.weight": "decoder.layers." + key})
+    done = run(capsys, "import", "--megatron", f"{tmp_path}/meg", "--out", f"{tmp_path}/ck")
+    assert done.returncode == 2 and f"{words} (decoder.layers.{key})" in done.stderr, done.stderr
+
+
+def test_import_refuses_a_missing_or_cut_shard(capsys, tmp_path):
+    tessera_megatron(tmp_path / "meg")
+    folder = tmp_path / "meg" / "iter_0000003"
+    data = sorted(p for p in os.listdir(folder) if p.endswith(".distcp"))
+    with open(folder / data[0], "r+b") as f:
+        f.truncate(100)
+    done = run(capsys, "import", "--megatron", f"{tmp_path}/meg", "--out", f"{tmp_path}/ck")
+    assert done.returncode == 2 and f"is damaged: {data[0]} holds 100 bytes" in done.stderr, done.stderr
+    os.remove(folder / data[0])
+    done = run(capsys, "import", "--megatron", str(folder), "--out", f"{tmp_path}/ck")
+    assert done.returncode == 2 and f"is damaged: {data[0]} is missing" in done.stderr, done.stderr
+    os.remove(folder / "common.pt")
+    done = run(capsys, "import", "--megatron", str(folder), "--out", f"{tmp_path}/ck")
+    assert done.returncode == 2 and "common.pt is missing" in done.stderr, done.stderr
+
+
+def test_import_refuses_a_tokenizer_larger_than_the_vocabulary(capsys, tmp_path):
+    from tokenizers import Tokenizer, models
+
+    tessera_megatron(tmp_path / "meg")
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB + 10)}, unk_token="w0"))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    done = run(capsys, "import", "--megatron", f"{tmp_path}/meg", "--out", f"{tmp_path}/ck", "--tokenizer",
+               str(tmp_path / "tokenizer.json"))
+    assert done.returncode == 2 and f"has {VOCAB + 10} ids, the Megatron model's embedding {VOCAB} rows" in done.stderr
