@@ -110,12 +110,15 @@ def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 def save_megatron(dist_checkpointing, model, args, root, iteration: int) -> None:
     """As Megatron-LM's save_checkpoint: iter_NNNNNNN/ and latest_checkpointed_iteration.txt."""
+    import torch.distributed as dist
+
     folder = os.path.join(root, f"iter_{iteration:07d}")
-    os.makedirs(folder)
+    os.makedirs(folder, exist_ok=True)
     dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": iteration, "args": args,
                              "checkpoint_version": 3.0}, folder)
-    with open(os.path.join(root, megatron.LATEST), "w") as f:
-        f.write(str(iteration))
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, megatron.LATEST), "w") as f:
+            f.write(str(iteration))
 
 
 def tessera_model(path: str) -> GPTModel:
@@ -178,6 +181,46 @@ def test_a_megatron_checkpoint_imports_resumes_and_exports_back(mcore, tmp_path,
     fresh.load_state_dict(loaded["model"])
     assert loaded["iteration"] == 7 and loaded["args"].consumed_train_samples == 28
     torch.testing.assert_close(megatron_logits(fresh, tokens), ours.full_logits(tokens), rtol=0, atol=1e-5)
+
+
+def _save_at_tp2(rank, world_size, family, root, tokens):
+    """One of two ranks of megatron-core at tp=2: saves its model; rank 0 returns the whole
+    logits (gathered over the vocabulary's halves)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    import multiprocessing
+
+    torch.cuda.synchronize, torch.cuda.current_device = (lambda *a, **k: None), (lambda: "cpu")  # (see mcore)
+    # megatron-core's writer starts a helper process, which a daemonic run_ranks worker may not
+    multiprocessing.current_process()._config["daemon"] = False
+    parallel_state.initialize_model_parallel(2, 1)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    args = megatron_args(family)
+    model = megatron_model(args, seed=1)  # (the same draws on both ranks: replicated norms agree)
+    save_megatron(dist_checkpointing, model, args, root, 5)
+    local = megatron_logits(model, tokens).contiguous()
+    halves = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(halves, local)
+    parallel_state.destroy_model_parallel()
+    return torch.cat(halves, dim=-1) if rank == 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_checkpoint_megatron_saved_at_tp2_imports_whole(tmp_path, family):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed here (pip install -e '.[test]')")
+    pytest.importorskip("psutil", reason="megatron-core's checkpoint writer needs psutil (the test extra)")
+    from tessera.testing import run_ranks
+
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    want = run_ranks(_save_at_tp2, 2, family, str(tmp_path / "meg"), tokens, timeout=240)[0]
+    done = cli("import", "--megatron", f"{tmp_path}/meg", "--out", f"{tmp_path}/ck")
+    assert done.returncode == 0, done.stderr
+    ours = tessera_model(f"{tmp_path}/ck/step_00000005")
+    torch.testing.assert_close(ours.full_logits(tokens), want, rtol=0, atol=1e-5)
 
 
 # -- refusals and layouts, on checkpoints tessera writes (no megatron-core needed) ------------------
