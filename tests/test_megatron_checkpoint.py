@@ -183,14 +183,14 @@ def test_a_megatron_checkpoint_imports_resumes_and_exports_back(mcore, tmp_path,
     torch.testing.assert_close(megatron_logits(fresh, tokens), ours.full_logits(tokens), rtol=0, atol=1e-5)
 
 
-def _save_at_tp2(rank, world_size, family, root, tokens):
-    """One of two ranks of megatron-core at tp=2: saves its model; rank 0 returns the whole
-    logits (gathered over the vocabulary's halves)."""
+def _at_tp2(rank, world_size, family, folder, tokens, save: bool):
+    """One of two ranks of megatron-core at tp=2: saves its model to ``folder`` (``save``), or
+    loads it from there; rank 0 returns the whole logits (gathered over the vocabulary's halves)."""
+    import multiprocessing
+
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
-
-    import multiprocessing
 
     torch.cuda.synchronize, torch.cuda.current_device = (lambda *a, **k: None), (lambda: "cpu")  # (see mcore)
     # megatron-core's writer starts a helper process, which a daemonic run_ranks worker may not
@@ -198,8 +198,11 @@ def _save_at_tp2(rank, world_size, family, root, tokens):
     parallel_state.initialize_model_parallel(2, 1)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     args = megatron_args(family)
-    model = megatron_model(args, seed=1)  # (the same draws on both ranks: replicated norms agree)
-    save_megatron(dist_checkpointing, model, args, root, 5)
+    model = megatron_model(args, seed=1 if save else 2)  # (the same draws on both ranks: replicated norms agree)
+    if save:
+        save_megatron(dist_checkpointing, model, args, folder, 5)
+    else:
+        model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)["model"])
     local = megatron_logits(model, tokens).contiguous()
     halves = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(halves, local)
@@ -210,17 +213,21 @@ def _save_at_tp2(rank, world_size, family, root, tokens):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_checkpoint_megatron_saved_at_tp2_imports_whole(tmp_path, family):
+def test_megatron_at_tp2_saves_what_tessera_imports_and_loads_what_it_exports(tmp_path, family):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed here (pip install -e '.[test]')")
     pytest.importorskip("psutil", reason="megatron-core's checkpoint writer needs psutil (the test extra)")
     from tessera.testing import run_ranks
 
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    want = run_ranks(_save_at_tp2, 2, family, str(tmp_path / "meg"), tokens, timeout=240)[0]
+    want = run_ranks(_at_tp2, 2, family, str(tmp_path / "meg"), tokens, True, timeout=240)[0]
     done = cli("import", "--megatron", f"{tmp_path}/meg", "--out", f"{tmp_path}/ck")
     assert done.returncode == 0, done.stderr
     ours = tessera_model(f"{tmp_path}/ck/step_00000005")
     torch.testing.assert_close(ours.full_logits(tokens), want, rtol=0, atol=1e-5)
+    done = cli("export", f"{tmp_path}/ck", "--megatron", f"{tmp_path}/back")
+    assert done.returncode == 0, done.stderr
+    back = run_ranks(_at_tp2, 2, family, f"{tmp_path}/back/iter_0000005", tokens, False, timeout=240)[0]
+    torch.testing.assert_close(back, ours.full_logits(tokens), rtol=0, atol=1e-5)
 
 
 # -- refusals and layouts, on checkpoints tessera writes (no megatron-core needed) ------------------

@@ -290,7 +290,8 @@ def megatron_args(m: ModelConfig, **more) -> argparse.Namespace:
 def write_megatron(root: str, iteration: int, state: dict[str, Tensor], common: dict) -> str:
     """A Megatron-Core torch_dist checkpoint ``root/iter_NNNNNNN`` (and root's
     ``latest_checkpointed_iteration.txt``): ``state``'s whole tensors, the local spec's (empty)
-    extra states of each linear layer, ``common.pt`` and ``metadata.json``; returns the folder."""
+    extra states of each linear layer (replicated over TP, keyed by layer: the same at any TP /
+    PP), ``common.pt`` and ``metadata.json``; returns the folder."""
     folder = os.path.join(root, f"iter_{iteration:07d}")
     os.makedirs(folder, exist_ok=True)
     layers = state["decoder.layers." + _LAYER["attn.qkv.weight"]].shape[0]
