@@ -290,6 +290,7 @@ REFUSALS = {
     "norm": (dict(normalization="RMSNorm"), "normalization=RMSNorm, position_embedding_type=learned_absolute"),
     "qk_norm": (dict(qk_layernorm=True), "QK layer norms"),
     "vocab": (dict(padded_vocab_size=VOCAB + 64), f"padded_vocab_size = {VOCAB + 64}, the embedding has {VOCAB}"),
+    "no_settings": (dict(hidden_size=None), "common.pt's args lack hidden_size"),
 }
 
 
@@ -338,3 +339,20 @@ def test_import_refuses_a_tokenizer_larger_than_the_vocabulary(capsys, tmp_path)
     done = run(capsys, "import", "--megatron", f"{tmp_path}/meg", "--out", f"{tmp_path}/ck", "--tokenizer",
                str(tmp_path / "tokenizer.json"))
     assert done.returncode == 2 and f"has {VOCAB + 10} ids, the Megatron model's embedding {VOCAB} rows" in done.stderr
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_then_import_gives_the_same_checkpoint(capsys, tmp_path, family):
+    tessera_megatron(tmp_path / "meg", family, **{k: v for k, v in vars(megatron_args(family)).items()
+                                                 if k.startswith(("lr", "min_lr", "adam", "train_iters"))})
+    assert run(capsys, "import", "--megatron", f"{tmp_path}/meg", "--out", f"{tmp_path}/one").returncode == 0
+    done = run(capsys, "export", f"{tmp_path}/one", "--megatron", f"{tmp_path}/back")
+    assert done.returncode == 0 and "--no-load-optim --no-load-rng" in done.stdout, done.stderr
+    assert run(capsys, "import", "--megatron", f"{tmp_path}/back", "--out", f"{tmp_path}/two").returncode == 0
+    one, two = (f"{tmp_path}/{n}/step_00000003" for n in ("one", "two"))
+    a, b = dcp.read_whole(one, ""), dcp.read_whole(two, "")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    m1, m2 = store.read_meta(one), store.read_meta(two)
+    for key in ("step", "batches", "scheduler"):
+        assert m1[key] == m2[key], key
+    assert m1["config"]["model"] == m2["config"]["model"] and m1["config"]["optim"] == m2["config"]["optim"]

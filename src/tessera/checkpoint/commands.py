@@ -89,10 +89,8 @@ def _export_megatron(args) -> int:
     state = {k: v.to(dtype) for k, v in megatron.to_megatron(whole, model).items()}
     train, optim = meta["config"].get("train", {}), meta["config"].get("optim", {})
     consumed = meta["batches"]["consumed_samples"]
-    more = {"consumed_train_samples": consumed, "global_batch_size": train.get("global_batch"),
-            "micro_batch_size": train.get("micro_batch"), "seed": train.get("seed"), "train_iters": train.get("steps"),
-            "lr": optim.get("lr"), "min_lr": optim.get("min_lr"), "params_dtype": dtype,
-            f"{'bf16' if args.dtype == 'bf16' else 'fp16'}": args.dtype != "fp32"}
+    more = megatron.run_args(train, optim, consumed) | {"params_dtype": dtype, "bf16": args.dtype == "bf16",
+                                                         "fp16": args.dtype == "fp16"}
     common = {"iteration": meta["step"], "checkpoint_version": 3.0, "args": megatron.megatron_args(model, **more),
               "num_floating_point_operations_so_far": 0}
     folder = megatron.write_megatron(args.megatron, meta["step"], state, common)
@@ -125,7 +123,9 @@ def _import_megatron(args) -> int:
           f"iteration {iteration}, {consumed:,} samples consumed)\n"
           "optimizer state not imported: Adam moments start at zero\n"
           f"resume from it with: --set checkpoint.load={path} {flags} --set train.steps=<at least {iteration}> "
-          "(and the run's data settings: data.paths, data.split, data.sample_order=megatron)")
+          "(and the run's data settings: data.paths, data.split, data.sample_order=megatron)"
+          + ("" if run["optim"] else "\n(its args hold no learning-rate schedule: add --set checkpoint.new_schedule=true "
+             "and the run's optim settings)"))
     return 0
 
 

@@ -26,7 +26,6 @@ becomes it, so its loss is taken over the same columns as Megatron's.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import warnings
@@ -94,9 +93,10 @@ def read_common(folder: str) -> dict:
     if not os.path.isfile(file):
         raise MegatronCheckpointError(f"{file} is missing: not a Megatron-Core distributed checkpoint (torch_dist), "
                                       "or one copied in part")
-    with open(os.path.join(folder, "metadata.json")) if os.path.isfile(os.path.join(folder, "metadata.json")) else \
-            io.StringIO("{}") as f:
-        backend = json.load(f).get("sharded_backend", "torch_dist")
+    backend = "torch_dist"
+    if os.path.isfile(os.path.join(folder, "metadata.json")):
+        with open(os.path.join(folder, "metadata.json")) as f:
+            backend = json.load(f).get("sharded_backend", backend)
     if backend != "torch_dist":
         raise MegatronCheckpointError(f"{folder} is in Megatron's {backend!r} format; tessera reads torch_dist "
                                       "(convert it with Megatron-LM's --ckpt-convert-format torch_dist)")
@@ -120,9 +120,8 @@ def read_tensors(folder: str) -> dict[str, Tensor]:
     except DamagedCheckpoint as e:
         raise MegatronCheckpointError(f"the Megatron checkpoint {folder} is damaged: {e}") from None
     saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
-    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-             for k, md in saved.items() if isinstance(md, TensorStorageMetadata) and k.split(".")[0] in
-             ("embedding", "decoder", "output_layer")}
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)  # (the optimizer's are not read)
+             for k, md in saved.items() if isinstance(md, TensorStorageMetadata) and not k.startswith("optimizer.")}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
@@ -134,6 +133,10 @@ def model_settings(args: argparse.Namespace, shapes: dict[str, tuple]) -> dict:
     """The ``model`` section of tessera's config for Megatron-LM's ``args`` and the checkpoint's
     tensor shapes; a model tessera does not compute is refused in words."""
     a = vars(args)
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if not a.get(k)]
+    if missing:
+        raise MegatronCheckpointError(f"common.pt's args lack {', '.join(missing)}: the model's settings are not "
+                                      "all there (save it with Megatron-LM's save_checkpoint)")
     for fragment, what in _FOREIGN:
         if any(fragment in key for key in shapes):
             raise MegatronCheckpointError(f"the checkpoint holds {what} ({next(k for k in shapes if fragment in k)}): "
@@ -240,7 +243,7 @@ def from_megatron(state: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]
                                               "(untie_embeddings_and_output_weights)")
         if t is None:
             raise MegatronCheckpointError(f"the checkpoint lacks {key} (tessera's {name})")
-        if part_is_qkv(name):
+        if _is_qkv(name):
             t = _qkv_to_tessera(t, m)
         if tuple(t.shape) != tuple(shape):
             raise MegatronCheckpointError(f"{key} is {list(t.shape)} per layer, the settings make it {list(shape)}")
@@ -253,7 +256,7 @@ def from_megatron(state: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]
     return out
 
 
-def part_is_qkv(name: str) -> bool:
+def _is_qkv(name: str) -> bool:
     return name.endswith(("attn.qkv.weight", "attn.qkv.bias"))
 
 
@@ -264,7 +267,7 @@ def to_megatron(whole: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
     for name, t in whole.items():
         if name.startswith("layers."):
             _, i, part = name.split(".", 2)
-            layers.setdefault(part, [None] * m.layers)[int(i)] = _qkv_to_megatron(t, m) if part_is_qkv(name) else t
+            layers.setdefault(part, [None] * m.layers)[int(i)] = _qkv_to_megatron(t, m) if _is_qkv(name) else t
         else:
             out[_TOP[name]] = t
     for part, ts in layers.items():
@@ -335,6 +338,23 @@ def run_settings(args: argparse.Namespace) -> dict:
     return {"train": train, "optim": optim}
 
 
+def run_args(train: dict, optim: dict, consumed_samples: int) -> dict:
+    """Megatron-LM's args for a tessera run's ``train`` and ``optim`` sections (the inverse of
+    :func:`run_settings`)."""
+    style = optim.get("decay_style", "cosine")
+    more = {"consumed_train_samples": consumed_samples, "global_batch_size": train.get("global_batch"),
+            "micro_batch_size": train.get("micro_batch"), "seed": train.get("seed"), "train_iters": train.get("steps"),
+            "lr": optim.get("lr"), "min_lr": optim.get("min_lr"), "lr_warmup_iters": optim.get("warmup"),
+            "lr_decay_style": "WSD" if style == "wsd" else style,
+            "lr_decay_iters": optim.get("decay_steps") or train.get("steps"),
+            "lr_wsd_decay_iters": optim.get("wsd_decay_steps"), "weight_decay": optim.get("weight_decay"),
+            "adam_beta1": optim.get("beta1"), "adam_beta2": optim.get("beta2"), "adam_eps": optim.get("eps"),
+            "clip_grad": optim.get("clip_grad")}
+    if train.get("batch_rampup"):
+        more["rampup_batch_size"] = train["batch_rampup"].split(",")
+    return more
+
+
 def write_tessera(root: str, whole: dict[str, Tensor], model: dict, run: dict, iteration: int,
                   consumed_samples: int, files: dict[str, str] | None = None) -> str:
     """A tessera checkpoint ``root/step_<iteration>`` a run resumes from: the weights, Adam's
@@ -366,5 +386,5 @@ def write_tessera(root: str, whole: dict[str, Tensor], model: dict, run: dict, i
         "config": to_dict(config)}, keep=0)
 
 
-__all__ = ["run_settings", "write_tessera", "MegatronCheckpointError", "iteration_folder", "read_common", "read_tensors", "model_settings",
+__all__ = ["run_settings", "run_args", "write_tessera", "MegatronCheckpointError", "iteration_folder", "read_common", "read_tensors", "model_settings",
            "check_vocabulary", "from_megatron", "to_megatron", "megatron_args", "write_megatron"]
