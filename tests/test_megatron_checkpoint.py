@@ -74,7 +74,8 @@ def mcore():
             dist.destroy_process_group()
 
 
-def megatron_model(args: argparse.Namespace, seed: int):
+def megatron_model(args: argparse.Namespace, seed: int, tp: int = 1, pp: int = 1, pre_process: bool = True,
+                   post_process: bool = True):
     """megatron-core's GPTModel (local spec) for ``args``, every parameter random (norms and
     biases too: a mapping that mixes them up shows)."""
     from megatron.core.models.gpt import GPTModel as MegatronGPT
@@ -88,12 +89,14 @@ def megatron_model(args: argparse.Namespace, seed: int):
         num_query_groups=a["num_query_groups"], ffn_hidden_size=a["ffn_hidden_size"], normalization=a["normalization"],
         layernorm_epsilon=a["norm_epsilon"], gated_linear_unit=a["swiglu"], add_bias_linear=a["add_bias_linear"],
         activation_func=torch.nn.functional.silu if a["swiglu"] else gelu, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=torch.float32)
+        use_cpu_initialization=True, params_dtype=torch.float32, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
     torch.manual_seed(seed)
     model = MegatronGPT(config, get_gpt_layer_local_spec(normalization=a["normalization"]),
                         vocab_size=a["padded_vocab_size"], max_sequence_length=a["max_position_embeddings"],
                         position_embedding_type=a["position_embedding_type"], rotary_base=a.get("rotary_base", 10000),
-                        share_embeddings_and_output_weights=not a["untie_embeddings_and_output_weights"])
+                        share_embeddings_and_output_weights=not a["untie_embeddings_and_output_weights"],
+                        pre_process=pre_process, post_process=post_process)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.1).add_(1.0 if p.ndim == 1 and p.shape[0] == HIDDEN else 0.0)
@@ -198,7 +201,7 @@ def _at_tp2(rank, world_size, family, folder, tokens, save: bool):
     parallel_state.initialize_model_parallel(2, 1)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     args = megatron_args(family)
-    model = megatron_model(args, seed=1 if save else 2)  # (the same draws on both ranks: replicated norms agree)
+    model = megatron_model(args, seed=1 if save else 2, tp=2)  # (the same draws on both ranks: replicated norms agree)
     if save:
         save_megatron(dist_checkpointing, model, args, folder, 5)
     else:
@@ -228,6 +231,47 @@ def test_megatron_at_tp2_saves_what_tessera_imports_and_loads_what_it_exports(tm
     assert done.returncode == 0, done.stderr
     back = run_ranks(_at_tp2, 2, family, f"{tmp_path}/back/iter_0000005", tokens, False, timeout=240)[0]
     torch.testing.assert_close(back, ours.full_logits(tokens), rtol=0, atol=1e-5)
+
+
+def _stage_at_pp2(rank, world_size, family, full_state, root):
+    """One of two pipeline stages of megatron-core at pp=2 (one layer each), holding its part of
+    the one-process model ``full_state``, saved together as Megatron-LM saves."""
+    import multiprocessing
+
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    torch.cuda.synchronize, torch.cuda.current_device = (lambda *a, **k: None), (lambda: "cpu")  # (see mcore)
+    multiprocessing.current_process()._config["daemon"] = False  # (see _at_tp2)
+    parallel_state.initialize_model_parallel(1, 2)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    args = megatron_args(family, untie_embeddings_and_output_weights=True)
+    stage = megatron_model(args, seed=1, pp=2, pre_process=rank == 0, post_process=rank == 1)
+    local = {}
+    for key in stage.state_dict():  # (a stage numbers its layers from 0; the one-process model globally)
+        parts = key.split(".")
+        if key.startswith("decoder.layers."):
+            parts[2] = str(int(parts[2]) + rank)
+        local[key] = full_state[".".join(parts)]
+    stage.load_state_dict(local)
+    save_megatron(dist_checkpointing, stage, args, root, 9)
+    parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_checkpoint_megatron_saved_at_pp2_imports_whole(mcore, tmp_path, family):
+    from tessera.testing import run_ranks
+
+    args = megatron_args(family, untie_embeddings_and_output_weights=True)
+    theirs = megatron_model(args, seed=1)
+    run_ranks(_stage_at_pp2, 2, family, theirs.state_dict(), str(tmp_path / "meg"), timeout=240)
+    done = cli("import", "--megatron", f"{tmp_path}/meg", "--out", f"{tmp_path}/ck")
+    assert done.returncode == 0, done.stderr
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    ours = tessera_model(f"{tmp_path}/ck/step_00000009")
+    torch.testing.assert_close(ours.full_logits(tokens), megatron_logits(theirs, tokens), rtol=0, atol=1e-5)
 
 
 # -- refusals and layouts, on checkpoints tessera writes (no megatron-core needed) ------------------
