@@ -233,6 +233,50 @@ def test_megatron_at_tp2_saves_what_tessera_imports_and_loads_what_it_exports(tm
     torch.testing.assert_close(back, ours.full_logits(tokens), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_resumed_run_serves_the_samples_megatron_would_have_served_next(mcore, tmp_path):
+    """On an indexed corpus in megatron-core's own GPTDataset order (the same train_iters x
+    global_batch samples, seed and split): the first step after the import is on megatron-core's
+    samples consumed .. consumed + global_batch, at its model's loss on them."""
+    import types
+
+    import numpy as np
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    from tessera.data import IndexedDatasetWriter
+    from tessera.training.trainer import train
+
+    rng = np.random.default_rng(0)
+    prefix = str(tmp_path / "corpus")
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for _ in range(300):
+            writer.add_document(np.append(rng.integers(2, VOCAB, int(rng.integers(1, 60))), 1))
+    args = megatron_args("llama")
+    tokenizer = types.SimpleNamespace(vocab_size=VOCAB, eod=1, unique_identifiers={"class": "test"})
+    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=SEQ, blend=([prefix], None), split="98,2,0",
+                              tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, create_attention_mask=False)
+    served = BlendedMegatronDatasetBuilder(GPTDataset, [args.train_iters * args.global_batch_size, 8, 8],
+                                           lambda: True, config).build()[0]
+    theirs = megatron_model(args, seed=1)
+    save_megatron(mcore, theirs, args, tmp_path / "meg", iteration=7)
+    done = cli("import", "--megatron", f"{tmp_path}/meg", "--out", f"{tmp_path}/ck")
+    assert done.returncode == 0, done.stderr
+    flags = done.stdout.split("resume from it with: ")[1].split(" --set train.steps")[0].split()
+    history = train(load_config(None, [flags[i + 1] for i in range(0, len(flags), 2)] + [
+        f"train.steps={args.train_iters}", "data.source=indexed", f"data.paths={prefix}", "data.split=98,2,0",
+        f"data.cache_dir={tmp_path}/cache", f"train.out_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/run",
+        "train.log_every=1"]))
+    assert history[0]["step"] == 8
+    first = range(args.consumed_train_samples, args.consumed_train_samples + args.global_batch_size)
+    tokens = torch.stack([served[i]["tokens"] for i in first]).long()
+    labels = torch.stack([served[i]["labels"] for i in first]).long()
+    want = torch.nn.functional.cross_entropy(megatron_logits(theirs, tokens).reshape(-1, VOCAB), labels.reshape(-1))
+    assert history[0]["loss"] == pytest.approx(want.item(), abs=1e-5)
+
+
 def _stage_at_pp2(rank, world_size, family, full_state, root):
     """One of two pipeline stages of megatron-core at pp=2 (one layer each), holding its part of
     the one-process model ``full_state``, saved together as Megatron-LM saves."""
