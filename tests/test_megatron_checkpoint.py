@@ -253,7 +253,7 @@ def test_a_resumed_run_serves_the_samples_megatron_would_have_served_next(mcore,
     with IndexedDatasetWriter(prefix, np.uint16) as writer:
         for _ in range(300):
             writer.add_document(np.append(rng.integers(2, VOCAB, int(rng.integers(1, 60))), 1))
-    args = megatron_args("llama")
+    args = megatron_args("llama", data_path=[prefix], split="98,2,0")
     tokenizer = types.SimpleNamespace(vocab_size=VOCAB, eod=1, unique_identifiers={"class": "test"})
     config = GPTDatasetConfig(random_seed=args.seed, sequence_length=SEQ, blend=([prefix], None), split="98,2,0",
                               tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
@@ -264,11 +264,12 @@ def test_a_resumed_run_serves_the_samples_megatron_would_have_served_next(mcore,
     save_megatron(mcore, theirs, args, tmp_path / "meg", iteration=7)
     done = cli("import", "--megatron", f"{tmp_path}/meg", "--out", f"{tmp_path}/ck")
     assert done.returncode == 0, done.stderr
-    flags = done.stdout.split("resume from it with: ")[1].split(" --set train.steps")[0].split()
-    history = train(load_config(None, [flags[i + 1] for i in range(0, len(flags), 2)] + [
-        f"train.steps={args.train_iters}", "data.source=indexed", f"data.paths={prefix}", "data.split=98,2,0",
-        f"data.cache_dir={tmp_path}/cache", f"train.out_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/run",
-        "train.log_every=1"]))
+    words = done.stdout.split("resume from it with: ")[1].splitlines()[0].split()  # (its data flags too)
+    sets = [words[i + 1] for i, w in enumerate(words) if w == "--set" and not words[i + 1].startswith("train.steps")]
+    assert f"data.paths={prefix}" in sets and "data.split=98,2,0" in sets
+    history = train(load_config(None, sets + [
+        f"train.steps={args.train_iters}", f"data.cache_dir={tmp_path}/cache", f"train.out_dir={tmp_path}/out",
+        f"checkpoint.dir={tmp_path}/run", "train.log_every=1"]))
     assert history[0]["step"] == 8
     first = range(args.consumed_train_samples, args.consumed_train_samples + args.global_batch_size)
     tokens = torch.stack([served[i]["tokens"] for i in first]).long()

@@ -117,13 +117,15 @@ def _import_megatron(args) -> int:
     path = megatron.write_tessera(args.out, whole, settings, run, iteration, consumed,
                                   files={TOKENIZER: args.tokenizer} if args.tokenizer else None)
     flags = " ".join(f"--set {section}.{k}={str(v).lower() if isinstance(v, bool) else v}"
-                     for section, values in (("model", settings), *run.items()) for k, v in values.items()
-                     if not (section == "train" and k == "steps"))
+                     for section, values in (("model", settings), ("train", run["train"]), ("optim", run["optim"]))
+                     for k, v in values.items() if not (section == "train" and k == "steps"))
     print(f"tessera: wrote {path} ({settings['family']}, {sum(t.numel() for t in whole.values()):,} parameters, "
           f"iteration {iteration}, {consumed:,} samples consumed)\n"
           "optimizer state not imported: Adam moments start at zero\n"
           f"resume from it with: --set checkpoint.load={path} {flags} --set train.steps=<at least {iteration}> "
-          "(and the run's data settings: data.paths, data.split, data.sample_order=megatron)"
+          + (f" --set data.source=indexed --set data.paths={','.join(run['data']['paths'])} --set data.split="
+             f"{run['data']['split']} (the data Megatron trained on, as it named it)" if run["data"]["source"] == "indexed"
+             else " and the data settings Megatron trained with (data.paths, data.split)")
           + ("" if run["optim"] else "\n(its args hold no learning-rate schedule: add --set checkpoint.new_schedule=true "
              "and the run's optim settings)"))
     return 0

@@ -316,8 +316,8 @@ def write_megatron(root: str, iteration: int, state: dict[str, Tensor], common: 
 
 
 def run_settings(args: argparse.Namespace) -> dict:
-    """The ``train`` and ``optim`` sections of tessera's config for Megatron-LM's ``args``: the
-    batches, seed, length and learning-rate schedule a resumed run must keep."""
+    """The ``train``, ``optim`` and ``data`` sections of tessera's config for Megatron-LM's
+    ``args``: the batches, seed, length, learning-rate schedule and data a resumed run must keep."""
     a = vars(args)
     train = {"global_batch": a.get("global_batch_size") or 16, "micro_batch": a.get("micro_batch_size") or 1,
              "seed": a.get("seed", 1234), "steps": a.get("train_iters") or 0}
@@ -325,17 +325,22 @@ def run_settings(args: argparse.Namespace) -> dict:
         train["batch_rampup"] = ",".join(str(int(x)) for x in a["rampup_batch_size"])
     optim = {}
     if a.get("lr") is not None:
-        style = {"WSD": "wsd", "inverse-square-root": "inverse-square-root"}.get(a.get("lr_decay_style"),
-                                                                               a.get("lr_decay_style"))
-        optim = {"lr": a["lr"], "min_lr": a.get("min_lr", 0.0), "warmup": a.get("lr_warmup_iters") or 0,
-                 "decay_style": style or "linear",
-                 "decay_steps": a.get("lr_decay_iters") or a.get("train_iters") or 0,
+        style = a.get("lr_decay_style") or "linear"  # (Megatron-LM's default)
+        decay = a.get("lr_decay_iters") or a.get("train_iters") or 0
+        warmup = a.get("lr_warmup_iters") or round((a.get("lr_warmup_fraction") or 0.0) * decay)
+        optim = {"lr": a["lr"], "min_lr": a.get("min_lr", 0.0), "warmup": warmup,
+                 "decay_style": "wsd" if style == "WSD" else style, "decay_steps": decay,
                  "weight_decay": a.get("weight_decay", 0.01), "beta1": a.get("adam_beta1", 0.9),
                  "beta2": a.get("adam_beta2", 0.999), "eps": a.get("adam_eps", 1e-8),
                  "clip_grad": a.get("clip_grad", 1.0)}
-        if style == "wsd":
+        if style == "WSD":
             optim["wsd_decay_steps"] = a.get("lr_wsd_decay_iters") or 0
-    return {"train": train, "optim": optim}
+    # the data Megatron trained on, so that resuming on it checks the seed and split (none: synthetic,
+    # which claims no tokenizer)
+    paths = [str(p) for p in a.get("data_path") or []]
+    data = {"source": "indexed", "paths": paths, "split": a.get("split") or "969,30,1",
+            "sample_order": "megatron"} if paths else {"source": "synthetic"}
+    return {"train": train, "optim": optim, "data": data}
 
 
 def run_args(train: dict, optim: dict, consumed_samples: int) -> dict:
@@ -364,12 +369,12 @@ def write_tessera(root: str, whole: dict[str, Tensor], model: dict, run: dict, i
 
     from tessera.checkpoint import dcp as tessera_dcp, store
     from tessera.checkpoint.shards import Shard
-    from tessera.config import Config, OptimConfig, TrainConfig, to_dict
+    from tessera.config import Config, DataConfig, OptimConfig, TrainConfig, to_dict
     from tessera.optim import LRScheduler, MicroBatchCalculator
 
     train = TrainConfig(**{**run["train"], "steps": max(run["train"]["steps"], iteration, 1)})
     optim = OptimConfig(**run["optim"])
-    config = Config(model=ModelConfig(**model), train=train, optim=optim)
+    config = Config(model=ModelConfig(**model), train=train, optim=optim, data=DataConfig(**run["data"]))
     partial = store.begin_save(root, iteration)
     shards = [Shard(prefix + name, tuple(t.shape), (0,) * t.ndim, t.float() if prefix == "model." else
                     torch.zeros_like(t, dtype=torch.float32))
