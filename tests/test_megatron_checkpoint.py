@@ -242,7 +242,9 @@ def test_a_resumed_run_serves_the_samples_megatron_would_have_served_next(mcore,
     import types
 
     import numpy as np
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     from tessera.data import IndexedDatasetWriter

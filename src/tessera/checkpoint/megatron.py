@@ -367,7 +367,8 @@ def write_tessera(root: str, whole: dict[str, Tensor], model: dict, run: dict, i
     so the data goes on at the next sample Megatron would have served."""
     import shutil
 
-    from tessera.checkpoint import dcp as tessera_dcp, store
+    from tessera.checkpoint import dcp as tessera_dcp
+    from tessera.checkpoint import store
     from tessera.checkpoint.shards import Shard
     from tessera.config import Config, DataConfig, OptimConfig, TrainConfig, to_dict
     from tessera.optim import LRScheduler, MicroBatchCalculator
