@@ -15,7 +15,8 @@ Layouts (Megatron's against tessera's whole tensors, checkpoint/shards.py):
   (megatron/core/transformer/attention.py splits it so); tessera's ``attn.qkv`` is
   [all q; all k; all v]. Regrouped both ways, exactly (rows moved, no arithmetic).
 - ``linear_fc1`` with a gated linear unit: [gate; up], as tessera's ``mlp.fc1``.
-- GPT: LayerNorm with biases, learned positions, the tanh GELU (``--openai-gelu``), tied output;
+- GPT: LayerNorm with biases, learned positions, GELU (exact, or tanh with ``--openai-gelu``:
+  tessera's ``model.gelu``), tied or not;
   Llama: RMSNorm, RoPE (rotate-half), SwiGLU, GQA, no biases. Anything else Megatron builds
   (MoE, MLA, other norms or activations, QK norms) is refused, never dropped.
 
@@ -156,9 +157,6 @@ def model_settings(args: argparse.Namespace, shapes: dict[str, tuple]) -> dict:
     bias = a.get("add_bias_linear", True)
     if norm == "LayerNorm" and positions == "learned_absolute" and not a.get("swiglu") and bias:
         family = "gpt2"
-        if not a.get("openai_gelu"):
-            raise MegatronCheckpointError("the MLP's activation is the exact (erf) GELU, Megatron's default: tessera's "
-                                          "gpt2 computes the tanh approximation (Megatron-LM's --openai-gelu) only")
     elif norm == "RMSNorm" and positions == "rope" and a.get("swiglu") and not bias:
         family = "llama"
         if a.get("rotary_percent", 1.0) != 1.0:
@@ -189,6 +187,8 @@ def model_settings(args: argparse.Namespace, shapes: dict[str, tuple]) -> dict:
                 "tie_embeddings": tied}
     if family == "gpt2":
         settings["seq_len"] = shapes[_TOP["pos_embedding.weight"]][0]
+        if not a.get("openai_gelu"):  # (Megatron's default GELU is the exact one)
+            settings["gelu"] = "exact"
     else:
         groups = a.get("num_query_groups") if a.get("group_query_attention") else None
         settings |= {"kv_heads": groups or heads, "seq_len": a.get("seq_length") or 2048,
@@ -286,7 +286,7 @@ def megatron_args(m: ModelConfig, **more) -> argparse.Namespace:
         padded_vocab_size=m.vocab_size, seq_length=m.seq_len, max_position_embeddings=m.seq_len,
         normalization="LayerNorm" if gpt2 else "RMSNorm", norm_epsilon=m.norm_eps,
         position_embedding_type="learned_absolute" if gpt2 else "rope", rotary_base=int(m.rope_theta),
-        rotary_percent=1.0, swiglu=not gpt2, openai_gelu=gpt2, add_bias_linear=gpt2, add_qkv_bias=False,
+        rotary_percent=1.0, swiglu=not gpt2, openai_gelu=gpt2 and m.gelu == "tanh", add_bias_linear=gpt2, add_qkv_bias=False,
         untie_embeddings_and_output_weights=not m.tie_embeddings, num_experts=None, **more)
 
 
