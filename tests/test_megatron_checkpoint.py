@@ -382,6 +382,8 @@ REFUSALS = {
     "qk_norm": (dict(qk_layernorm=True), "QK layer norms"),
     "vocab": (dict(padded_vocab_size=VOCAB + 64), f"padded_vocab_size = {VOCAB + 64}, the embedding has {VOCAB}"),
     "no_settings": (dict(hidden_size=None), "common.pt's args lack hidden_size"),
+    "layers": (dict(num_layers=3), "decoder.layers.self_attention.linear_qkv.layer_norm_weight stacks 2 layers, "
+               "args.num_layers is 3"),
 }
 
 
