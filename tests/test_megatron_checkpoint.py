@@ -1,13 +1,13 @@
 """Megatron-Core distributed checkpoints in and out, with megatron-core as the real client.
 
-megatron-core builds a small GPTModel (local layer spec, fp32, one gloo process) of a GPT and a
-Llama configuration and saves it with its own ``dist_checkpointing.save`` the way Megatron-LM's
-``save_checkpoint`` does (``iter_NNNNNNN/`` with the model's sharded state, the iteration and the
-args in common.pt). ``tessera checkpoint import --megatron`` converts it; tessera's logits equal
+megatron-core builds a small GPTModel (local layer spec, fp32; GPT with either GELU and Llama with
+GQA, untied) on one gloo process, at tp=2 or at pp=2 on two, and saves it with its own
+``dist_checkpointing.save`` the way Megatron-LM's ``save_checkpoint`` does (``iter_NNNNNNN/`` with
+the model's sharded state, the iteration and the args in common.pt). ``tessera checkpoint import --megatron`` converts it; tessera's logits equal
 megatron-core's forward and a run resumed from it takes its first step on the samples Megatron
 would have served next, at megatron-core's loss on them. ``tessera checkpoint export --megatron``
-writes one megatron-core's ``dist_checkpointing.load`` reads into a fresh GPTModel, whose logits
-then equal tessera's. The refusals need no megatron-core.
+writes one megatron-core's ``dist_checkpointing.load`` reads into a fresh GPTModel (tp=1 or 2),
+whose logits then equal tessera's. The refusals need no megatron-core.
 """
 
 from __future__ import annotations
