@@ -152,6 +152,9 @@ def test_import_refuses_models_tessera_does_not_compute(tmp_path):
                           ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx")):
         with pytest.raises(ValueError, match=words):
             hf.model_settings(gpt2 | change)
+    # GPT-2's exact (erf) GELU is model.gelu=exact, both ways
+    assert hf.model_settings(gpt2 | {"activation_function": "gelu"})["gelu"] == "exact"
+    assert hf.hf_config(ModelConfig(gelu="exact"))["activation_function"] == "gelu"
     # weights with no place: refused; a base model's names (no "transformer." prefix): read
     model = _hf_model("gpt2")
     settings = ModelConfig(**hf.model_settings(model.config.to_dict()))

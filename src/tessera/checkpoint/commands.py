@@ -1,5 +1,10 @@
 """``tessera checkpoint inspect PATH``: what a checkpoint holds, without loading it.
 ``tessera checkpoint export PATH --hf OUT``: its weights as a transformers model folder.
+``tessera checkpoint export PATH --megatron OUT``: as a Megatron-Core distributed checkpoint
+(checkpoint/megatron.py), which megatron-core's ``dist_checkpointing.load`` reads.
+``tessera checkpoint import --megatron DIR --out OUT``: a Megatron-Core distributed checkpoint as
+a tessera checkpoint ``OUT/step_<iteration>`` a run resumes from (its step and consumed samples;
+Adam's moments start at zero).
 ``tessera checkpoint import HF_FOLDER --out DIR``: a transformers GPT-2 or Llama folder as a
 weights-only checkpoint ``DIR/step_00000000`` (with the folder's tokenizer.json and end-of-sequence
 ids, for ``tessera generate``), which a run starts from with
@@ -26,28 +31,104 @@ def add_checkpoint_commands(sub) -> None:
     inspect = ck_sub.add_parser("inspect", help="a checkpoint's step, layout, size, model and data position")
     inspect.add_argument("path", help="a step_N folder, or a checkpoint.dir holding them")
     inspect.add_argument("--tensors", action="store_true", help="list every tensor and its whole shape")
-    export = ck_sub.add_parser("export", help="a checkpoint's weights as a Hugging Face transformers model folder")
+    export = ck_sub.add_parser("export", help="a checkpoint's weights as a Hugging Face transformers model folder "
+                               "or a Megatron-Core distributed checkpoint")
     export.add_argument("path", help="a step_N folder, or a checkpoint.dir (its newest)")
-    export.add_argument("--hf", required=True, metavar="OUT", help="the folder to write config.json and model.safetensors to")
+    target = export.add_mutually_exclusive_group(required=True)
+    target.add_argument("--hf", metavar="OUT", help="the folder to write config.json and model.safetensors to")
+    target.add_argument("--megatron", metavar="OUT", help="the folder to write latest_checkpointed_iteration.txt and "
+                        "iter_NNNNNNN/ (torch_dist) to")
     export.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="the weights' dtype (default fp32)")
     export.add_argument("--tokenizer", metavar="JSON", help="the tokenizer.json to put beside the weights (default: "
                         "the checkpoint's own, the run's train.sample_tokenizer, else the data's PREFIX.tokenizer.json, "
                         "where there is one; the builtin corpus's bytes as a tokenizer.json of the same ids)")
-    imp = ck_sub.add_parser("import", help="a transformers GPT-2 or Llama folder as a weights-only checkpoint")
-    imp.add_argument("folder", help="config.json and model.safetensors (or its index of several files)")
-    imp.add_argument("--out", required=True, metavar="DIR", help="writes DIR/step_00000000")
+    imp = ck_sub.add_parser("import", help="a transformers GPT-2 or Llama folder as a weights-only checkpoint, or a "
+                            "Megatron-Core distributed checkpoint as one a run resumes from")
+    source = imp.add_mutually_exclusive_group(required=True)
+    source.add_argument("folder", nargs="?", help="config.json and model.safetensors (or its index of several files)")
+    source.add_argument("--megatron", metavar="DIR", help="a Megatron-LM checkpoint folder (--save) or one of its "
+                        "iter_NNNNNNN folders, torch_dist format")
+    imp.add_argument("--out", required=True, metavar="DIR", help="writes DIR/step_00000000 (Megatron: DIR/step_<iteration>)")
+    imp.add_argument("--tokenizer", metavar="JSON", help="Megatron: the tokenizer.json its data was made with, "
+                     "checked against the vocabulary and kept beside the weights")
 
 
 def run_checkpoint_command(args) -> int:
     try:
         if args.checkpoint_command == "export":
-            return _export(args)
+            return _export_megatron(args) if args.megatron else _export(args)
         if args.checkpoint_command == "import":
-            return _import(args)
+            return _import_megatron(args) if args.megatron else _import(args)
     except (ValueError, OSError) as e:
         print(f"tessera: checkpoint {args.checkpoint_command}: {e}", file=sys.stderr)
         return 2
     return _inspect(args)
+
+
+def _checkpoint_path(given: str) -> str:
+    from tessera.checkpoint import store
+
+    path = given if store.is_checkpoint(given) else next(iter(p for _, p in store.checkpoints(given)[-1:]), None)
+    if path is None:
+        raise ValueError(f"{given} is neither a checkpoint nor a folder holding one")
+    store.check_files(path)
+    return path
+
+
+def _export_megatron(args) -> int:
+    import torch
+
+    from tessera.checkpoint import dcp, megatron, store
+    from tessera.config import ModelConfig
+
+    path = _checkpoint_path(args.path)
+    meta = store.read_meta(path)
+    model = ModelConfig(**meta["config"]["model"])
+    whole = {k.removeprefix("model."): v for k, v in dcp.read_whole(path).items()}
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    state = {k: v.to(dtype) for k, v in megatron.to_megatron(whole, model).items()}
+    train, optim = meta["config"].get("train", {}), meta["config"].get("optim", {})
+    consumed = meta["batches"]["consumed_samples"]
+    more = megatron.run_args(train, optim, consumed) | {"params_dtype": dtype, "bf16": args.dtype == "bf16",
+                                                         "fp16": args.dtype == "fp16"}
+    common = {"iteration": meta["step"], "checkpoint_version": 3.0, "args": megatron.megatron_args(model, **more),
+              "num_floating_point_operations_so_far": 0}
+    folder = megatron.write_megatron(args.megatron, meta["step"], state, common)
+    print(f"tessera: wrote {path}'s weights to {folder} (Megatron-Core torch_dist, {model.family}, {args.dtype}, "
+          f"iteration {meta['step']}, {consumed:,} samples consumed); no optimizer or random state: load it with "
+          "Megatron-LM's --no-load-optim --no-load-rng")
+    return 0
+
+
+def _import_megatron(args) -> int:
+    from tessera.checkpoint import megatron
+    from tessera.checkpoint.vocabulary import TOKENIZER
+    from tessera.config import ModelConfig
+
+    folder = megatron.iteration_folder(args.megatron)
+    common = megatron.read_common(folder)
+    state = megatron.read_tensors(folder)
+    settings = megatron.model_settings(common["args"], {k: tuple(v.shape) for k, v in state.items()})
+    megatron.check_vocabulary(settings["vocab_size"], args.tokenizer)
+    whole = megatron.from_megatron(state, ModelConfig(**settings))
+    run = megatron.run_settings(common["args"])
+    iteration = int(common.get("iteration", 0))
+    consumed = int(getattr(common["args"], "consumed_train_samples", 0) or 0)
+    path = megatron.write_tessera(args.out, whole, settings, run, iteration, consumed,
+                                  files={TOKENIZER: args.tokenizer} if args.tokenizer else None)
+    flags = " ".join(f"--set {section}.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                     for section, values in (("model", settings), ("train", run["train"]), ("optim", run["optim"]))
+                     for k, v in values.items() if not (section == "train" and k == "steps"))
+    print(f"tessera: wrote {path} ({settings['family']}, {sum(t.numel() for t in whole.values()):,} parameters, "
+          f"iteration {iteration}, {consumed:,} samples consumed)\n"
+          "optimizer state not imported: Adam moments start at zero\n"
+          f"resume from it with: --set checkpoint.load={path} {flags} --set train.steps=<at least {iteration}> "
+          + (f" --set data.source=indexed --set data.paths={','.join(run['data']['paths'])} --set data.split="
+             f"{run['data']['split']} (the data Megatron trained on, as it named it)" if run["data"]["source"] == "indexed"
+             else " and the data settings Megatron trained with (data.paths, data.split)")
+          + ("" if run["optim"] else "\n(its args hold no learning-rate schedule: add --set checkpoint.new_schedule=true "
+             "and the run's optim settings)"))
+    return 0
 
 
 def _export(args) -> int:

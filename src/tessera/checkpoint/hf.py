@@ -34,7 +34,8 @@ def hf_config(m: ModelConfig) -> dict:
     if m.family == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m.vocab_size,
                 "n_embd": m.hidden, "n_layer": m.layers, "n_head": m.heads, "n_inner": m.ffn_size,
-                "n_positions": m.seq_len, "activation_function": "gelu_new", "layer_norm_epsilon": m.norm_eps,
+                "n_positions": m.seq_len,
+                "activation_function": "gelu_new" if m.gelu == "tanh" else "gelu", "layer_norm_epsilon": m.norm_eps,
                 "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout,
                 "tie_word_embeddings": m.tie_embeddings, "bos_token_id": None, "eos_token_id": None,
                 "initializer_range": m.init_std, "dtype": "float32"}
@@ -48,7 +49,7 @@ def hf_config(m: ModelConfig) -> dict:
 
 
 # settings whose other values compute another model than tessera's: refused, never dropped
-_GPT2_FIXED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
+_GPT2_FIXED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh", "gelu"), "scale_attn_weights": (True,),
                "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,)}
 _LLAMA_FIXED = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,)}
 
@@ -56,7 +57,7 @@ _LLAMA_FIXED = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias":
 def _refuse_other(config: dict, fixed: dict) -> None:
     for key, allowed in fixed.items():
         if key in config and config[key] not in allowed:
-            raise ValueError(f"{key} = {config[key]!r}: tessera's model computes {allowed[0]!r} only")
+            raise ValueError(f"{key} = {config[key]!r}: tessera's model computes {' or '.join(map(repr, allowed))} only")
 
 
 def model_settings(config: dict) -> dict:
@@ -69,7 +70,8 @@ def model_settings(config: dict) -> dict:
         return {"family": "gpt2", "vocab_size": config["vocab_size"], "hidden": hidden, "layers": config["n_layer"],
                 "heads": config["n_head"], "ffn_hidden": config.get("n_inner") or 4 * hidden,
                 "seq_len": config["n_positions"], "norm_eps": config.get("layer_norm_epsilon", 1e-5),
-                "tie_embeddings": config.get("tie_word_embeddings", True)}
+                "tie_embeddings": config.get("tie_word_embeddings", True),
+                **({"gelu": "exact"} if config.get("activation_function") == "gelu" else {})}
     if kind == "llama":
         _refuse_other(config, _LLAMA_FIXED)
         heads, hidden = config["num_attention_heads"], config["hidden_size"]

@@ -45,7 +45,7 @@ FORMAT = 1
 _NAME = re.compile(r"step_(\d+)$")
 # the model settings a checkpoint's tensors depend on (the others, e.g. dropout, may change)
 _MODEL_KEYS = ("family", "vocab_size", "hidden", "layers", "heads", "num_kv_heads", "ffn_size", "tie_embeddings",
-               "norm_eps", "rope_theta")
+               "norm_eps", "rope_theta", "gelu")
 
 
 def step_dir(root: str, step: int) -> str:

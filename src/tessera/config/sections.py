@@ -40,6 +40,9 @@ class ModelConfig:
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
     """RoPE base frequency (llama only)."""
+    gelu: Literal["tanh", "exact"] = "tanh"
+    """gpt2's MLP activation: tanh, GPT-2's own approximation (Megatron's --openai-gelu); exact, the
+    erf form (Megatron's default for GPT models)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation; output projections of each residual
     branch are scaled by 1/sqrt(2*layers) as in GPT-2."""
@@ -67,6 +70,8 @@ class ModelConfig:
               "give a small positive epsilon such as 1e-5")
         check(self.rope_theta > 0, "model.rope_theta", f"{self.rope_theta} is not positive",
               "give a positive base frequency such as 10000")
+        check(self.family == "gpt2" or self.gelu == "tanh", "model.gelu", "llama's MLP is SwiGLU, without a GELU",
+              "leave model.gelu at tanh for llama")
         check(self.init_std >= 0, "model.init_std", f"{self.init_std} is negative",
               "give a standard deviation such as 0.02")
 

@@ -161,6 +161,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, device=None):
         super().__init__()
         self.family, self.fused = cfg.family, tp.fused_elementwise
+        self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
         ffn, out_std = cfg.ffn_size, scaled_init_std(cfg.init_std, cfg.layers)
         common = dict(tp_group=tp.group, sequence_parallel=tp.sequence_parallel, fp8=tp.fp8, device=device)
         gpt2 = cfg.family == "gpt2"  # fc1 holds gate and up side by side for SwiGLU
@@ -171,7 +172,7 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y = self.fc1(x)
         if self.family == "gpt2":
-            y = F.gelu(y, approximate="tanh")
+            y = F.gelu(y, approximate=self.approximate)
         else:
             y = kernels(self.fused, y).swiglu(y)
         return self.fc2(y)
