@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps per configuration, the first a warm-up (4)")
     parser.add_argument("--seq-len", type=int, default=4096, help="--llama8b's sequence length (4096)")
     parser.add_argument("--layers", type=int, default=32, help="--llama8b's layers (32); fewer where the "
-                        "offloaded state (16 bytes per parameter) would not fit 90%% of the available host memory")
+                        "offloaded state (12 bytes per parameter and two gradient staging buffers: ~94 GiB at 32 "
+                        "layers) would not fit 90%% of the available host memory")
     parser.add_argument("--no-offload-too", action="store_true",
                         help="--llama8b: also try the same run without offload (it may not fit)")
     args = parser.parse_args(argv)

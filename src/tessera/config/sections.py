@@ -160,6 +160,9 @@ class ParallelConfig:
     """zero 0-2: keep the fp32 main parameters and Adam's moments in (pinned) host memory and run
     AdamW on the CPU; each step copies this rank's gradients to the host and the updated
     parameters back. Frees 12 bytes per optimizer element of GPU memory for host memory and time."""
+    offload_staging: int = 0
+    """optimizer_offload: the most gradient elements staged per copy to the host, in two pinned buffers
+    (0: one bucket, or its 1/dp shard at zero 1-2). Host memory: 12 bytes per element + the buffers."""
     stage_tp: list[int] = field(default_factory=list)
     """Heterogeneous pipeline: the tp size of each pipeline stage (pp entries; empty: parallel.tp
     everywhere). Stage s runs on stage_tp[s]*stage_dp[s] ranks of its own, joined to its
@@ -176,6 +179,8 @@ class ParallelConfig:
               "zero=3 (FSDP) keeps its fp32 shards as the model's own parameters, which the forward gathers "
               "on the GPU, so there is no separate main copy to move to the host",
               "use parallel.zero=1 or 2 with optimizer_offload (each rank offloads its shard), or turn it off")
+        check(self.offload_staging >= 0, "parallel.offload_staging", f"{self.offload_staging} is negative",
+              "give the elements of one staging copy, or 0 for one optimizer range")
         check(self.bucket_size >= 1, "parallel.bucket_size", "must be >= 1", "give elements per bucket, e.g. 40000000")
         for name in ("tp", "cp", "pp", "vpp"):
             check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1", "use 1 for no parallelism on this axis")

@@ -46,7 +46,7 @@ from tessera.config import Config, ConfigError
 from tessera.models.flops import head_matmul_weights, layer_flops_per_token
 from tessera.pipeline_parallel.schedules import build_all
 from tessera.pipeline_parallel.simulator import Costs, simulate
-from tessera.training.memory_model import (Prediction, activations_for, model_state, predict_ranks, rank_chunks,
+from tessera.training.memory_model import (Prediction, activations_for, optimizer_elements, predict_ranks, rank_chunks,
                                            rank_parameters)
 from tessera.training.plan import ExecutionPlan, choose_schedule, make_plan, microbatches
 from tessera.training.preflight import check_pipeline, validate
@@ -249,7 +249,7 @@ def _offload_time(cfg: Config, machine: Machine) -> float:
     """The offloaded optimizer step, after the backward and not overlapped: the fp32 gradients of
     this rank's optimizer elements to the host and the parameters back over PCIe, and AdamW's
     28 bytes per element (parameter, gradient, two moments read; three written) of host memory."""
-    elements = max(model_state(cfg, r).host for r in range(cfg.parallel.pp)) / 16  # (16 host bytes each)
+    elements = max(optimizer_elements(cfg, r) for r in range(cfg.parallel.pp))
     return elements * (8 / machine.pcie_bandwidth + 28 / machine.host_bandwidth)
 
 
