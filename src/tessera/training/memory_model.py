@@ -18,8 +18,9 @@
   an I leaves the linear layers' inputs and output gradients until its W), so every schedule's
   peak, zero-bubble's deferred weight gradients and uneven chunks included, is what its own lists
   give (the order of a rank's actions does not depend on timing). cp divides the tokens.
-- **Temporaries**, on top of what is held when they happen: the loss's logits (and the reference
-  loss's fp32 copy, or the logits' gradient), a layer's backward (what a recomputed layer rebuilds,
+- **Temporaries**, on top of what is held when they happen: one logits-sized tensor of the loss
+  (the head holds the logits or the fp32 softmax; the transient is the 16-bit logits beside that
+  copy, or the logits' gradient), a layer's backward (what a recomputed layer rebuilds,
   and the gradients of its two widest tensors), FSDP's gathered layer (two in the compute dtype,
   the one being computed and the prefetched next, and an fp32 gradient), zero=2's two bucket
   gradient buffers in flight.
