@@ -232,3 +232,16 @@ def test_memory_check_runs_its_configurations_on_tiny_shapes(flags, count):
         assert (row["predicted_host_gib"] > 0) == ("offload=on" in row["config"] or row["config"].startswith("llama-8b offload"))
     table = out.stdout.split("\n\n")[-1].splitlines()
     assert table[0].startswith("| config | predicted GiB | measured GiB") and len(table) == count + 2
+
+
+def test_memory_check_runs_all_of_llama8b_where_the_host_has_the_staged_offload():
+    """The staged offload's 12 bytes per parameter and two buffers: the Llama-3-8B shape's 32
+    layers fit a 125 GiB host (the GPU machine's 128 GiB), where 16 bytes per parameter ran 29."""
+    import memory_check
+
+    sets = [*memory_check.LLAMA_8B, "model.seq_len=4096", "train.micro_batch=1", "train.global_batch=2",
+            "train.recompute=full", "parallel.optimizer_offload=true"]
+    need = memory_check.host_need([*sets, "model.layers=32"])
+    assert 12 * 8.03e9 < need < 94 * 2**30
+    assert memory_check.layers_that_fit(sets, 32, 125 * 2**30 - memory_check.OTHER_HOST) == 32
+    assert memory_check.layers_that_fit(sets, 32, 90 * 2**30 - memory_check.OTHER_HOST) < 32

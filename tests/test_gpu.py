@@ -326,6 +326,37 @@ def test_fused_adamw_applies_the_clip_factor_like_foreach():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_offload_staged_through_pinned_buffers_equals_whole_ranges():
+    """parallel.offload_staging on CUDA: spans copied down through two pinned buffers (each copy
+    awaited by its CUDA event while the CPU updates the span before) give the bits of one span
+    per range."""
+    from tessera.config import OptimConfig
+    from tessera.distributed.data_parallel import DataParallel
+    from tessera.optim.optimizers import MainParamOptimizer
+    from tessera.topology import Topology
+
+    results = []
+    for staging in (0, 3000):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).to("cuda", torch.bfloat16)
+        dp = DataParallel([model], Topology.build(device="cuda"), param_dtype=torch.bfloat16, bucket_size=10000)
+        opt = MainParamOptimizer(dp, OptimConfig(lr=1e-2), offload=True, offload_staging=staging)
+        assert len(opt.staging) == 2 and all(b.is_pinned() for b in opt.staging)
+        for _ in range(3):
+            dp.start_step(1)
+            model(torch.ones(2, 64, device="cuda", dtype=torch.bfloat16)).float().square().sum().backward()
+            dp.finish_grad_sync()
+            opt.grads()
+            opt.step(torch.tensor(0.5, device="cuda"))
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        results.append((len(opt.spans), [p.detach().cpu() for p in model.parameters()]))
+    (whole, expected), (parts, got) = results
+    assert parts > whole == 2
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_varlen_attention_matches_the_mask_path():
     """Packed sequences on CUDA run variable-length (flash) attention; it must equal SDPA with the
     block-diagonal causal mask, the CPU path."""

@@ -11,9 +11,10 @@ import torch
 
 from tessera.config import load_config
 from tessera.models import GPTModel
-from tessera.models.activations import Activations, kept_bytes
+from tessera.models.activations import Activations, kept_bytes, peak_bytes
 from tessera.pipeline_parallel.schedules import build_all
 from tessera.pipeline_parallel.simulator import simulate
+from tessera.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tessera.tensor_parallel.random import SelectivePolicy
 from tessera.testing import run_ranks
 from tessera.training.memory_model import chunk_parameters, model_state, predict, predict_ranks
@@ -130,6 +131,28 @@ def test_activation_formulas_follow_the_kept_bytes_of_each_recompute_mode(family
         measured -= box[0].untyped_storage().nbytes()
         predicted = cfg.layers * act.layer_total(mode) + act.embedding() + act.head() - act.tokens * 4
         assert predicted == pytest.approx(measured, rel=0.02), (mode, measured, predicted)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_loss_holds_its_keep_and_one_logits_sized_transient(dtype):
+    """The reference loss (a CPU's) at its peak: the fp32 softmax it keeps (``head``) and one
+    logits-sized tensor in the dtype (``logits_transient``): the logits beside their fp32 copy in
+    the forward, the gradient beside the softmax in the backward. Counting the logits twice over
+    predicted 1.5x the transient."""
+    cfg = load_config(None, ACT + ["model.seq_len=512", "model.vocab_size=1024"]).model
+    act = Activations(cfg, micro_batch=1, dtype=dtype, device="cpu", fused_cross_entropy=False)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    x = torch.randn(act.tokens, 1, 8, dtype=torch_dtype, requires_grad=True)
+    weight = torch.randn(cfg.vocab_size, 8, dtype=torch_dtype, requires_grad=True)
+    target = torch.randint(0, cfg.vocab_size, (act.tokens, 1), generator=torch.Generator().manual_seed(0))
+
+    def loss_step():
+        loss = vocab_parallel_cross_entropy(x @ weight.t(), target, None, cfg.vocab_size, fused=False)
+        loss.sum().backward()
+
+    measured = peak_bytes(loss_step)
+    keep = act.tokens * cfg.vocab_size * 4  # the softmax, the part of ``head`` the loss keeps
+    assert measured == pytest.approx(keep + act.logits_transient(), rel=0.02), (measured, keep, act.logits_transient())
 
 
 # -- the pipeline walk --------------------------------------------------------------------------------------

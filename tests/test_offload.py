@@ -63,9 +63,10 @@ def test_offloaded_state_is_host_memory_in_the_report_and_the_model():
             assert off == rank[(zero, dtype, False)]["predicted"], (zero, dtype)
             assert on.main_params == on.optimizer_state == 0 and (on.params, on.grads) == (off.params, off.grads)
             assert off.host == 0 and on.total == off.total - off.main_params - off.optimizer_state
-            # host: fp32 main params (an fp32 model's too), Adam's two moments, the gradient's copy
+            # host: fp32 main params (an fp32 model's too), Adam's two moments, two gradient staging
+            # buffers of one range each (tests/test_offload_staging.py counts them exactly)
             shard = off.optimizer_state // 8
-            assert on.host == pytest.approx(16 * shard, rel=0.05), (zero, dtype, str(on))
+            assert 12 * shard < on.host < 16 * shard, (zero, dtype, str(on))
 
 
 def test_offload_with_fsdp_is_refused_in_words():

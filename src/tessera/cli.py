@@ -64,16 +64,18 @@ def _parser() -> argparse.ArgumentParser:
                       help="fraction of the memory kept free for the CUDA context, NCCL and fragmentation (0.1)")
     plan.add_argument("--gpus-per-node", type=_positive(int), default=8, help="GPUs joined by NVLink (8)")
     plan.add_argument("--tflops", type=_positive(float), default=989.4, help="the GPU's dense peak, TFLOP/s (989.4)")
-    plan.add_argument("--mfu", type=_positive(float), default=0.4, help="the fraction of the peak reached (0.4)")
+    plan.add_argument("--mfu", type=_positive(float), default=0.53, help="the fraction of the peak reached (0.53)")
     plan.add_argument("--node-bandwidth", type=_positive(float), default=300.0,
                       help="GB/s a collective reaches inside a node (300)")
     plan.add_argument("--network-bandwidth", type=_positive(float), default=40.0,
                       help="GB/s per GPU across nodes (40)")
     plan.add_argument("--hbm-bandwidth", type=_positive(float), default=3350.0, help="GB/s of GPU memory (3350)")
-    plan.add_argument("--pcie-bandwidth", type=_positive(float), default=25.0,
-                      help="GB/s each way between a GPU and host memory, for optimizer offload (25)")
-    plan.add_argument("--host-bandwidth", type=_positive(float), default=50.0,
-                      help="GB/s of host memory one GPU's offloaded AdamW reaches (50)")
+    plan.add_argument("--pcie-bandwidth", type=_positive(float), default=50.0,
+                      help="GB/s each way between a GPU and host memory, for optimizer offload (50)")
+    plan.add_argument("--host-bandwidth", type=_positive(float), default=90.0,
+                      help="GB/s of host memory one GPU's offloaded AdamW reaches (90)")
+    plan.add_argument("--host-ms", type=_positive(float, zero_ok=True), default=56.0,
+                      help="ms the host takes to launch one micro-batch's forward and backward (56, eager layers)")
     plan.add_argument("--top", type=_positive(int), default=10, help="fitting layouts shown (10)")
     plan.add_argument("--all", action="store_true", help="list every layout that does not fit under its group")
     from tessera.data.commands import add_data_commands
@@ -173,7 +175,8 @@ def _plan(args: argparse.Namespace) -> int:
         machine = Machine(gpus=args.gpus, memory=memory, headroom=args.headroom, gpus_per_node=args.gpus_per_node,
                           peak_flops=args.tflops * 1e12, mfu=args.mfu, node_bandwidth=args.node_bandwidth * 1e9,
                           network_bandwidth=args.network_bandwidth * 1e9, hbm_bandwidth=args.hbm_bandwidth * 1e9,
-                          pcie_bandwidth=args.pcie_bandwidth * 1e9, host_bandwidth=args.host_bandwidth * 1e9)
+                          pcie_bandwidth=args.pcie_bandwidth * 1e9, host_bandwidth=args.host_bandwidth * 1e9,
+                          host_per_microbatch=args.host_ms / 1e3)
         base = load_config(args.config, args.overrides)
         verdicts = plan(base, machine)
     except ValueError as e:  # (ConfigError too)

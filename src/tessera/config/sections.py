@@ -5,7 +5,7 @@ section checking its own fields when it is built (a typo or a value out of range
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from tessera.config.base import AUTO, ConfigError, Switch, check, check_local, resolve  # noqa: F401
@@ -135,6 +135,8 @@ class ParallelConfig:
     """zero 0-2: keep the fp32 main parameters and Adam's moments in (pinned) host memory and run
     AdamW on the CPU; each step copies this rank's gradients to the host and the updated
     parameters back. Frees 12 bytes per optimizer element of GPU memory for host memory and time."""
+    offload_staging: int = 0
+    """optimizer_offload: gradient elements per copy to the host, two pinned buffers (0: one bucket or shard)."""
     stage_tp: list[int] = field(default_factory=list)
     """Heterogeneous pipeline: the tp size of each pipeline stage (pp entries; empty: parallel.tp
     everywhere). Stage s runs on stage_tp[s]*stage_dp[s] ranks of its own, joined to its
@@ -151,6 +153,7 @@ class ParallelConfig:
               "zero=3 (FSDP) keeps its fp32 shards as the model's own parameters, which the forward gathers "
               "on the GPU, so there is no separate main copy to move to the host",
               "use parallel.zero=1 or 2 with optimizer_offload (each rank offloads its shard), or turn it off")
+        check(self.offload_staging >= 0, "parallel.offload_staging", "is negative", "give elements per copy, or 0")
         check(self.bucket_size >= 1, "parallel.bucket_size", "must be >= 1", "give elements per bucket, e.g. 40000000")
         for name in ("tp", "cp", "pp", "vpp"):
             check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1", "use 1 for no parallelism on this axis")
@@ -468,11 +471,4 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "parallel": ParallelConfig,
-    "train": TrainConfig,
-    "optim": OptimConfig,
-    "data": DataConfig,
-    "checkpoint": CheckpointConfig,
-}
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # "model": ModelConfig, ...

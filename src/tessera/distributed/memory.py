@@ -28,7 +28,7 @@ class MemoryReport:
     main_params: int
     optimizer_state: int
     numel: int  # parameters of this rank's model (unsharded count)
-    host: int = 0  # in host memory, not in ``total``: offloaded main params, Adam state, gradient copies
+    host: int = 0  # in host memory, not in ``total``: offloaded main params, Adam state, gradient staging
 
     @property
     def total(self) -> int:
@@ -71,6 +71,6 @@ def memory_report(data_parallel, optimizer) -> MemoryReport:
     params, grads, numel = data_parallel.model_state_bytes()
     main, state = optimizer.main_param_bytes(), optimizer.state_bytes()
     if getattr(optimizer, "offload", False):  # (parallel.optimizer_offload: all of it in host memory)
-        host = main + state + sum(g.numel() * g.element_size() for g in optimizer.host_grads)
+        host = main + state + sum(g.numel() * g.element_size() for g in optimizer.staging)
         return MemoryReport(params=params, grads=grads, main_params=0, optimizer_state=0, numel=numel, host=host)
     return MemoryReport(params=params, grads=grads, main_params=main, optimizer_state=state, numel=numel)

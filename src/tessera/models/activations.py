@@ -53,11 +53,12 @@ def _storages(tree) -> set[int]:
 
 class _NewStorages(TorchDispatchMode):
     """Weak references to the storages the ops allocate (by address; an address freed and reused
-    takes the newer storage)."""
+    takes the newer storage); ``track_peak``: also the most bytes of them alive after any op."""
 
-    def __init__(self):
+    def __init__(self, track_peak: bool = False):
         super().__init__()
         self.refs: dict[int, tuple[weakref.ref, int]] = {}
+        self.track_peak, self.peak = track_peak, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -69,6 +70,8 @@ class _NewStorages(TorchDispatchMode):
             address, old = storage.data_ptr(), self.refs.get(storage.data_ptr())
             if address not in given and storage.nbytes() and (old is None or old[0]() is None):
                 self.refs[address] = (weakref.ref(storage), storage.nbytes())
+        if self.track_peak:  # (after the op: its output and its inputs alive together)
+            self.peak = max(self.peak, sum(nbytes for ref, nbytes in self.refs.values() if ref() is not None))
         return out
 
     def alive(self) -> int:
@@ -83,6 +86,15 @@ def kept_bytes(fn: Callable[[], object]) -> int:
     with mode:
         fn()
     return mode.alive()
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """The most bytes of storages allocated while ``fn()`` runs (a backward's too, on a CPU) that
+    were alive at once, counted after every op: what a transient costs on top of what was held."""
+    mode = _NewStorages(track_peak=True)
+    with mode:
+        fn()
+    return mode.peak
 
 
 @dataclass(frozen=True)
@@ -203,11 +215,13 @@ class Activations:
 
     # -- transients ---------------------------------------------------------------------------------
     def logits_transient(self) -> float:
-        """Beside what the head keeps, while the loss runs: the logits in the dtype and (reference
-        loss) an fp32 working copy; in the backward, the logits' gradient."""
+        """Beside what the head keeps (the fused loss's 16-bit logits, or the reference loss's fp32
+        softmax): one logits-sized tensor in the dtype, the logits beside their fp32 copy in the
+        reference forward, and the logits' gradient in the backward (the fused kernels keep their
+        fp32 work in registers; the reference backward turns the softmax into the gradient in place)."""
         m = self.model
         vocab = padded_vocab_size(m.vocab_size, self.tp, m.vocab_pad_multiple) // self.tp
-        return self.tokens * vocab * (2 * self.bytes if self.fused_cross_entropy else self.bytes + 4)
+        return self.tokens * vocab * self.bytes
 
     def layer_transient(self, recompute: str = "none") -> float:
         """During one layer's backward: what a recomputed layer rebuilds, and the gradients of its
@@ -234,4 +248,4 @@ class Activations:
         return self.tokens * (m.hidden + vocab) * self.bytes
 
 
-__all__ = ["kept_bytes", "Activations", "DTYPE_BYTES"]
+__all__ = ["kept_bytes", "peak_bytes", "Activations", "DTYPE_BYTES"]

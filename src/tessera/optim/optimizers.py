@@ -12,10 +12,11 @@ this rank owns: the whole bucket (zero=0) or this rank's 1/dp shard (zero 1/2, Z
   each part by its parameter's rule (tessera.optim.clip).
 - ``offload`` (``parallel.optimizer_offload``): the main parameters are fp32 copies in host
   memory (pinned where CUDA is present), Adam's moments with them, and AdamW runs on the CPU
-  (torch's fused CPU kernel, multi-threaded). A step copies each range's reduced fp32 gradient
-  to a host buffer (non-blocking into pinned memory, then one wait), updates, and copies the
-  parameters back (through an fp32 device buffer, cast on the GPU, for a 16-bit model). Finalize,
-  unscaling and the norm still work on the device gradients.
+  (torch's fused CPU kernel, multi-threaded). A step brings the reduced fp32 gradients down span
+  by span through two pinned staging buffers (tessera.optim.offload), updates each span as its
+  copy lands while the next one is copied, and copies the parameters back (through an fp32
+  device buffer, cast on the GPU, for a 16-bit model). Finalize, unscaling and the norm still
+  work on the device gradients.
 
 Both classes present the same face to the training step: ``grads()`` (this rank's fp32
 gradients with the parameter each belongs to, ready for finalize, unscaling and clipping),
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 
 from tessera.config import OptimConfig
 from tessera.distributed.data_parallel import DataParallel
+from tessera.optim.offload import staging_buffers, staging_spans
 
 
 def _adamw(groups: list[dict], cfg: OptimConfig, on_cuda: bool, fused: bool = False) -> torch.optim.AdamW:
@@ -111,22 +113,32 @@ def _host(like: Tensor, pin: bool) -> Tensor:
 
 
 class MainParamOptimizer(_AdamW):
-    def __init__(self, dp: DataParallel, cfg: OptimConfig, offload: bool = False):
+    """``offload_staging``: with ``offload``, the most elements a staging span holds (0: a whole range)."""
+
+    def __init__(self, dp: DataParallel, cfg: OptimConfig, offload: bool = False, offload_staging: int = 0):
         self.dp, self.sharded, self.offload = dp, dp.sharded, offload
         self.mains: list[Tensor] = []  # one flat fp32 tensor per range
-        self.host_grads: list[Tensor] = []  # offload: each range's gradient on the host
         self.pieces: list[tuple[nn.Parameter, int, int, nn.Parameter]] = []  # (tensor, range, a..b, model param)
+        self.spans: list[tuple[int, int, int, list[int]]] = []  # offload: (range, a, b, its pieces' indices)
         pin = offload and torch.cuda.is_available()
         for i, rng in enumerate(dp.ranges):
             if offload:
                 main = _host(rng.param, pin)
                 main.copy_(rng.param)
-                self.host_grads.append(_host(rng.param, pin))
             else:
                 main = rng.param if rng.param.dtype == torch.float32 else rng.param.float()
             self.mains.append(main)
+            first = len(self.pieces)
             for param, a, b in rng.fragments:
                 self.pieces.append((nn.Parameter(main[a:b]), i, slice(a, b), param))
+            if offload:
+                where = sorted((fa, fb) for _, fa, fb in rng.fragments)
+                for a, b in staging_spans(main.numel(), where, offload_staging):
+                    inside = [k for k in range(first, len(self.pieces)) if a <= self.pieces[k][2].start < b]
+                    self.spans.append((i, a, b, inside))
+        longest = max((b - a for _, a, b, _ in self.spans), default=0)
+        self.staging = [torch.empty(longest, dtype=torch.float32, pin_memory=pin)
+                        for _ in range(staging_buffers(len(self.spans)))]  # offload: gradients on their way down
         self._build([(t, p) for t, _, _, p in self.pieces], cfg, fused=offload)
         # which ranges hold an fp32 copy (bf16/fp16 model) rather than the model's own storage
         self.copies = [m.data_ptr() != rng.param.data_ptr() for m, rng in zip(self.mains, dp.ranges)]
@@ -162,35 +174,58 @@ class MainParamOptimizer(_AdamW):
 
     @torch.no_grad()
     def _host_step(self, grad_multiplier: Tensor | None, skip: Tensor | None) -> None:
-        """offload: the gradients (as finalized, unscaled, on the device) to the host, AdamW there
+        """offload: span by span (tessera.optim.offload), the gradient (as finalized, unscaled, on
+        the device) down while the previous span updates, AdamW on this span's parameters alone
         with the clipping factor applied by a foreach multiply (as the CPU path without offload),
-        the parameters back, the gather started."""
-        for rng, host in zip(self.dp.ranges, self.host_grads):
-            host.copy_(rng.grad, non_blocking=True)
+        its parameters back; then the gather started."""
+        if not self.spans:
+            return
+        cuda = self.dp.ranges[0].grad.is_cuda
+        landed = [self._fetch(0, cuda)]
         if grad_multiplier is not None:
-            grad_multiplier = grad_multiplier.cpu()  # (waits for the stream: the copies above are in it)
+            grad_multiplier = grad_multiplier.cpu()
         skip = skip.cpu() if skip is not None else None
-        if self.dp.ranges and self.dp.ranges[0].grad.is_cuda:
-            torch.cuda.current_stream(self.dp.ranges[0].grad.device).synchronize()
-        for tensor, i, part, _ in self.pieces:
-            tensor.grad = self.host_grads[i][part]
-        if grad_multiplier is not None:
-            torch._foreach_mul_([t.grad for t, *_ in self.pieces], grad_multiplier)
-        self._adam_step(skip)
-        self._copy_to_model()
+        for k, (i, a, b, inside) in enumerate(self.spans):
+            if k + 1 < len(self.spans):
+                landed.append(self._fetch(k + 1, cuda))
+            if landed[k] is not None:
+                landed[k].synchronize()
+            staged = self.staging[k % len(self.staging)]
+            for n in inside:
+                tensor, _, part, _ = self.pieces[n]
+                tensor.grad = staged[part.start - a:part.stop - a]
+            grads = [self.pieces[n][0].grad for n in inside]
+            if grad_multiplier is not None:
+                torch._foreach_mul_(grads, grad_multiplier)
+            self._adam_step(skip)  # (only this span's pieces have a gradient: AdamW leaves the others)
+            for n in inside:
+                self.pieces[n][0].grad = None
+            self._copy_to_model(i, slice(a, b))
         self.dp.start_param_gather()
 
+    def _fetch(self, k: int, cuda: bool):
+        """Start span ``k``'s gradient down into its staging buffer; the event that marks it landed
+        (None off CUDA, where the copy is done on return)."""
+        i, a, b, _ = self.spans[k]
+        self.staging[k % len(self.staging)][:b - a].copy_(self.dp.ranges[i].grad[a:b], non_blocking=cuda)
+        if not cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.dp.ranges[i].grad.device))
+        return event
+
     @torch.no_grad()
-    def _copy_to_model(self) -> None:
+    def _copy_to_model(self, only: int | None = None, part: slice = slice(None)) -> None:
         """The updated fp32 main parameters into the model's (16-bit) buffer, where they are copies
         (offload: from the host, through an fp32 device buffer where the model is 16-bit, so that
-        the cast runs on the GPU rather than the CPU)."""
-        for main, rng, copy in zip(self.mains, self.dp.ranges, self.copies):
-            if not copy:
+        the cast runs on the GPU rather than the CPU); ``only``: range ``only``'s ``part`` alone."""
+        for i, (main, rng, copy) in enumerate(zip(self.mains, self.dp.ranges, self.copies)):
+            if not copy or (only is not None and i != only):
                 continue
-            if main.device != rng.param.device and rng.param.dtype != torch.float32:
-                main = main.to(rng.param.device, non_blocking=True)
-            rng.param.copy_(main, non_blocking=main.is_pinned())
+            main, param = main[part], rng.param[part]
+            if main.device != param.device and param.dtype != torch.float32:
+                main = main.to(param.device, non_blocking=True)
+            param.copy_(main, non_blocking=main.is_pinned())
 
     def zero_grad(self) -> None:
         for tensor, *_ in self.pieces:

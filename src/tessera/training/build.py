@@ -118,7 +118,8 @@ def build_data_parallel(chunks: list[GPTModel], topo: Topology, cfg: Config):
                                  grad_dtype=DTYPES[t.grad_dtype], bucket_size=p.bucket_size,
                                  overlap_grad_reduce=p.overlap_grad_reduce,
                                  overlap_param_gather=p.overlap_param_gather, embedding_group=topo.group("embedding"))
-    return data_parallel, MainParamOptimizer(data_parallel, cfg.optim, offload=cfg.parallel.optimizer_offload)
+    return data_parallel, MainParamOptimizer(data_parallel, cfg.optim, offload=cfg.parallel.optimizer_offload,
+                                             offload_staging=cfg.parallel.offload_staging)
 
 
 def build(cfg: Config, topo: Topology, plan: ExecutionPlan | None = None,

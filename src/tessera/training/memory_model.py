@@ -9,7 +9,8 @@
   dim-0 shards (zero 3). It equals :func:`tessera.distributed.memory.memory_report` to the byte.
   The per-parameter table (``distributed/memory.py``) is the same without padding. With
   ``parallel.optimizer_offload`` the main parameters (an fp32 model's too), Adam's moments and
-  the gradient's host copy are host bytes (``MemoryReport.host``), outside the device's total.
+  the two gradient staging buffers (``optim/offload.py``) are host bytes (``MemoryReport.host``),
+  outside the device's total.
 - **Activations**: ``models/activations.py`` per micro-batch and layer, for the layer's recompute
   mode (the first ``recompute_layers`` of each chunk), plus the embedding and the head on the first
   and last stages. The pipeline schedule says how many micro-batch chunks a rank holds at once:
@@ -17,8 +18,9 @@
   an I leaves the linear layers' inputs and output gradients until its W), so every schedule's
   peak, zero-bubble's deferred weight gradients and uneven chunks included, is what its own lists
   give (the order of a rank's actions does not depend on timing). cp divides the tokens.
-- **Temporaries**, on top of what is held when they happen: the loss's logits (and the reference
-  loss's fp32 copy, or the logits' gradient), a layer's backward (what a recomputed layer rebuilds,
+- **Temporaries**, on top of what is held when they happen: one logits-sized tensor of the loss
+  (the head holds the logits or the fp32 softmax; the transient is the 16-bit logits beside that
+  copy, or the logits' gradient), a layer's backward (what a recomputed layer rebuilds,
   and the gradients of its two widest tensors), FSDP's gathered layer (two in the compute dtype,
   the one being computed and the prefetched next, and an fp32 gradient), zero=2's two bucket
   gradient buffers in flight.
@@ -36,6 +38,7 @@ from dataclasses import dataclass, fields
 from tessera.config import Config, ModelConfig
 from tessera.distributed.memory import MemoryReport
 from tessera.models.activations import DTYPE_BYTES, Activations
+from tessera.optim.offload import staging_buffers, staging_spans
 from tessera.pipeline_parallel.schedules import Op, compute_order
 from tessera.pipeline_parallel.stage import parse_layout, stage_layer_ranges
 from tessera.tensor_parallel.layers import padded_vocab_size
@@ -159,7 +162,8 @@ def model_state(cfg: Config, pp_rank: int = 0, dp_rank: int = 0) -> MemoryReport
             local += rows * (q.numel // q.rows)
         return MemoryReport(params=4 * local, grads=4 * local, main_params=0, optimizer_state=8 * local, numel=numel)
     pbytes, gbytes = DTYPE_BYTES[t.dtype], DTYPE_BYTES[t.grad_dtype]
-    params = grads = main = state = host = 0
+    params = grads = main = state = 0
+    spans: list[int] = []  # offload: the length of each staging span
     for chunk in chunks:
         for length, members in _buckets(chunk, p.bucket_size, dp):
             params += length * pbytes
@@ -169,11 +173,24 @@ def model_state(cfg: Config, pp_rank: int = 0, dp_rank: int = 0) -> MemoryReport
                 grads += 4 * (hi - lo)  # the optimizer's own fp32 gradient
             main += 4 * (hi - lo) if t.dtype != "fp32" or p.optimizer_offload else 0
             state += 8 * sum(max(0, min(b, hi) - max(a, lo)) for a, b in members)
-            host += 4 * (hi - lo) if p.optimizer_offload else 0  # the gradient's host copy
-    if p.optimizer_offload:
+            if p.optimizer_offload:
+                inside = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in members if min(b, hi) > max(a, lo)]
+                spans += [b - a for a, b in staging_spans(hi - lo, sorted(inside), p.offload_staging)]
+    if p.optimizer_offload:  # (the gradients reach the host through the staging buffers)
+        staging = 4 * max(spans, default=0) * staging_buffers(len(spans))
         return MemoryReport(params=params, grads=grads, main_params=0, optimizer_state=0, numel=numel,
-                            host=host + main + state)
+                            host=main + state + staging)
     return MemoryReport(params=params, grads=grads, main_params=main, optimizer_state=state, numel=numel)
+
+
+def optimizer_elements(cfg: Config, pp_rank: int = 0, dp_rank: int = 0) -> int:
+    """The elements this rank's optimizer updates (zero 0-2: its ranges, padding included), which
+    an offloaded step copies down and up."""
+    p, dp = cfg.parallel, cfg.parallel.dp * cfg.parallel.cp
+    lengths = [length for chunk in rank_parameters(cfg, pp_rank) for length, _ in _buckets(chunk, p.bucket_size, dp)]
+    if p.zero in (1, 2):
+        return sum((dp_rank + 1) * n // dp - dp_rank * n // dp for n in lengths)
+    return sum(lengths)
 
 
 # -- activations through the schedule ---------------------------------------------------------------
@@ -308,5 +325,5 @@ def describe(predictions: list[Prediction]) -> str:
             f"[{per_rank}]; largest{where}: {parts} (memory model: docs/architecture.md, Memory)")
 
 
-__all__ = ["Param", "Prediction", "chunk_parameters", "rank_parameters", "model_state", "predict",
+__all__ = ["Param", "Prediction", "chunk_parameters", "rank_parameters", "model_state", "optimizer_elements", "predict",
            "predict_ranks", "describe", "activations_for", "gib"]

@@ -25,8 +25,23 @@ The step time is a model with stated numbers, for ranking, not a measurement:
 - **dp** (over dp x cp, which replicate the weights): gradient all-reduce (zero 0), reduce-scatter
   and parameter all-gather (zero 1, 2), per micro-batch gathers and reduce-scatters (zero 3), each
   hidden behind the backward (or forward) it overlaps except where it takes longer;
-- **offload** (``parallel.optimizer_offload``): the gradients down and the parameters up over
-  PCIe and the CPU's AdamW at the host memory's bandwidth, after the backward, not overlapped.
+- **host**: a micro-batch's kernels are launched by the host, ahead of the GPU: each chunk's
+  forward and backward take the longer of their GPU time and their share of
+  ``host_per_microbatch`` (a third for the forward), times ``HOST_RECOMPUTE`` for the backward's
+  replayed forward;
+- **optimizer**: AdamW on the GPU reads and writes ``OPTIMIZER_BYTES`` per element at the memory
+  bandwidth; offloaded (``parallel.optimizer_offload``), the gradients down and the parameters up
+  over PCIe and the CPU's AdamW at the host memory's bandwidth, after the backward, not overlapped.
+
+The defaults are fitted to one H200 (BENCHMARKS.md, "The memory model against the card", measured
+2026-12-01, eager layers, ten configurations of GPT-1.3B and Llama-1B shapes): ``mfu`` 0.53 from
+the GPU-bound micro-batch-8 rows (GPT-1.3B 0.55, Llama-1B 0.51 of the 989 TFLOP/s peak, eager
+layers; compiled ones measured 51.5-53.3 %); ``host_per_microbatch`` 56 ms from the micro-batch-1
+rows (0.127 and 0.13 s steps of two micro-batches: GPT's 24 layers and Llama's 16 alike, so the
+host's time is not per layer), selective recomputation's 2.3 times that from GPT's micro-batch-2
+row (its checkpoint policy runs for every op), full recomputation's 4/3 assumed (the forward's
+launches once more; not measured apart); offload's 50 GB/s PCIe and 90 GB/s of host memory from
+the four offload rows (0.44-0.51 ns per element for the copies and the CPU's AdamW together).
 
 A collective's bandwidth is ``node_bandwidth`` where its group lies inside one node of
 ``gpus_per_node`` (ranks are laid out tp fastest, then cp, dp, pp: topology.py), else
@@ -46,7 +61,7 @@ from tessera.config import Config, ConfigError
 from tessera.models.flops import head_matmul_weights, layer_flops_per_token
 from tessera.pipeline_parallel.schedules import build_all
 from tessera.pipeline_parallel.simulator import Costs, simulate
-from tessera.training.memory_model import (Prediction, activations_for, model_state, predict_ranks, rank_chunks,
+from tessera.training.memory_model import (Prediction, activations_for, optimizer_elements, predict_ranks, rank_chunks,
                                            rank_parameters)
 from tessera.training.plan import ExecutionPlan, choose_schedule, make_plan, microbatches
 from tessera.training.preflight import check_pipeline, validate
@@ -78,12 +93,13 @@ class Machine:
     headroom: float = 0.1  # of the memory, kept free for what the model does not count
     gpus_per_node: int = 8
     peak_flops: float = 989.4e12  # dense bf16 (H100 / H200 SXM)
-    mfu: float = 0.4
+    mfu: float = 0.53
     node_bandwidth: float = 300e9  # bytes/s a collective reaches inside a node (NVLink)
     network_bandwidth: float = 40e9  # bytes/s per GPU across nodes
     hbm_bandwidth: float = 3.35e12  # bytes/s
-    pcie_bandwidth: float = 25e9  # bytes/s each way between a GPU and pinned host memory (offload)
-    host_bandwidth: float = 50e9  # bytes/s of host memory one GPU's CPU AdamW reaches (offload)
+    pcie_bandwidth: float = 50e9  # bytes/s each way between a GPU and pinned host memory (offload)
+    host_bandwidth: float = 90e9  # bytes/s of host memory one GPU's CPU AdamW reaches (offload)
+    host_per_microbatch: float = 0.056  # s the host takes to launch one micro-batch's forward and backward
 
     @property
     def usable(self) -> float:
@@ -195,6 +211,10 @@ def _schedule(pp: int, vpp: int, m: int, zero: int) -> str:
     return choose_schedule("auto", pp, vpp, m, zero)
 
 
+HOST_RECOMPUTE = {"none": 1.0, "selective": 2.3, "full": 4 / 3}  # a micro-batch's host time, by recompute mode
+OPTIMIZER_BYTES = 40  # per element: AdamW's 28, the 16-bit model's copy, the norm's read, the gradient's zeroing
+
+
 # -- the step-time model -------------------------------------------------------------------------------
 def _bandwidth(machine: Machine, span: int) -> float:
     """A collective over a group whose ranks lie within ``span`` consecutive ranks."""
@@ -225,13 +245,16 @@ def step_time(cfg: Config, plan: ExecutionPlan, machine: Machine) -> dict[str, f
         cp_bwd = max(0.0, (p.cp - 1) * block * (B + 4) / cp_bw - 2 * attention)
     costs = []
     last = p.pp * p.vpp - 1
+    host_fwd = machine.host_per_microbatch / 3 / p.vpp
     for r in range(p.pp):
         for stage, layers in rank_chunks(cfg, r):
             n = len(layers)
             recomputed = n if t.recompute != "none" and not t.recompute_layers else min(n, t.recompute_layers)
             fwd = n * (layer_fwd + tp_fwd + cp_fwd) + (head_fwd if stage == last else 0.0)
             bwd = 2 * n * layer_fwd + n * (tp_fwd + cp_bwd) + recomputed * rerun + (2 * head_fwd if stage == last else 0.0)
-            costs.append((fwd, bwd))
+            replayed = HOST_RECOMPUTE[t.recompute] if recomputed else 1.0
+            host_bwd = machine.host_per_microbatch * replayed / p.vpp - host_fwd
+            costs.append((max(fwd, host_fwd), max(bwd, host_bwd)))
     fwd, bwd = max(c[0] for c in costs), max(c[1] for c in costs)
     hop = tensor / (p.tp if p.sequence_parallel else 1) / _bandwidth(machine, p.tp * p.cp * p.dp * p.pp)
     count = microbatches(cfg)
@@ -240,16 +263,17 @@ def step_time(cfg: Config, plan: ExecutionPlan, machine: Machine) -> dict[str, f
     else:
         pipeline = fwd * _pipeline_step(plan.schedule, p.pp, p.vpp, count, round(bwd / fwd, 2), round(hop / fwd, 2))
     dp_exposed = _dp_exposed(cfg, machine, fwd * p.vpp, bwd * p.vpp, count)
-    offload = _offload_time(cfg, machine) if p.optimizer_offload else 0.0
-    return {"step": pipeline + dp_exposed + offload, "compute": count * p.vpp * (fwd + bwd), "pipeline": pipeline,
-            "dp": dp_exposed, "offload": offload}
+    elements = max(optimizer_elements(cfg, r) for r in range(p.pp))
+    offload = _offload_time(elements, machine) if p.optimizer_offload else 0.0
+    optimizer = 0.0 if p.optimizer_offload else elements * OPTIMIZER_BYTES / machine.hbm_bandwidth
+    return {"step": pipeline + dp_exposed + offload + optimizer, "compute": count * p.vpp * (fwd + bwd),
+            "pipeline": pipeline, "dp": dp_exposed, "offload": offload, "optimizer": optimizer}
 
 
-def _offload_time(cfg: Config, machine: Machine) -> float:
+def _offload_time(elements: int, machine: Machine) -> float:
     """The offloaded optimizer step, after the backward and not overlapped: the fp32 gradients of
     this rank's optimizer elements to the host and the parameters back over PCIe, and AdamW's
     28 bytes per element (parameter, gradient, two moments read; three written) of host memory."""
-    elements = max(model_state(cfg, r).host for r in range(cfg.parallel.pp)) / 16  # (16 host bytes each)
     return elements * (8 / machine.pcie_bandwidth + 28 / machine.host_bandwidth)
 
 
@@ -326,7 +350,8 @@ def render(base: Config, machine: Machine, verdicts: list[Verdict], top: int = 1
              f"{machine.node_bandwidth / 1e9:g} GB/s inside a node of {machine.gpus_per_node} GPUs, "
              f"{machine.network_bandwidth / 1e9:g} GB/s across nodes, {machine.hbm_bandwidth / 1e9:g} GB/s memory, "
              f"offload {machine.pcie_bandwidth / 1e9:g} GB/s PCIe and {machine.host_bandwidth / 1e9:g} GB/s host "
-             "memory (a ranking, not a measurement: docs/architecture.md, Memory)", ""]
+             f"memory, {machine.host_per_microbatch * 1e3:g} ms of host time per micro-batch (fitted to one H200: "
+             "training/planner.py)", ""]
     if fits:
         lines.append(f"fit ({len(fits)} of {len(verdicts)} layouts), fastest first:")
         lines.append(f"  {'#':>3}  {'tp':>2} {'pp':>2} {'vpp':>3} {'cp':>2} {'dp':>3} {'zero':>4} {'recompute':<9} "
