@@ -182,12 +182,23 @@ def test_cached_weights_equal_casting_every_micro_batch():
         assert torch.equal(a, b)
 
 
-def _cache_worker(rank: int, world: int, layouts: list[list[str]]) -> list[tuple[list, list]]:
-    """Each layout's losses (and gradient norms) with the planned cache, and with it removed from
-    the layers (every micro-batch casts)."""
+def _cache_worker(rank: int, world: int, layouts: list[list[str]]) -> list[tuple]:
+    """Each layout's losses and gradient norms with the planned cache (and its lookups and casts),
+    and with it removed from the layers (every micro-batch casts)."""
     from training_runs import train_run
 
     from tessera.topology import Topology
+
+    counts = {"lookups": 0, "casts": 0}
+
+    def counted(chunks):
+        cache = chunks[0].tp.fp8_cache
+        get = cache.get
+
+        def counting_get(weight, cast):
+            counts["lookups"] += 1
+            return get(weight, lambda: (counts.__setitem__("casts", counts["casts"] + 1), cast())[1])
+        cache.get = counting_get
 
     def uncached(chunks):
         for chunk in chunks:
@@ -198,8 +209,9 @@ def _cache_worker(rank: int, world: int, layouts: list[list[str]]) -> list[tuple
     out = []
     for sets in layouts:
         topo = Topology.build(pp=2 if "parallel.pp=2" in sets else 1)
-        runs = [train_run(topo, ["train.fp8=tensorwise", *sets], setup=setup) for setup in (None, uncached)]
-        out.append([(r["losses"], r["norms"]) for r in runs])
+        counts.update(lookups=0, casts=0)
+        runs = [train_run(topo, ["train.fp8=tensorwise", *sets], setup=setup) for setup in (counted, uncached)]
+        out.append(([(r["losses"], r["norms"]) for r in runs], dict(counts)))
     return out
 
 
@@ -208,14 +220,17 @@ def _cache_worker(rank: int, world: int, layouts: list[list[str]]) -> list[tuple
 def test_the_weight_cache_trains_as_casting_every_micro_batch_on_zero1_and_pipelines():
     """On two ranks, dp=2 with zero 1 (the weights come back by the parameter all-gather), pp=2
     under 1f1b and zb-h1 (deferred weight gradients): 5 steps of gradient accumulation with the
-    cache give the losses and gradient norms of casting every micro-batch, exactly."""
+    cache give the losses and gradient norms of casting every micro-batch, exactly, with one cast
+    per weight and step (one lookup per micro-batch)."""
     from tessera.testing import run_ranks
 
     layouts = [["parallel.zero=1"], ["parallel.pp=2", "parallel.schedule=1f1b"],
                ["parallel.pp=2", "parallel.schedule=zb-h1"]]
     for rank_result in run_ranks(_cache_worker, 2, layouts, timeout=400):
-        for sets, (cached, uncached) in zip(layouts, rank_result):
+        for sets, ((cached, uncached), counts) in zip(layouts, rank_result):
             assert cached == uncached, sets
+            micro_batches = 8 // (2 if "parallel.zero=1" in sets else 1)  # (the global batch of 8 over dp)
+            assert counts["lookups"] == micro_batches * counts["casts"] > 0, (sets, counts)
 
 
 def _gather_worker(rank: int, world: int) -> tuple:
