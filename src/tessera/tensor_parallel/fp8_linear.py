@@ -148,7 +148,8 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Float8Rec
     gather = gather and group_size(group) > 1
     wcache = None
     if cache is not None and not rowwise and cache_applies(cache, weight):
-        wcache = cache.get(weight, lambda: quantize(weight, E4M3, (0, 1), sharded is not None, group))
+        # (detached: outside the autograd function a cast on the weight would enter autograd's graph)
+        wcache = cache.get(weight, lambda: quantize(weight.detach(), E4M3, (0, 1), sharded is not None, group))
     if store is None or not torch.compiler.is_compiling():
         return _Float8Linear.apply(x, weight, bias, recipe, group, sharded, store, False, gather, wcache)
     if getattr(weight, "_wgrad_registered", False) and weight.requires_grad:  # the opaque op files dW
