@@ -56,7 +56,7 @@ def test_the_compiled_fp8_linear_has_no_graph_break_and_equals_eager(scaling, wi
             store = WeightGradStore(sink=sink, fuse=True)
             store.register([w])
 
-        def layer(x, w, b):
+        def layer(x, w, b, store=store):
             return torch.nn.functional.gelu(fp8_linear(x, w, b, recipe, store=store)) * 2
 
         fn = torch.compile(layer, fullgraph=True) if compiled else layer
@@ -88,10 +88,11 @@ def _compiled_runs(scaling: str, fusion: bool) -> tuple[dict, dict]:
 def test_compiled_fp8_layers_train_as_eager_ones(scaling, fusion):
     """llama (RMSNorm, RoPE, SwiGLU around the fp8 GEMMs) in fp32, 5 steps of 8 micro-batches:
     compiled layers with no graph break give eager's losses within 1e-6 and gradient norms within
-    1e-4 (measured: 6e-6, rowwise's last step; tensorwise with fused weight gradients through the store, as ``auto`` runs on a GPU; rowwise
-    through autograd). At lr 1e-3: at this test file's usual 1e-2, inductor's other order of fp32
-    sums moves a value across an fp8 rounding boundary now and then by step 3 and Adam's steps
-    on tiny gradients carry it on (1e-5 in the losses, 1 % in the norms by step 5)."""
+    1e-4 (measured: 6e-6, rowwise's last step). Tensorwise with fused weight gradients through the
+    store, as ``auto`` runs on a GPU; rowwise through autograd. At lr 1e-3: at the usual 1e-2,
+    inductor's other order of fp32 sums moves a value across an fp8 rounding boundary now and
+    then by step 3 and Adam's steps on tiny gradients carry it on (1e-5 in the losses, 1 % in
+    the norms by step 5)."""
     eager, compiled = _compiled_runs(scaling, fusion)
     assert compiled["graph_breaks"] == 0
     for what, rel in (("losses", 1e-6), ("norms", 1e-4)):

@@ -64,7 +64,9 @@ def _all_reduce_max(amax: Tensor, group) -> Tensor:
 
 @torch.library.custom_op("tessera::all_reduce_max", mutates_args=())
 def _all_reduce_max_op(amax: Tensor, group_name: str) -> Tensor:
-    from torch.distributed.distributed_c10d import _resolve_process_group  # private: late
+    from torch.distributed.distributed_c10d import (
+        _resolve_process_group,  # private: late
+    )
 
     return _all_reduce_max(amax, _resolve_process_group(group_name))
 

@@ -25,8 +25,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tessera.precision.fp8 import E4M3, E5M2, Float8Recipe, Float8WeightCache, cache_applies, quantize, scaled_matmul
-from tessera.tensor_parallel.mappings import Group, _gather_first, _reduce_scatter_first, group_size
+from tessera.precision.fp8 import (
+    E4M3,
+    E5M2,
+    Float8Recipe,
+    Float8WeightCache,
+    cache_applies,
+    quantize,
+    scaled_matmul,
+)
+from tessera.tensor_parallel.mappings import (
+    Group,
+    _gather_first,
+    _reduce_scatter_first,
+    group_size,
+)
 from tessera.tensor_parallel.wgrad import WeightGradStore, _apply_eager, _registered
 
 
