@@ -273,3 +273,29 @@ def test_the_fp8_linear_never_waits_for_the_gpu(scaling):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def _compiled_tp2_worker(rank: int, world: int) -> dict:
+    from training_runs import train_run
+
+    from tessera.topology import Topology
+
+    topo = Topology.build(tp=2)
+    sets = ["model.family=llama", "model.kv_heads=2", "model.heads=2", "parallel.tp=2",
+            "parallel.sequence_parallel=true", "train.fp8=tensorwise", "optim.lr=1e-3"]
+    runs = {c: train_run(topo, sets + [f"train.compile={c}"]) for c in ("false", "true")}
+    return {c: (r["losses"], r["norms"], r["graph_breaks"]) for c, r in runs.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compiled_fp8_layers_at_tp2_with_sp_train_as_eager_ones():
+    """train.compile=true at tp=2 + SP with fp8: the amax all-reduce, the fp8 input gather and its
+    reduce-scatter are tessera's opaque ops inside the graph (no graph break), and the losses are
+    eager's within 1e-6."""
+    from tessera.testing import run_ranks
+
+    for result in run_ranks(_compiled_tp2_worker, 2, timeout=500):
+        (eager, eager_norms, _), (compiled, norms, breaks) = result["false"], result["true"]
+        assert breaks == 0
+        assert compiled == pytest.approx(eager, rel=1e-6) and norms == pytest.approx(eager_norms, rel=1e-4)
