@@ -299,3 +299,23 @@ def test_compiled_fp8_layers_at_tp2_with_sp_train_as_eager_ones():
         (eager, eager_norms, _), (compiled, norms, breaks) = result["false"], result["true"]
         assert breaks == 0
         assert compiled == pytest.approx(eager, rel=1e-6) and norms == pytest.approx(eager_norms, rel=1e-4)
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_the_scaled_mm_call_compiles_and_equals_the_emulation(rowwise):
+    """The GEMM as CUDA runs it (``torch._scaled_mm``, here its CPU kernel), compiled fullgraph,
+    tensorwise and rowwise factors, an e5m2 gradient times an e4m3 weight (as dx), bf16 out:
+    the emulated product rounded to bf16."""
+    import torch._dynamo
+
+    from tessera.precision.fp8 import E5M2, scaled_matmul
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(2)
+    gq, gs = quantize(torch.randn(32, 48, generator=g), E5M2, (1,) if rowwise else (0, 1), False, None)
+    wq, ws = quantize(torch.randn(48, 64, generator=g), E4M3, (0,) if rowwise else (0, 1), False, None)
+    compiled = torch.compile(lambda *args: scaled_matmul(*args, torch.bfloat16, kernel=True), fullgraph=True)
+    got = compiled(gq, gs, wq, ws)
+    want = scaled_matmul(gq, gs, wq, ws, torch.float32, kernel=False)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6)

@@ -90,12 +90,16 @@ def quantize(t: Tensor, dtype: torch.dtype, reduce_dims: tuple[int, ...], sharde
     return q, scale.reciprocal()
 
 
-def scaled_matmul(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
+def scaled_matmul(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype,
+                  kernel: bool | None = None) -> Tensor:
     """``(a * a_inv) @ (b * b_inv)``: a [m, k] and b [k, n] in float8, a_inv scalar or [m, 1],
-    b_inv scalar or [1, n]. ``torch._scaled_mm`` on CUDA (sizes divisible by 16), else emulated in fp32."""
+    b_inv scalar or [1, n]. ``torch._scaled_mm`` on CUDA (sizes divisible by 16), else emulated in
+    fp32. ``kernel``: force either (a test runs ``_scaled_mm``'s CPU kernel as CUDA's call)."""
     m, k = a.shape
     n = b.shape[1]
-    if a.is_cuda and m % 16 == 0 and k % 16 == 0 and n % 16 == 0:
+    if kernel is None:
+        kernel = a.is_cuda and m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+    if kernel:
         sa = a_inv.float().reshape(()) if a_inv.numel() == 1 else a_inv.float().reshape(-1, 1)
         sb = b_inv.float().reshape(()) if b_inv.numel() == 1 else b_inv.float().reshape(1, -1)
         # (_scaled_mm takes a row-major first operand and a column-major second)
