@@ -90,15 +90,27 @@ def quantize(t: Tensor, dtype: torch.dtype, reduce_dims: tuple[int, ...], sharde
     return q, scale.reciprocal()
 
 
+def kernel_applies(a: Tensor, b: Tensor) -> bool:
+    """Whether :func:`scaled_matmul` runs ``a @ b`` as ``torch._scaled_mm`` (CUDA, sizes divisible by 16)."""
+    return a.is_cuda and a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
+
+
+def kernel_layout(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``a`` row-major and ``b`` column-major where the kernel runs, as ``_scaled_mm`` takes them;
+    done before an opaque op, these transposing copies are in the graph, where inductor writes
+    them from its cast kernels instead of copying again."""
+    if not kernel_applies(a, b):
+        return a, b
+    return a.contiguous(), b.t().contiguous().t()
+
+
 def scaled_matmul(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype,
                   kernel: bool | None = None) -> Tensor:
     """``(a * a_inv) @ (b * b_inv)``: a [m, k] and b [k, n] in float8, a_inv scalar or [m, 1],
     b_inv scalar or [1, n]. ``torch._scaled_mm`` on CUDA (sizes divisible by 16), else emulated in
     fp32. ``kernel``: force either (a test runs ``_scaled_mm``'s CPU kernel as CUDA's call)."""
-    m, k = a.shape
-    n = b.shape[1]
     if kernel is None:
-        kernel = a.is_cuda and m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+        kernel = kernel_applies(a, b)
     if kernel:
         sa = a_inv.float().reshape(()) if a_inv.numel() == 1 else a_inv.float().reshape(-1, 1)
         sb = b_inv.float().reshape(()) if b_inv.numel() == 1 else b_inv.float().reshape(1, -1)

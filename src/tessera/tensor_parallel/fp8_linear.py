@@ -31,6 +31,7 @@ from tessera.precision.fp8 import (
     Float8Recipe,
     Float8WeightCache,
     cache_applies,
+    kernel_layout,
     quantize,
     scaled_matmul,
 )
@@ -135,7 +136,9 @@ class _Float8Linear(torch.autograd.Function):
         grad_b = g2.sum(0) if ctx.has_bias else None
         grad_w = None
         wants_w = ctx.needs_input_grad[1]
-        if wants_w and ctx.registered:  # compiled: one opaque op for both GEMMs
+        if wants_w and ctx.registered:  # compiled: one opaque op for both GEMMs, operands laid out in the graph
+            gq, wq = kernel_layout(gq, wq)
+            gtq, xq = kernel_layout(gtq, xq)
             grad_x = _input_grad_op(gq, gs, wq, ws, gtq, gts, xq, xs, weight, ctx.dtype)
         else:
             grad_x = scaled_matmul(gq, gs, wq, ws, ctx.dtype)
