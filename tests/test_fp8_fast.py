@@ -183,6 +183,25 @@ def test_cached_weights_equal_casting_every_micro_batch():
         assert torch.equal(a, b)
 
 
+def test_the_trainers_optimizer_step_drops_the_cached_weights():
+    """As ``build`` wires it: before each optimizer step the cache holds one copy per fp8 weight
+    (2 layers x QKV, output projection, fc1, fc2), after it none, so the next forward casts the
+    updated weights (even where an update would not move a version counter)."""
+    from training_runs import STEPS, train_run
+
+    from tessera.topology import Topology
+
+    seen = []
+
+    def prepare(stage, data_parallel):
+        cache, inner = stage.chunks[0].tp.fp8_cache, stage.optimizer.inner
+        inner.register_step_pre_hook(lambda *_: seen.append(len(cache)))
+        inner.register_step_post_hook(lambda *_: seen.append(len(cache)))  # (after build's)
+
+    train_run(Topology.build(), ["train.fp8=tensorwise"], prepare=prepare)
+    assert seen == [8, 0] * STEPS
+
+
 def _cache_worker(rank: int, world: int, layouts: list[list[str]]) -> list[tuple]:
     """Each layout's losses and gradient norms with the planned cache (and its lookups and casts),
     and with it removed from the layers (every micro-batch casts)."""
