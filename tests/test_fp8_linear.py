@@ -37,6 +37,27 @@ def _operands(seed: int = 0):
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_dynamo_traces_the_fp8_linear_in_one_graph(scaling):
+    """``torch._dynamo.explain`` (tracing only, no inductor): the fp8 linear of a layer whose
+    weight a fused store registered, forward and the norm-like work around it, is one graph with
+    no break."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    x, w, b = _operands()
+    store = WeightGradStore(sink=_Sink(), fuse=True)
+    store.register([w])
+
+    def layer(x, w, b):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return torch.nn.functional.silu(fp8_linear(x, w, b, Float8Recipe(scaling), store=store))
+
+    explained = torch._dynamo.explain(layer)(x, w, b)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("with_store", [False, True])
 def test_the_compiled_fp8_linear_has_no_graph_break_and_equals_eager(scaling, with_store):
     """fullgraph=True: the casts, amaxes and GEMMs in one graph (and so no host sync: a value read
@@ -320,6 +341,7 @@ def test_compiled_fp8_layers_at_tp2_with_sp_train_as_eager_ones():
         assert compiled == pytest.approx(eager, rel=1e-6) and norms == pytest.approx(eager_norms, rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rowwise", [False, True])
 def test_the_scaled_mm_call_compiles_and_equals_the_emulation(rowwise):
     """The GEMM as CUDA runs it (``torch._scaled_mm``, here its CPU kernel), compiled fullgraph,
