@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from tessera.config import ModelConfig
 from tessera.models.fused import kernels
 from tessera.models.packed import PackedSequence
-from tessera.precision.fp8 import Float8Recipe
+from tessera.precision.fp8 import Float8Recipe, Float8WeightCache
 from tessera.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -36,6 +36,7 @@ class TPContext:
     sequence_parallel: bool = False
     cp_group: Group = None  # context parallelism: the ranks sharing each sample's sequence (ring attention)
     fp8: Float8Recipe | None = None  # the layers' linear GEMMs in float8 (precision/fp8.py); the head stays
+    fp8_cache: Float8WeightCache | None = None  # their fp8 weights cast once per step (tensorwise)
     rng: RNGTracker | None = None
     fused_cross_entropy: bool | None = None  # the compiled vocab-parallel loss (None: on CUDA only)
     comm_overlap: bool = False  # column layers overlap their input-gradient reduction with the W GEMM
@@ -130,11 +131,12 @@ class Attention(nn.Module):
         q, kv = cfg.heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden, [q, kv, kv], tp_group=tp.group, bias=bias,
                                         sequence_parallel=tp.sequence_parallel, init_std=cfg.init_std,
-                                        comm_overlap=tp.comm_overlap, fp8=tp.fp8, device=device)
+                                        comm_overlap=tp.comm_overlap, fp8=tp.fp8, fp8_cache=tp.fp8_cache,
+                                        device=device)
         self.proj = RowParallelLinear(q, cfg.hidden, tp_group=tp.group, bias=bias,
                                       sequence_parallel=tp.sequence_parallel,
                                       init_std=scaled_init_std(cfg.init_std, cfg.layers),
-                                      fp8=tp.fp8, device=device)
+                                      fp8=tp.fp8, fp8_cache=tp.fp8_cache, device=device)
         self.rope = (RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device, tp.fused_elementwise)
                      if cfg.family == "llama" else None)
 
@@ -163,7 +165,8 @@ class MLP(nn.Module):
         self.family, self.fused = cfg.family, tp.fused_elementwise
         self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
         ffn, out_std = cfg.ffn_size, scaled_init_std(cfg.init_std, cfg.layers)
-        common = dict(tp_group=tp.group, sequence_parallel=tp.sequence_parallel, fp8=tp.fp8, device=device)
+        common = dict(tp_group=tp.group, sequence_parallel=tp.sequence_parallel, fp8=tp.fp8, fp8_cache=tp.fp8_cache,
+                      device=device)
         gpt2 = cfg.family == "gpt2"  # fc1 holds gate and up side by side for SwiGLU
         self.fc1 = ColumnParallelLinear(cfg.hidden, ffn if gpt2 else [ffn, ffn], bias=gpt2, init_std=cfg.init_std,
                                         comm_overlap=tp.comm_overlap, **common)

@@ -1,5 +1,11 @@
-"""Low-precision compute: the FP8 linear layers (``train.fp8``)."""
+"""Low-precision compute: the FP8 maths of the linear layers (``train.fp8``; the layers'
+autograd function: tensor_parallel/fp8_linear.py)."""
 
-from tessera.precision.fp8 import Float8Recipe, fp8_linear
+from tessera.precision.fp8 import (
+    Float8Recipe,
+    Float8WeightCache,
+    quantize,
+    scaled_matmul,
+)
 
-__all__ = ["Float8Recipe", "fp8_linear"]
+__all__ = ["Float8Recipe", "Float8WeightCache", "quantize", "scaled_matmul"]

@@ -1,5 +1,6 @@
-"""FP8 linear layers (``train.fp8``): the three GEMMs of a linear layer in float8, with dynamic
-scales that do not depend on the parallel layout.
+"""FP8 maths of the linear layers (``train.fp8``): the three GEMMs of a linear layer in float8,
+with dynamic scales that do not depend on the parallel layout (the layers' autograd function:
+tensor_parallel/fp8_linear.py).
 
 A tensor is quantized as ``q = clamp(t * s, ±max).to(float8)`` with ``s = max / amax``, and a
 GEMM of two quantized operands multiplies their dequantizing factors ``1/s`` back in
@@ -14,10 +15,15 @@ features of a row-parallel one), the shard's amax is all-reduced with MAX over t
 So tp=2 + SP quantizes every operand exactly as tp=1 does, and the layout never changes the
 maths. Off CUDA the GEMM is emulated: the operands dequantized to fp32 and multiplied, the same
 products with fp32 accumulation in another order.
+
+Everything here is plain torch ops with no host sync (no ``.item()``, no tensor read on the host),
+so torch.compile traces it whole; :class:`Float8WeightCache` keeps a tensorwise weight's fp8 copy
+for a step's micro-batches in eager code.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -39,24 +45,73 @@ class Float8Recipe:
             raise ValueError(f"fp8 scaling is tensorwise or rowwise, not {self.scaling!r}")
 
 
+def amax_over_group(amax: Tensor, group) -> Tensor:
+    """The maximum of every rank's ``amax`` (in a new tensor, on the device: no host wait). Inside
+    compiled code one opaque op, so the compiler neither reorders around nor rewrites the
+    collective (as tensor_parallel/mappings.py does for the TP collectives)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return amax
+    if torch.compiler.is_compiling():
+        return _all_reduce_max_op(amax, group.group_name)
+    return _all_reduce_max(amax, group)
+
+
+def _all_reduce_max(amax: Tensor, group) -> Tensor:
+    out = amax.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out
+
+
+@torch.library.custom_op("tessera::all_reduce_max", mutates_args=())
+def _all_reduce_max_op(amax: Tensor, group_name: str) -> Tensor:
+    from torch.distributed.distributed_c10d import (
+        _resolve_process_group,  # private: late
+    )
+
+    return _all_reduce_max(amax, _resolve_process_group(group_name))
+
+
+@_all_reduce_max_op.register_fake
+def _(amax: Tensor, group_name: str) -> Tensor:
+    return torch.empty_like(amax, memory_format=torch.contiguous_format)
+
+
 def quantize(t: Tensor, dtype: torch.dtype, reduce_dims: tuple[int, ...], sharded: bool, group) -> tuple[Tensor, Tensor]:
     """(``t`` in ``dtype``, the factor that dequantizes it), the scale one per index of the dims not
     in ``reduce_dims`` (all of them: one per tensor). ``sharded``: a reduced dim is split over
-    ``group``, whose amax is the maximum of the shards'."""
+    ``group``, whose amax is the maximum of the shards'. Plain torch ops and no host sync, so a
+    compiled layer fuses the amax into one reduction and the scale, clamp and cast into one
+    elementwise kernel."""
     amax = t.detach().abs().float().amax(dim=reduce_dims, keepdim=True) if reduce_dims else t.detach().abs().float()
-    if sharded and group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    if sharded:
+        amax = amax_over_group(amax, group)
     scale = torch.finfo(dtype).max / amax.clamp(min=TINY)
     q = (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
     return q, scale.reciprocal()
 
 
-def scaled_matmul(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
+def kernel_applies(a: Tensor, b: Tensor) -> bool:
+    """Whether :func:`scaled_matmul` runs ``a @ b`` as ``torch._scaled_mm`` (CUDA, sizes divisible by 16)."""
+    return a.is_cuda and a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
+
+
+def kernel_layout(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``a`` row-major and ``b`` column-major where the kernel runs, as ``_scaled_mm`` takes them;
+    done before an opaque op, these transposing copies are in the graph, where inductor writes
+    them from its cast kernels instead of copying again."""
+    if not kernel_applies(a, b):
+        return a, b
+    return a.contiguous(), b.t().contiguous().t()
+
+
+def scaled_matmul(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype: torch.dtype,
+                  kernel: bool | None = None) -> Tensor:
     """``(a * a_inv) @ (b * b_inv)``: a [m, k] and b [k, n] in float8, a_inv scalar or [m, 1],
-    b_inv scalar or [1, n]. ``torch._scaled_mm`` on CUDA (sizes divisible by 16), else emulated in fp32."""
-    m, k = a.shape
-    n = b.shape[1]
-    if a.is_cuda and m % 16 == 0 and k % 16 == 0 and n % 16 == 0:
+    b_inv scalar or [1, n]. ``torch._scaled_mm`` on CUDA (sizes divisible by 16), else emulated in
+    fp32. ``kernel``: force either (a test runs ``_scaled_mm``'s CPU kernel as CUDA's call)."""
+    if kernel is None:
+        kernel = kernel_applies(a, b)
+    if kernel:
         sa = a_inv.float().reshape(()) if a_inv.numel() == 1 else a_inv.float().reshape(-1, 1)
         sb = b_inv.float().reshape(()) if b_inv.numel() == 1 else b_inv.float().reshape(1, -1)
         # (_scaled_mm takes a row-major first operand and a column-major second)
@@ -64,66 +119,43 @@ def scaled_matmul(a: Tensor, a_inv: Tensor, b: Tensor, b_inv: Tensor, out_dtype:
     return ((a.float() * a_inv) @ (b.float() * b_inv)).to(out_dtype)
 
 
-class _Float8Linear(torch.autograd.Function):
-    """``y = x W^T + b`` with x [m, k] and W [n, k] in fp8. ``sharded``: which of W's dims the TP
-    group splits ("n": column-parallel, "k": row-parallel, None), so which amaxes to reduce.
-    ``store``: a WeightGradStore (deferred or accumulated weight gradients, as the bf16 path)."""
+class Float8WeightCache:
+    """The tensorwise fp8 copies of weights, cast once per step instead of once per micro-batch.
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, recipe, group, sharded, store):
-        x2 = x.reshape(-1, x.shape[-1])
-        rowwise = recipe.scaling == "rowwise"
-        # y = x @ W^T: x's rows and W's rows, each over k
-        xq, xs = quantize(x2, E4M3, (1,) if rowwise else (0, 1), sharded == "k", group)
-        wq, ws = quantize(weight, E4M3, (1,) if rowwise else (0, 1), sharded == "k" if rowwise else sharded is not None,
-                          group)
-        y = scaled_matmul(xq, xs, wq.t(), ws.t(), x.dtype)
-        if bias is not None:
-            y = y + bias
-        if rowwise:  # the backward's GEMMs reduce over other axes: quantized again from these
-            ctx.save_for_backward(x2, weight)
-        else:
-            ctx.save_for_backward(xq, xs, wq, ws)
-        ctx.recipe, ctx.group, ctx.sharded, ctx.store, ctx.weight = recipe, group, sharded, store, weight
-        ctx.has_bias, ctx.x_shape, ctx.dtype = bias is not None, x.shape, x.dtype
-        return y.view(*x.shape[:-1], weight.shape[0])
+    An entry is the weight's (fp8 copy, dequantizing factor), valid while the weight keeps its
+    storage and version counter and the cache its generation. :meth:`invalidate` (a new
+    generation: the optimizer's step hook calls it, ``training/build.py``) drops every entry, so
+    the next forward casts the updated weights; the version counter also catches in-place writes
+    between steps (a checkpoint load). Every TP rank of a layer misses together (the same steps,
+    the same writes), so the amax all-reduce of a cast stays collective. Not used inside compiled
+    code (the cast is fused there) nor under a CUDA graph capture (a replay would not re-run the
+    lookup)."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        g2 = grad.reshape(-1, grad.shape[-1])  # [m, n]
-        group, sharded, rowwise = ctx.group, ctx.sharded, ctx.recipe.scaling == "rowwise"
-        if rowwise:
-            x2, weight = ctx.saved_tensors
-            # dx = g @ W: g's rows over n, W's columns over n
-            gq, gs = quantize(g2, E5M2, (1,), sharded == "n", group)
-            wq, ws = quantize(weight, E4M3, (0,), sharded == "n", group)
-            grad_x = scaled_matmul(gq, gs, wq, ws, ctx.dtype)
-            # dW = g^T @ x: g's columns over m, x's columns over m (m is never split)
-            gtq, gts = quantize(g2.t(), E5M2, (1,), False, group)
-            xq, xs = quantize(x2, E4M3, (0,), False, group)
-        else:
-            xq, xs, wq, ws = ctx.saved_tensors
-            gq, gs = quantize(g2, E5M2, (0, 1), sharded == "n", group)
-            grad_x = scaled_matmul(gq, gs, wq, ws, ctx.dtype)
-            gtq, gts = gq.t(), gs
-        grad_b = g2.sum(0) if ctx.has_bias else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            weight, store = ctx.weight, ctx.store
+    def __init__(self) -> None:
+        self.generation = 0
+        self._entries: dict[int, tuple] = {}
 
-            def weight_gradient() -> Tensor:
-                return scaled_matmul(gtq, gts, xq, xs, torch.float32)
+    def invalidate(self, *_) -> None:
+        """Drop every copy (any arguments are ignored: an optimizer hook passes some)."""
+        self.generation += 1
+        self._entries.clear()
 
-            if store is not None and store.key is not None:  # a zero-bubble I step: W later
-                store.pending.setdefault(store.key, []).append(lambda: store.accumulate(weight, weight_gradient()))
-            elif store is not None and store.sink is not None:  # into the main gradient
-                store.accumulate(weight, weight_gradient())
-            else:
-                grad_w = weight_gradient().to(weight.dtype)
-        return grad_x.view(ctx.x_shape), grad_w, grad_b, None, None, None, None
+    def get(self, weight: Tensor, cast) -> tuple[Tensor, Tensor]:
+        """``cast()``'s (fp8 weight, factor), cast on the first use of ``weight`` since a change."""
+        key = (self.generation, weight.data_ptr(), weight._version, weight.shape)
+        entry = self._entries.get(id(weight))
+        if entry is not None and entry[0] == key and entry[1]() is weight:
+            return entry[2]
+        value = cast()
+        self._entries[id(weight)] = (key, weakref.ref(weight), value)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
-def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Float8Recipe, group=None,
-               sharded: str | None = None, store=None) -> Tensor:
-    """``F.linear(x, weight, bias)`` with its three GEMMs in float8 (see the module docstring)."""
-    return _Float8Linear.apply(x, weight, bias, recipe, group, sharded, store)
+def cache_applies(cache: Float8WeightCache | None, weight: Tensor) -> bool:
+    """Whether ``cache`` serves this cast: eager code, outside a CUDA graph capture."""
+    if cache is None or torch.compiler.is_compiling():
+        return False
+    return not (weight.is_cuda and torch.cuda.is_current_stream_capturing())

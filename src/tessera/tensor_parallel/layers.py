@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tessera.precision.fp8 import Float8Recipe, fp8_linear
+from tessera.precision.fp8 import Float8Recipe, Float8WeightCache
+from tessera.tensor_parallel.fp8_linear import fp8_linear
 from tessera.tensor_parallel.wgrad import WeightGradStore, linear
 from tessera.tensor_parallel.mappings import (
     Group,
@@ -61,21 +62,27 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
 def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tp_group: Group,
                            sequence_parallel: bool = False, gather_output: bool = False,
                            wgrad_store: WeightGradStore | None = None, fuse_wgrad: bool = True,
-                           comm_overlap: bool = False, fp8: Float8Recipe | None = None) -> Tensor:
+                           comm_overlap: bool = False, fp8: Float8Recipe | None = None,
+                           fp8_cache: Float8WeightCache | None = None) -> Tensor:
     """The column-parallel product with a given local weight [out/tp, in] (also used by a tied
     output layer, whose weight is the embedding's: ``fuse_wgrad=False`` as that weight's
     gradient has a second term, from the lookup). ``comm_overlap`` (tp > 1): the input gradient's
     reduction overlaps the weight-gradient GEMM (one autograd function for collective + matmul).
-    ``fp8``: the GEMMs in float8, scaled over the whole weight (precision/fp8.py)."""
+    ``fp8``: the GEMMs in float8, scaled over the whole weight (tensor_parallel/fp8_linear.py);
+    tensorwise under sequence parallelism, the input is gathered in fp8. ``fp8_cache``: the
+    weight's fp8 copy reused across a step's micro-batches."""
     if comm_overlap and fp8 is None and group_size(tp_group) > 1:
         y = column_parallel_matmul(x, weight, bias, tp_group, sequence_parallel, wgrad_store, fuse_wgrad)
+        return gather_from_tp_region(y, tp_group) if gather_output else y
+    if fp8 is not None and fp8.scaling == "tensorwise" and sequence_parallel:
+        y = fp8_linear(x, weight, bias, fp8, tp_group, "n", wgrad_store, fp8_cache, gather=True)
         return gather_from_tp_region(y, tp_group) if gather_output else y
     if sequence_parallel:
         x = gather_from_sequence_region(x, tp_group, reduce_grad=True)
     else:
         x = copy_to_tp_region(x, tp_group)
     if fp8 is not None:
-        y = fp8_linear(x, weight, bias, fp8, tp_group, "n", wgrad_store)
+        y = fp8_linear(x, weight, bias, fp8, tp_group, "n", wgrad_store, fp8_cache)
     else:
         y = linear(x, weight, bias, wgrad_store, fuse_wgrad)
     return gather_from_tp_region(y, tp_group) if gather_output else y
@@ -93,9 +100,10 @@ class ColumnParallelLinear(nn.Module):
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, wgrad_store: WeightGradStore | None = None,
                  comm_overlap: bool = False, fp8: Float8Recipe | None = None,
+                 fp8_cache: Float8WeightCache | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        self.wgrad_store, self.comm_overlap, self.fp8 = wgrad_store, comm_overlap, fp8
+        self.wgrad_store, self.comm_overlap, self.fp8, self.fp8_cache = wgrad_store, comm_overlap, fp8, fp8_cache
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.tp_group, self.tp = tp_group, group_size(tp_group)
         if gather_output and len(self.output_sizes) > 1:
@@ -123,7 +131,8 @@ class ColumnParallelLinear(nn.Module):
         ``weight`` overrides the layer's own (a tied output layer passes the embedding's)."""
         return column_parallel_linear(x, self.weight if weight is None else weight, self.bias,
                                       self.tp_group, self.sequence_parallel, self.gather_output,
-                                      self.wgrad_store, comm_overlap=self.comm_overlap, fp8=self.fp8)
+                                      self.wgrad_store, comm_overlap=self.comm_overlap, fp8=self.fp8,
+                                      fp8_cache=self.fp8_cache if weight is None else None)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes} / tp={self.tp}, bias={self.bias is not None}"
@@ -136,10 +145,10 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
                  init_std: float = 0.02, wgrad_store: WeightGradStore | None = None,
-                 fp8: Float8Recipe | None = None,
+                 fp8: Float8Recipe | None = None, fp8_cache: Float8WeightCache | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        self.wgrad_store, self.fp8 = wgrad_store, fp8
+        self.wgrad_store, self.fp8, self.fp8_cache = wgrad_store, fp8, fp8_cache
         self.tp_group, self.tp = tp_group, group_size(tp_group)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
@@ -166,7 +175,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
         if self.fp8 is not None:
-            z = fp8_linear(x, self.weight, None, self.fp8, self.tp_group, "k", self.wgrad_store)
+            z = fp8_linear(x, self.weight, None, self.fp8, self.tp_group, "k", self.wgrad_store, self.fp8_cache)
         else:
             z = linear(x, self.weight, None, self.wgrad_store)
         if self.sequence_parallel:

@@ -27,7 +27,7 @@ from tessera.pipeline_parallel.executor import PipelineExecutor
 from tessera.pipeline_parallel.p2p import P2P
 from tessera.pipeline_parallel.schedules import build_schedule
 from tessera.pipeline_parallel.stage import build_stage_chunks
-from tessera.precision import Float8Recipe
+from tessera.precision import Float8Recipe, Float8WeightCache
 from tessera.tensor_parallel import RNGTracker
 from tessera.tensor_parallel.random import SelectivePolicy
 from tessera.tensor_parallel.wgrad import WeightGradStore
@@ -93,7 +93,8 @@ def build_chunks(cfg: Config, topo: Topology, plan: ExecutionPlan, rng: RNGTrack
     tp = TPContext(group=topo.group("tp"), sequence_parallel=p.sequence_parallel and topo.tp > 1, rng=rng, cp_group=topo.group("cp"),
                    fused_cross_entropy=plan.fused_cross_entropy, comm_overlap=plan.comm_overlap,
                    fused_elementwise=plan.fused_elementwise,
-                   fp8=Float8Recipe(t.fp8) if t.fp8 != "none" else None)
+                   fp8=Float8Recipe(t.fp8) if t.fp8 != "none" else None,
+                   fp8_cache=Float8WeightCache() if plan.fp8_weight_cache else None)
     chunks = build_stage_chunks(cfg.model, tp, topo.pp_rank, p.pp, p.vpp, list(plan.layout), topo.device)
     for chunk in chunks:
         chunk.init_weights(t.seed)
@@ -135,6 +136,9 @@ def build(cfg: Config, topo: Topology, plan: ExecutionPlan | None = None,
         chunks = build_chunks(cfg, topo, plan, RNGTracker.for_rank(t.seed, topo.tp_rank, topo.pp_rank, topo.device))
     rng = chunks[0].tp.rng
     data_parallel, optimizer = build_data_parallel(chunks, topo, cfg)
+    cache = chunks[0].tp.fp8_cache
+    if cache is not None:  # the fp8 weight copies go stale with every update of the weights
+        optimizer.inner.register_step_post_hook(cache.invalidate)
     store = None
     if plan.split_backward or plan.fuse_wgrad:  # weight gradients outside autograd, into the buffers
         sink = data_parallel if isinstance(data_parallel, DataParallel) else None  # (FSDP: refused by preflight)

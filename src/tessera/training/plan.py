@@ -32,6 +32,7 @@ class ExecutionPlan:
     fused_elementwise: bool  # llama's RMSNorm, RoPE, SwiGLU as compiled functions in eager layers
     comm_overlap: bool  # a column layer's input-gradient reduction overlaps its weight-gradient GEMM
     fused_cross_entropy: bool  # the compiled vocab-parallel loss
+    fp8_weight_cache: bool = False  # tensorwise fp8 weights cast once per step (eager layers)
 
     @property
     def split_backward(self) -> bool:
@@ -52,6 +53,9 @@ class ExecutionPlan:
             parts.append("TP backward comm overlapped")
         if self.fused_elementwise:
             parts.append("RMSNorm / RoPE / SwiGLU compiled")
+        if cfg.train.fp8 != "none":
+            cast = "once per step" if self.fp8_weight_cache and not self.compiled else "in the layers' kernels"
+            parts.append(f"fp8 {cfg.train.fp8}, weights cast {cast}")
         return ", ".join(parts)
 
 
@@ -123,19 +127,23 @@ def make_plan(cfg: Config, device: torch.device, tp: int | None = None) -> Execu
     split = schedule in SPLIT_BACKWARD
     # tp > 1: the halved GEMMs leave eager layers bound by the host's launches; graphs replay them
     graphed = resolve(t.cuda_graphs, cuda and tp > 1 and t.compile is not True and _graphable(cfg, schedule))
-    # tp = 1: inductor fuses llama's many small elementwise kernels; not around deferred weight
-    # gradients (eager layers with compiled elementwise functions measured faster there)
+    # tp = 1: inductor fuses llama's many small elementwise kernels (and fp8's casts and amaxes);
+    # not around deferred weight gradients (eager layers with compiled elementwise functions
+    # measured faster there)
     compiled = resolve(t.compile, cuda and tp == 1 and p.cp == 1 and m.family == "llama" and not split
-                       and not graphed and t.recompute == "none" and t.fp8 == "none")
+                       and not graphed and t.recompute == "none")
     # tp = 1: one fp32-accumulating GEMM per weight gradient instead of a GEMM and an add; in
     # compiled layers only where auto compiled them (the combination measured for llama)
     fuse = resolve(t.grad_accum_fusion, cuda and tp == 1 and p.zero < 3 and not graphed
                    and (not compiled or t.compile == "auto"))
     elementwise = cuda and not compiled and m.family == "llama" and t.fused_elementwise is not False
     overlap = resolve(p.tp_comm_overlap, graphed and tp > 1)
+    # tensorwise: a weight's fp8 copy serves every micro-batch of a step; not under FSDP (zero=3),
+    # whose point is not to keep whole weights (the copy would be a full 1-byte one per layer)
+    cache = t.fp8 == "tensorwise" and p.zero < 3
     return ExecutionPlan(schedule=schedule, layout=tuple(len(r) for r in layout), compiled=compiled,
                          graphed=graphed, fuse_wgrad=fuse, fused_elementwise=elementwise, comm_overlap=overlap,
-                         fused_cross_entropy=cuda and t.fused_cross_entropy)
+                         fused_cross_entropy=cuda and t.fused_cross_entropy, fp8_weight_cache=cache)
 
 
 __all__ = ["ExecutionPlan", "make_plan", "choose_schedule", "check_graphable", "microbatches"]

@@ -93,8 +93,6 @@ def _check_combinations(cfg: Config, world_size: int) -> None:
           "attention dropout", "set model.dropout=0 (as LLM pretraining runs) or parallel.cp=1")
     check(t.fp8 == "none" or t.dtype != "fp16", "train.fp8", f"{t.fp8} with train.dtype=fp16: the fp8 GEMMs run "
           "inside bf16 (or fp32) layers", "set train.dtype=bf16")
-    check(t.fp8 == "none" or t.compile is not True, "train.compile", f"true with train.fp8={t.fp8}: the fp8 layers "
-          "run eagerly", "leave train.compile at auto (off with fp8) or set train.fp8=none")
     check(p.cp == 1 or t.compile is not True, "train.compile", f"true with cp={p.cp}: ring attention's exchanges "
           "run in eager layers", "leave train.compile at auto (off with cp) or set parallel.cp=1")
     check(not p.sequence_parallel or tp > 1, "parallel.sequence_parallel",
