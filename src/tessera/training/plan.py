@@ -127,11 +127,12 @@ def make_plan(cfg: Config, device: torch.device, tp: int | None = None) -> Execu
     split = schedule in SPLIT_BACKWARD
     # tp > 1: the halved GEMMs leave eager layers bound by the host's launches; graphs replay them
     graphed = resolve(t.cuda_graphs, cuda and tp > 1 and t.compile is not True and _graphable(cfg, schedule))
-    # tp = 1: inductor fuses llama's many small elementwise kernels (and fp8's casts and amaxes);
-    # not around deferred weight gradients (eager layers with compiled elementwise functions
-    # measured faster there)
+    # tp = 1: inductor fuses llama's many small elementwise kernels; not around deferred weight
+    # gradients (eager layers with compiled elementwise functions measured faster there). fp8
+    # layers compile (their casts and amaxes fused) with train.compile=true; auto keeps them
+    # eager, the fp8 path measured on a GPU, until the compiled one is
     compiled = resolve(t.compile, cuda and tp == 1 and p.cp == 1 and m.family == "llama" and not split
-                       and not graphed and t.recompute == "none")
+                       and not graphed and t.recompute == "none" and t.fp8 == "none")
     # tp = 1: one fp32-accumulating GEMM per weight gradient instead of a GEMM and an add; in
     # compiled layers only where auto compiled them (the combination measured for llama)
     fuse = resolve(t.grad_accum_fusion, cuda and tp == 1 and p.zero < 3 and not graphed
