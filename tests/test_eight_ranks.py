@@ -9,9 +9,10 @@ layer) trains a tiny 8-layer model for STEPS steps through the trainer (``train`
   schedule), cp=2 x tp=2 x dp=2 with sequence parallelism, dp=8 at zero=1 and at zero=3 (FSDP):
   every step's loss and gradient norm, and the final weights (the last step's checkpoint, read
   back whole), against the one-process run;
-- a checkpoint chain: the tp=2 x pp=2 x dp=2 run's step-2 checkpoint resumed at dp=8 zero=3,
-  whose step-4 checkpoint is resumed at pp=4 x vpp=2; the resumed steps continue the one-process
-  curve, and their final weights are its weights.
+- a checkpoint chain through them, one hop a step: the tp=2 x pp=2 x dp=2 run's step-2
+  checkpoint resumed at dp=8 zero=3, its step 3 at pp=4 x vpp=2 (interleaved 1F1B), its step 4
+  at cp=2 x tp=2 x dp=2, its step 5 at tp=4 x dp=2; every resumed step continues the one-process
+  curve, and each hop's final weights are its weights.
 
 Tolerances are the layout tests': rel 1e-5 per step without TP, 1e-4 where TP splits every
 matmul's sum (parity.assert_same_curve), weights within 1e-5 (1e-4 with TP) of each tensor's norm.
@@ -39,19 +40,25 @@ SP = "parallel.sequence_parallel=true"
 LAYOUTS = {
     "tp2-pp2-dp2-sp": ["parallel.tp=2", "parallel.pp=2", SP],
     "tp4-dp2": ["parallel.tp=4"],
-    "pp4-vpp2": ["parallel.pp=4", "parallel.vpp=2"],
+    "pp4-vpp2-dp2": ["parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved-zb"],
     "cp2-tp2-dp2-sp": ["parallel.cp=2", "parallel.tp=2", SP],
     "dp8-zero1": ["parallel.zero=1"],
     "dp8-zero3": ["parallel.zero=3"],
 }
-# the checkpoint chain: (name, layout, the run and step it resumes from)
+# the checkpoint chain: (name, layout, the run it resumes and the step it resumes at)
 RESUMES = [("dp8-zero3-from-tp2-pp2-dp2", LAYOUTS["dp8-zero3"], "tp2-pp2-dp2-sp", 2),
-           ("pp4-vpp2-from-dp8-zero3", LAYOUTS["pp4-vpp2"], "dp8-zero3-from-tp2-pp2-dp2", 4)]
+           ("pp4-vpp2-from-dp8-zero3", ["parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved"],
+            "dp8-zero3-from-tp2-pp2-dp2", 3),
+           ("cp2-tp2-dp2-from-pp4-vpp2", LAYOUTS["cp2-tp2-dp2-sp"], "pp4-vpp2-from-dp8-zero3", 4),
+           ("tp4-dp2-from-cp2-tp2-dp2", LAYOUTS["tp4-dp2"], "cp2-tp2-dp2-from-pp4-vpp2", 5)]
+SAVES = {src: step for _, _, src, step in RESUMES}  # the runs saved mid-way (and the step)
 _RESULTS: dict = {}
 
 
 def _dirs(tmp, name: str) -> list[str]:
-    return [f"checkpoint.dir={tmp}/{name}", f"train.out_dir={tmp}/{name}-out", "checkpoint.save_every=2"]
+    """Where a run saves (its last step, and the step the chain's next hop resumes at)."""
+    save = [f"checkpoint.save_every={SAVES[name]}"] if name in SAVES else []
+    return [f"checkpoint.dir={tmp}/{name}", f"train.out_dir={tmp}/{name}-out", *save]
 
 
 def _weights(tmp, name: str) -> dict[str, torch.Tensor]:
@@ -101,9 +108,9 @@ def test_an_eight_rank_layout_trains_as_one_process(tmp_path_factory, family, la
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_checkpoint_moves_between_eight_rank_layouts(tmp_path_factory, family):
-    """tp2 x pp2 x dp2 (SP) saves at step 2; dp8 zero3 resumes there and saves at step 4; pp4 x
-    vpp2 resumes there: each resumed run's steps are the one-process run's, and its final weights
-    its weights."""
+    """tp2 x pp2 x dp2 (SP) -> dp8 zero3 -> pp4 x vpp2 -> cp2 x tp2 x dp2 (SP) -> tp4 x dp2, one
+    step on each: each resumed run's steps are the one-process run's, and its final weights its
+    weights."""
     out = results(tmp_path_factory, family)
     reference, weights = out["one"]
     for name, _, _, step in RESUMES:
