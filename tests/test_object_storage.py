@@ -181,7 +181,13 @@ def test_missing_credentials_are_refused_before_any_work(s3, tmp_path, monkeypat
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    with pytest.raises(ConfigError) as e:
-        check_runnable(load_config(None, TINY + [f"checkpoint.dir={url}", f"train.out_dir={tmp_path}"]), 1)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # (fsspec keeps the earlier tests' clients, credentials and all)
+    try:
+        with pytest.raises(ConfigError) as e:
+            check_runnable(load_config(None, TINY + [f"checkpoint.dir={url}", f"train.out_dir={tmp_path}"]), 1)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()  # (nor the later tests this one's)
     assert e.value.key == "checkpoint.dir" and "NoCredentialsError" in e.value.problem
     assert "AWS_ACCESS_KEY_ID" in str(e.value)
