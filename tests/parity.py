@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from tessera.checkpoint import dcp, store
+from tessera.config import ModelConfig
 from tessera.models import GPTModel
 from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -112,3 +114,15 @@ def assert_same_curve(reference: list[dict], run: list[dict], rel: float = 1e-4,
     for a, b in zip(reference, run):
         assert_same_step(what, a["step"], (a["loss"], b["loss"]), (a["grad_norm"], b["grad_norm"]), rel)
         assert b["lr"] == a["lr"] and b["tokens"] == a["tokens"], (what, a["step"])
+
+
+def tessera_model(path: str) -> GPTModel:
+    """A one-process GPTModel holding the checkpoint's weights (the vocabulary's padding rows zero)."""
+    cfg = ModelConfig(**store.read_meta(path)["config"]["model"])
+    model = GPTModel(cfg)
+    whole = dcp.read_whole(path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.zero_()
+            p[: whole["model." + name].shape[0]].copy_(whole["model." + name])
+    return model.eval()

@@ -13,9 +13,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tessera.checkpoint import dcp, store  # noqa: E402
 from tessera.config import ConfigError, ModelConfig, load_config  # noqa: E402
 from tessera.models import GPTModel  # noqa: E402
+from parity import tessera_model  # noqa: E402
 
 MODELS = {
     "gpt2": ["model.family=gpt2", "model.hidden=32", "model.layers=2", "model.heads=4", "model.seq_len=16",
@@ -24,18 +24,6 @@ MODELS = {
               "model.seq_len=16", "model.vocab_size=100", "model.tie_embeddings=false", "model.norm_eps=1e-6",
               "model.rope_theta=500000"],
 }
-
-
-def tessera_model(path: str) -> GPTModel:
-    """A one-process GPTModel holding the checkpoint's weights (the vocabulary's padding rows zero)."""
-    cfg = ModelConfig(**store.read_meta(path)["config"]["model"])
-    model = GPTModel(cfg)
-    whole = dcp.read_whole(path)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.zero_()
-            p[: whole["model." + name].shape[0]].copy_(whole["model." + name])
-    return model.eval()
 
 
 def same_logits(ours: GPTModel, theirs, vocab: int) -> None:

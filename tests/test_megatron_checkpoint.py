@@ -24,6 +24,7 @@ import torch
 from tessera.checkpoint import dcp, megatron, store
 from tessera.config import ModelConfig, load_config
 from tessera.models import GPTModel
+from parity import tessera_model
 
 HIDDEN, HEADS, LAYERS, VOCAB, SEQ = 64, 4, 2, 128, 16
 FAMILIES = {
@@ -122,17 +123,6 @@ def save_megatron(dist_checkpointing, model, args, root, iteration: int) -> None
     if dist.get_rank() == 0:
         with open(os.path.join(root, megatron.LATEST), "w") as f:
             f.write(str(iteration))
-
-
-def tessera_model(path: str) -> GPTModel:
-    cfg = ModelConfig(**store.read_meta(path)["config"]["model"])
-    model = GPTModel(cfg)
-    whole = dcp.read_whole(path)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.zero_()
-            p[: whole["model." + name].shape[0]].copy_(whole["model." + name])
-    return model.eval()
 
 
 def cli(*args) -> subprocess.CompletedProcess:
