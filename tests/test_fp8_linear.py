@@ -121,10 +121,10 @@ def test_compiled_fp8_layers_train_as_eager_ones(scaling, fusion):
             assert b == pytest.approx(a, rel=rel), (what, eager[what], compiled[what])
 
 
-def test_fp8_layers_compile_when_asked_and_auto_keeps_the_measured_eager_path():
-    """make_plan for a CUDA device (nothing allocated): train.compile=true compiles llama's fp8
-    layers at tp=1; auto keeps them eager with fused weight gradients (the fp8 path measured on a
-    GPU) while bf16 compiles; at tp=2 auto compiles nothing; the tensorwise weight cache is planned
+def test_auto_compiles_fp8_layers_of_both_families_at_tp1():
+    """make_plan for a CUDA device (nothing allocated): auto compiles fp8 layers at tp=1 for both
+    families (with fused weight gradients), where bf16 compiles only llama's; train.compile=false
+    keeps them eager; at tp=2 auto compiles nothing; the tensorwise weight cache is planned
     except under FSDP (zero=3)."""
     from tessera.config import load_config
     from tessera.training.plan import make_plan
@@ -138,8 +138,10 @@ def test_fp8_layers_compile_when_asked_and_auto_keeps_the_measured_eager_path():
 
     for fp8 in ("tensorwise", "rowwise"):
         one = plan(f"train.fp8={fp8}")
-        assert (one.compiled, one.fuse_wgrad) == (False, True) and (plan().compiled, plan().fuse_wgrad) == (True, True)
-        assert plan(f"train.fp8={fp8}", "train.compile=true").compiled
+        assert (one.compiled, one.fuse_wgrad) == (True, True) and (plan().compiled, plan().fuse_wgrad) == (True, True)
+        assert plan(f"train.fp8={fp8}", "model.family=gpt2", "model.kv_heads=0").compiled
+        assert not plan("model.family=gpt2", "model.kv_heads=0").compiled
+        assert not plan(f"train.fp8={fp8}", "train.compile=false").compiled
         assert not plan(f"train.fp8={fp8}", "parallel.tp=2").compiled
         assert one.fp8_weight_cache == (fp8 == "tensorwise")
     assert not plan("train.fp8=tensorwise", "parallel.zero=3").fp8_weight_cache

@@ -72,10 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--hbm-bandwidth", type=_positive(float), default=3350.0, help="GB/s of GPU memory (3350)")
     plan.add_argument("--pcie-bandwidth", type=_positive(float), default=50.0,
                       help="GB/s each way between a GPU and host memory, for optimizer offload (50)")
-    plan.add_argument("--host-bandwidth", type=_positive(float), default=90.0,
-                      help="GB/s of host memory one GPU's offloaded AdamW reaches (90)")
-    plan.add_argument("--host-ms", type=_positive(float, zero_ok=True), default=56.0,
-                      help="ms the host takes to launch one micro-batch's forward and backward (56, eager layers)")
+    plan.add_argument("--host-bandwidth", type=_positive(float), default=77.0,
+                      help="GB/s of host memory one GPU's offloaded AdamW reaches (77)")
+    plan.add_argument("--host-ms", type=_positive(float, zero_ok=True), default=49.0,
+                      help="ms the host takes to launch one micro-batch's forward and backward (49, eager layers)")
     plan.add_argument("--top", type=_positive(int), default=10, help="fitting layouts shown (10)")
     plan.add_argument("--all", action="store_true", help="list every layout that does not fit under its group")
     from tessera.data.commands import add_data_commands

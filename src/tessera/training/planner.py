@@ -31,17 +31,18 @@ The step time is a model with stated numbers, for ranking, not a measurement:
   replayed forward;
 - **optimizer**: AdamW on the GPU reads and writes ``OPTIMIZER_BYTES`` per element at the memory
   bandwidth; offloaded (``parallel.optimizer_offload``), the gradients down and the parameters up
-  over PCIe and the CPU's AdamW at the host memory's bandwidth, after the backward, not overlapped.
+  over PCIe beside the CPU's AdamW at the host memory's bandwidth (the copies of one range overlap
+  the update of another: the longer of the two), after the backward.
 
 The defaults are fitted to one H200 (BENCHMARKS.md, "The memory model against the card", measured
-2026-12-01, eager layers, ten configurations of GPT-1.3B and Llama-1B shapes): ``mfu`` 0.53 from
-the GPU-bound micro-batch-8 rows (GPT-1.3B 0.55, Llama-1B 0.51 of the 989 TFLOP/s peak, eager
-layers; compiled ones measured 51.5-53.3 %); ``host_per_microbatch`` 56 ms from the micro-batch-1
-rows (0.127 and 0.13 s steps of two micro-batches: GPT's 24 layers and Llama's 16 alike, so the
-host's time is not per layer), selective recomputation's 2.3 times that from GPT's micro-batch-2
-row (its checkpoint policy runs for every op), full recomputation's 4/3 assumed (the forward's
-launches once more; not measured apart); offload's 50 GB/s PCIe and 90 GB/s of host memory from
-the four offload rows (0.44-0.51 ns per element for the copies and the CPU's AdamW together).
+2026-12-01, eager layers, ten configurations of GPT-1.3B and Llama-1B shapes and a Llama-3-8B shape
+with offload): ``mfu`` 0.53 from the GPU-bound micro-batch-8 rows (GPT-1.3B 0.55, Llama-1B 0.51 of
+the 989 TFLOP/s peak, eager layers; compiled ones measured 51.5-53.3 %); ``host_per_microbatch``
+49 ms from the micro-batch-1 rows (0.104 and 0.114 s steps of two micro-batches: GPT's 24 layers
+and Llama's 16 alike, so the host's time is not per layer), selective recomputation's 2.3 times
+that from GPT's micro-batch-2 row (its checkpoint policy runs for every op), full recomputation's
+4/3 assumed (the forward's launches once more; not measured apart); offload's 77 GB/s of host
+memory from the five offload rows (0.34-0.38 ns per element for the step, the copies beside it).
 
 A collective's bandwidth is ``node_bandwidth`` where its group lies inside one node of
 ``gpus_per_node`` (ranks are laid out tp fastest, then cp, dp, pp: topology.py), else
@@ -98,8 +99,8 @@ class Machine:
     network_bandwidth: float = 40e9  # bytes/s per GPU across nodes
     hbm_bandwidth: float = 3.35e12  # bytes/s
     pcie_bandwidth: float = 50e9  # bytes/s each way between a GPU and pinned host memory (offload)
-    host_bandwidth: float = 90e9  # bytes/s of host memory one GPU's CPU AdamW reaches (offload)
-    host_per_microbatch: float = 0.056  # s the host takes to launch one micro-batch's forward and backward
+    host_bandwidth: float = 77e9  # bytes/s of host memory one GPU's CPU AdamW reaches (offload)
+    host_per_microbatch: float = 0.049  # s the host takes to launch one micro-batch's forward and backward
 
     @property
     def usable(self) -> float:
@@ -271,10 +272,11 @@ def step_time(cfg: Config, plan: ExecutionPlan, machine: Machine) -> dict[str, f
 
 
 def _offload_time(elements: int, machine: Machine) -> float:
-    """The offloaded optimizer step, after the backward and not overlapped: the fp32 gradients of
-    this rank's optimizer elements to the host and the parameters back over PCIe, and AdamW's
-    28 bytes per element (parameter, gradient, two moments read; three written) of host memory."""
-    return elements * (8 / machine.pcie_bandwidth + 28 / machine.host_bandwidth)
+    """The offloaded optimizer step, after the backward: the fp32 gradients of this rank's optimizer
+    elements to the host and the parameters back over PCIe, beside AdamW's 28 bytes per element
+    (parameter, gradient, two moments read; three written) of host memory (the copies of the next
+    range run while the CPU updates this one, so the longer of the two)."""
+    return elements * max(8 / machine.pcie_bandwidth, 28 / machine.host_bandwidth)
 
 
 @functools.lru_cache(maxsize=4096)
