@@ -245,3 +245,21 @@ def test_memory_check_runs_all_of_llama8b_where_the_host_has_the_staged_offload(
     assert 12 * 8.03e9 < need < 94 * 2**30
     assert memory_check.layers_that_fit(sets, 32, 125 * 2**30 - memory_check.OTHER_HOST) == 32
     assert memory_check.layers_that_fit(sets, 32, 90 * 2**30 - memory_check.OTHER_HOST) < 32
+
+
+def test_the_fp8_curves_compare_one_config_and_plot_every_run(tmp_path):
+    """benchmarks/fp8_curves.py: its runs are one valid config apart only in train.fp8, and the plot
+    draws each run's curve from the JSON its GPU half writes."""
+    import json
+
+    import fp8_curves
+    from tessera.training.preflight import validate
+
+    for extra in fp8_curves.RUNS.values():
+        cfg = validate(load_config(None, [*fp8_curves.BASE, *extra]), 1)
+        assert cfg.train.fp8 == (extra[0].split("=")[1] if extra else "none")
+    data = {"config": fp8_curves.BASE, "curves": {name: [[s, 5.0 - s / 100] for s in range(1, 301)]
+                                                  for name in fp8_curves.RUNS}}
+    (tmp_path / "curves.json").write_text(json.dumps(data))
+    fp8_curves.plot(str(tmp_path / "curves.json"), str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
