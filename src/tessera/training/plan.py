@@ -148,7 +148,8 @@ def make_plan(cfg: Config, device: torch.device, tp: int | None = None) -> Execu
     # whose point is not to keep whole weights (the copy would be a full 1-byte one per layer)
     cache = t.fp8 == "tensorwise" and p.zero < 3
     # zero=3, tensorwise: FSDP gathers those weights as fp8 bytes cast under the whole weight's
-    # scale (rowwise gathers train.dtype: its backward casts the weight again along other axes)
+    # scale (rowwise gathers train.dtype: its backward casts the weight again along other axes;
+    # compiled layers too: their graphs would take the gathered weight, a tensor subclass)
     fp8_gather = t.fp8 == "tensorwise" and p.zero == 3 and not compiled
     return ExecutionPlan(schedule=schedule, layout=tuple(len(r) for r in layout), compiled=compiled,
                          graphed=graphed, fuse_wgrad=fuse, fused_elementwise=elementwise, comm_overlap=overlap,
