@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from tessera.distributed.fsdp_fp8 import plain_shard
 from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
@@ -136,8 +137,8 @@ def flat_boxes(shape: tuple[int, ...], start: int, flat: Tensor) -> list[tuple[t
 
 def fsdp_rows(param: Tensor, dp_size: int, dp_rank: int) -> tuple[int, Tensor]:
     """(first row, local tensor) of an FSDP2 parameter sharded on dim 0 the way torch.chunk
-    splits it."""
-    local = param.to_local()
+    splits it; a plain tensor also where FSDP gathers the parameter in fp8 (the same storage)."""
+    local = plain_shard(param.to_local())
     rows = param.shape[0]
     per = -(-rows // dp_size)
     first = min(dp_rank * per, rows)

@@ -223,7 +223,8 @@ class TrainConfig:
     """The transformer layers' linear GEMMs (QKV, output projection, MLP) in float8 with dynamic
     scales over each whole logical tensor, e4m3 forward and e5m2 gradients: one scale per tensor
     (tensorwise) or per row (rowwise). Embeddings, norms, attention and the head stay in train.dtype;
-    a CPU emulates the GEMMs. none: train.dtype throughout."""
+    a CPU emulates the GEMMs. With parallel.zero=3, tensorwise weights are all-gathered as fp8 bytes
+    (rowwise: in train.dtype). none: train.dtype throughout."""
     fused_cross_entropy: bool = True
     """The fused vocab-parallel cross entropy on CUDA (no fp32 copy of the logits); off, or on a
     CPU: the reference ops."""

@@ -15,6 +15,10 @@ master weights, the same first step and apart from the second.
 FSDP2 replaces each parameter by a DTensor; the marks tessera's reductions and norms read
 (``tensor_parallel``, ``sequence_parallel``, ``tied_across_stages``, ``shared_embedding``) are
 copied onto the new parameters.
+
+``fp8_gather`` (``train.fp8=tensorwise``, eager layers): the transformer layers' linear weights are
+all-gathered as e4m3 bytes under their whole weight's scale, and the fp8 linear computes with
+them as gathered (distributed/fsdp_fp8.py); :meth:`start_step` computes the step's scales.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from tessera.distributed.fsdp_fp8 import Float8GatherScales, gather_in_fp8
+from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tessera.topology import Topology
 
 MARKS = ("tensor_parallel", "sequence_parallel", "tied_across_stages", "shared_embedding")
@@ -31,12 +37,14 @@ MARKS = ("tensor_parallel", "sequence_parallel", "tied_across_stages", "shared_e
 class FullyShardedDataParallel:
     sharded = True
 
-    def __init__(self, chunks: list[nn.Module], topo: Topology, *, compute_dtype: torch.dtype = torch.float32):
+    def __init__(self, chunks: list[nn.Module], topo: Topology, *, compute_dtype: torch.dtype = torch.float32,
+                 fp8_gather: bool = False):
         if topo.dp_mesh is None:
             raise RuntimeError("zero=3 (FSDP) needs torch.distributed initialised (the dp mesh)")
         mesh = topo.dp_mesh  # dp x cp: the weights are replicated over cp
         policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                       reduce_dtype=torch.float32)
+        gathered_in_fp8 = []  # the fp8 linears whose weights FSDP gathers in fp8
         for chunk in chunks:
             if compute_dtype != torch.float32:
                 with torch.no_grad():
@@ -44,6 +52,8 @@ class FullyShardedDataParallel:
                         p.copy_(p.to(compute_dtype))
             marks = {name: {m: getattr(p, m) for m in MARKS if hasattr(p, m)}
                      for name, p in chunk.named_parameters()}
+            if fp8_gather:
+                gathered_in_fp8 += _wrap_fp8_weights(chunk)
             sharded = [fully_shard(layer, mesh=mesh, mp_policy=policy)
                        for layer in (chunk.layers.values() if hasattr(chunk, "layers") else [])]
             sharded.append(fully_shard(chunk, mesh=mesh, mp_policy=policy))
@@ -54,6 +64,8 @@ class FullyShardedDataParallel:
                 for mark, value in marks[name].items():
                     setattr(p, mark, value)
         self.chunks = chunks
+        self.fp8_scales = Float8GatherScales([m.weight for m in gathered_in_fp8], mesh.get_group(),
+                                             topo.group("tp"), compute_dtype) if fp8_gather else None
 
     def model_state_bytes(self) -> tuple[int, int, int]:
         """(parameter bytes, gradient bytes, parameter count) of the trainable parameters, as
@@ -65,10 +77,22 @@ class FullyShardedDataParallel:
         return params, sum(t.numel() * 4 for t in shards), sum(p.numel() for p in trainable)
 
     def start_step(self, num_microbatches: int) -> None:
-        """Nothing to prepare: FSDP reduces each micro-batch's gradients in its backward."""
+        """The fp8 gathers' scales for the step (FSDP reduces each micro-batch's gradients in its
+        backward: nothing else to prepare)."""
+        if self.fp8_scales is not None:
+            self.fp8_scales.refresh()
 
     def finish_grad_sync(self) -> None:
         """Nothing to wait for: FSDP's post-backward waits for its reduce-scatters."""
 
     def wait_param_gather(self) -> None:
         """Nothing pending: FSDP gathers parameters inside each forward."""
+
+
+def _wrap_fp8_weights(chunk: nn.Module) -> list[nn.Module]:
+    """The tensorwise fp8 linears of ``chunk``, each weight made one FSDP gathers in fp8."""
+    modules = [m for m in chunk.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+               and m.fp8 is not None and m.fp8.scaling == "tensorwise"]
+    for m in modules:
+        gather_in_fp8(m, m.tp_group)
+    return modules

@@ -110,6 +110,7 @@ class Activations:
     cp: int = 1
     dtype: str = "bf16"
     fp8: str = "none"
+    fp8_gathered: bool = False  # zero=3 gathers the fp8 weights in fp8: none of their own copies kept
     fused_elementwise: bool = False
     fused_cross_entropy: bool = True
     device: str = "cuda"
@@ -165,7 +166,7 @@ class Activations:
         if llama and not self.fused_elementwise:
             out["silu"] = self._heads(f)
         out["fc2_input"] = self._heads(f, 1 if self.fp8 == "tensorwise" else None)
-        if self.fp8 == "tensorwise":  # fp8 copies of the four weights (1 byte an element)
+        if self.fp8 == "tensorwise" and not self.fp8_gathered:  # fp8 copies of the four weights (1 byte an element)
             out["fp8_weights"] = ((m.heads + 2 * m.num_kv_heads) * d * h + m.heads * d * h
                                   + (2 if llama else 1) * f * h + f * h) / self.tp
         if m.dropout:

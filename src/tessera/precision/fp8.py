@@ -85,6 +85,13 @@ def quantize(t: Tensor, dtype: torch.dtype, reduce_dims: tuple[int, ...], sharde
     amax = t.detach().abs().float().amax(dim=reduce_dims, keepdim=True) if reduce_dims else t.detach().abs().float()
     if sharded:
         amax = amax_over_group(amax, group)
+    return quantize_with_amax(t, dtype, amax)
+
+
+def quantize_with_amax(t: Tensor, dtype: torch.dtype, amax: Tensor) -> tuple[Tensor, Tensor]:
+    """(``t`` in ``dtype`` under the scale ``max / amax``, its dequantizing factor): :func:`quantize`
+    once the amax is known; FSDP's fp8 gather casts each shard under the whole weight's amax
+    (distributed/fsdp_fp8.py)."""
     scale = torch.finfo(dtype).max / amax.clamp(min=TINY)
     q = (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
     return q, scale.reciprocal()

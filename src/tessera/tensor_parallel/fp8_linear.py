@@ -13,6 +13,9 @@ graph stays out of it:
 * the weight cache (``Float8WeightCache``, tensorwise): eager code only; compiled code casts the
   weight in its fused kernels.
 
+A weight FSDP gathered in fp8 (zero=3, tensorwise: distributed/fsdp_fp8.py) arrives as a
+``Float8Weight``: its e4m3 bytes and factor are the cast weight, as the cache's are.
+
 Under sequence parallelism a tensorwise column-parallel layer gathers its input in fp8: each rank
 quantizes its sequence slice under the scale of the whole gathered tensor (the amax all-reduced
 with MAX over TP), and the ranks all-gather the fp8 bytes, half of bf16's. Quantizing commutes
@@ -25,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tessera.distributed.fsdp_fp8 import Float8Weight
 from tessera.precision.fp8 import (
     E4M3,
     E5M2,
@@ -163,7 +167,11 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Float8Rec
         raise ValueError("an fp8 gather of the input is for tensorwise column-parallel layers")
     gather = gather and group_size(group) > 1
     wcache = None
-    if cache is not None and not rowwise and cache_applies(cache, weight):
+    if isinstance(weight, Float8Weight):  # gathered in fp8 under the whole weight's scale
+        if rowwise:
+            raise ValueError("a weight gathered in fp8 is cast tensorwise; rowwise gathers it in train.dtype")
+        wcache = weight.fp8()
+    elif cache is not None and not rowwise and cache_applies(cache, weight):
         # (detached: outside the autograd function a cast on the weight would enter autograd's graph)
         wcache = cache.get(weight, lambda: quantize(weight.detach(), E4M3, (0, 1), sharded is not None, group))
     if store is None or not torch.compiler.is_compiling():

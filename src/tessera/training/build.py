@@ -108,13 +108,18 @@ def build_chunks(cfg: Config, topo: Topology, plan: ExecutionPlan, rng: RNGTrack
     return chunks
 
 
-def build_data_parallel(chunks: list[GPTModel], topo: Topology, cfg: Config):
+def build_data_parallel(chunks: list[GPTModel], topo: Topology, cfg: Config, fp8_gather: bool = False):
     """Data parallelism and the optimizer over ``chunks``: bucketed buffers with the mixed-precision
-    / distributed optimizer (zero 0-2), or FSDP (zero 3)."""
+    / distributed optimizer (zero 0-2), or FSDP (zero 3; ``fp8_gather``: the fp8 linears' weights
+    gathered in fp8, their scales dropped by every update and load of the weights)."""
     p, t = cfg.parallel, cfg.train
     if p.zero == 3:
-        return (FullyShardedDataParallel(chunks, topo, compute_dtype=DTYPES[t.dtype]),
-                FSDPOptimizer(chunks, cfg.optim))
+        fsdp = FullyShardedDataParallel(chunks, topo, compute_dtype=DTYPES[t.dtype], fp8_gather=fp8_gather)
+        optimizer = FSDPOptimizer(chunks, cfg.optim)
+        if fsdp.fp8_scales is not None:
+            optimizer.inner.register_step_post_hook(fsdp.fp8_scales.invalidate)
+            optimizer.inner.register_load_state_dict_post_hook(fsdp.fp8_scales.invalidate)
+        return fsdp, optimizer
     data_parallel = DataParallel(chunks, topo, zero=p.zero, param_dtype=DTYPES[t.dtype],
                                  grad_dtype=DTYPES[t.grad_dtype], bucket_size=p.bucket_size,
                                  overlap_grad_reduce=p.overlap_grad_reduce,
@@ -135,7 +140,7 @@ def build(cfg: Config, topo: Topology, plan: ExecutionPlan | None = None,
     if chunks is None:
         chunks = build_chunks(cfg, topo, plan, RNGTracker.for_rank(t.seed, topo.tp_rank, topo.pp_rank, topo.device))
     rng = chunks[0].tp.rng
-    data_parallel, optimizer = build_data_parallel(chunks, topo, cfg)
+    data_parallel, optimizer = build_data_parallel(chunks, topo, cfg, plan.fp8_param_gather)
     cache = chunks[0].tp.fp8_cache
     if cache is not None:  # the fp8 weight copies go stale with every update of the weights
         optimizer.inner.register_step_post_hook(cache.invalidate)

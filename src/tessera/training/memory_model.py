@@ -22,7 +22,8 @@
   (the head holds the logits or the fp32 softmax; the transient is the 16-bit logits beside that
   copy, or the logits' gradient), a layer's backward (what a recomputed layer rebuilds,
   and the gradients of its two widest tensors), FSDP's gathered layer (two in the compute dtype,
-  the one being computed and the prefetched next, and an fp32 gradient), zero=2's two bucket
+  the one being computed and the prefetched next, the fp8 linears' weights at a byte where FSDP
+  gathers them in fp8, and an fp32 gradient), zero=2's two bucket
   gradient buffers in flight.
 
 Not counted: the CUDA context, NCCL's buffers, the allocator's fragmentation (``tessera plan``
@@ -197,7 +198,8 @@ def optimizer_elements(cfg: Config, pp_rank: int = 0, dp_rank: int = 0) -> int:
 def activations_for(cfg: Config, plan: ExecutionPlan, device: str = "cuda") -> Activations:
     p, t = cfg.parallel, cfg.train
     return Activations(cfg.model, t.micro_batch, tp=p.tp, sequence_parallel=p.sequence_parallel, cp=p.cp,
-                       dtype=t.dtype, fp8=t.fp8, fused_elementwise=plan.fused_elementwise,
+                       dtype=t.dtype, fp8=t.fp8, fp8_gathered=plan.fp8_param_gather,
+                       fused_elementwise=plan.fused_elementwise,
                        fused_cross_entropy=plan.fused_cross_entropy, device=device)
 
 
@@ -245,16 +247,17 @@ class Prediction:
         return self.state.total + self.activations + self.temporaries
 
 
-def _transients(cfg: Config, chunk_params: list[list[Param]]) -> tuple[float, float]:
-    """(during any compute, during a backward) from data parallelism: FSDP's gathered layers, zero=2's
-    gradient buckets in flight."""
+def _transients(cfg: Config, chunk_params: list[list[Param]], fp8_gather: bool = False) -> tuple[float, float]:
+    """(during any compute, during a backward) from data parallelism: FSDP's gathered layers (the
+    fp8 linears' weights at a byte where ``fp8_gather``), zero=2's gradient buckets in flight."""
     p, t = cfg.parallel, cfg.train
     if p.zero == 3:
-        layers = Counter()
+        layers, gathered = Counter(), Counter()
         for q in (q for chunk in chunk_params for q in chunk if q.name.startswith("layers.")):
+            in_fp8 = fp8_gather and q.name.endswith((".qkv.weight", ".proj.weight", ".fc1.weight", ".fc2.weight"))
             layers[q.name.split(".")[1]] += q.numel
-        layer = max(layers.values(), default=0)
-        return 2 * layer * DTYPE_BYTES[t.dtype], 4 * layer
+            gathered[q.name.split(".")[1]] += q.numel * (1 if in_fp8 else DTYPE_BYTES[t.dtype])
+        return 2 * max(gathered.values(), default=0), 4 * max(layers.values(), default=0)
     if p.zero == 2:
         largest = max((length for chunk in chunk_params for length, _ in _buckets(chunk, p.bucket_size, p.dp * p.cp)),
                       default=0)
@@ -270,7 +273,7 @@ def predict(cfg: Config, plan: ExecutionPlan, pp_rank: int = 0, dp_rank: int = 0
     chunks = rank_chunks(cfg, pp_rank)
     per_chunk = [chunk_bytes(cfg, act, stage, layers) for stage, layers in chunks]
     params = rank_parameters(cfg, pp_rank)
-    always, in_backward = _transients(cfg, params)
+    always, in_backward = _transients(cfg, params, plan.fp8_param_gather)
     m = microbatch_count or microbatches(cfg)
     held = deferred = 0.0
     holding: set[tuple[int, int]] = set()

@@ -33,6 +33,7 @@ class ExecutionPlan:
     comm_overlap: bool  # a column layer's input-gradient reduction overlaps its weight-gradient GEMM
     fused_cross_entropy: bool  # the compiled vocab-parallel loss
     fp8_weight_cache: bool = False  # tensorwise fp8 weights cast once per step (eager layers)
+    fp8_param_gather: bool = False  # zero=3: FSDP gathers tensorwise fp8 weights as e4m3 bytes (eager layers)
 
     @property
     def split_backward(self) -> bool:
@@ -55,6 +56,10 @@ class ExecutionPlan:
             parts.append("RMSNorm / RoPE / SwiGLU compiled")
         if cfg.train.fp8 != "none":
             cast = "once per step" if self.fp8_weight_cache and not self.compiled else "in the layers' kernels"
+            if self.fp8_param_gather:
+                cast = "before FSDP's all-gather, gathered as fp8"
+            elif p.zero == 3:
+                cast += ", FSDP gathering them in train.dtype"
             parts.append(f"fp8 {cfg.train.fp8}, weights cast {cast}")
         return ", ".join(parts)
 
@@ -142,9 +147,14 @@ def make_plan(cfg: Config, device: torch.device, tp: int | None = None) -> Execu
     # tensorwise: a weight's fp8 copy serves every micro-batch of a step; not under FSDP (zero=3),
     # whose point is not to keep whole weights (the copy would be a full 1-byte one per layer)
     cache = t.fp8 == "tensorwise" and p.zero < 3
+    # zero=3, tensorwise: FSDP gathers those weights as fp8 bytes cast under the whole weight's
+    # scale (rowwise gathers train.dtype: its backward casts the weight again along other axes;
+    # compiled layers too: their graphs would take the gathered weight, a tensor subclass)
+    fp8_gather = t.fp8 == "tensorwise" and p.zero == 3 and not compiled
     return ExecutionPlan(schedule=schedule, layout=tuple(len(r) for r in layout), compiled=compiled,
                          graphed=graphed, fuse_wgrad=fuse, fused_elementwise=elementwise, comm_overlap=overlap,
-                         fused_cross_entropy=cuda and t.fused_cross_entropy, fp8_weight_cache=cache)
+                         fused_cross_entropy=cuda and t.fused_cross_entropy, fp8_weight_cache=cache,
+                         fp8_param_gather=fp8_gather)
 
 
 __all__ = ["ExecutionPlan", "make_plan", "choose_schedule", "check_graphable", "microbatches"]
