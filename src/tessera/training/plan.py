@@ -135,7 +135,7 @@ def make_plan(cfg: Config, device: torch.device, tp: int | None = None) -> Execu
     # tp = 1: inductor fuses llama's many small elementwise kernels; not around deferred weight
     # gradients (eager layers with compiled elementwise functions measured faster there). fp8
     # layers compile for either family: eager ones launch their casts and amaxes one by one
-    # (measured 0.52x of bf16 on Llama-1B; compiled 1.08x on Llama-3B)
+    # (measured 0.52x of bf16 on Llama-1B; compiled 1.13x on a Llama-3B shape)
     compiled = resolve(t.compile, cuda and tp == 1 and p.cp == 1 and (m.family == "llama" or t.fp8 != "none")
                        and not split and not graphed and t.recompute == "none")
     # tp = 1: one fp32-accumulating GEMM per weight gradient instead of a GEMM and an add; in
