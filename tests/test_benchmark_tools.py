@@ -263,3 +263,17 @@ def test_the_fp8_curves_compare_one_config_and_plot_every_run(tmp_path):
     (tmp_path / "curves.json").write_text(json.dumps(data))
     fp8_curves.plot(str(tmp_path / "curves.json"), str(tmp_path / "curves.png"))
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_recompute_host_benchmark_times_its_three_runs(capsys):
+    """benchmarks/recompute_host.py on a CPU: no recomputation, tessera's node and torch's checkpoint,
+    each timed (no threshold: the figures are BENCHMARKS.md's), tessera's node put back after."""
+    import recompute_host
+
+    import tessera.tensor_parallel.random as rng
+
+    node = rng._Recomputed
+    medians = recompute_host.main(["--rounds", "1", "--steps", "1"])
+    assert set(medians) == {"none", "full, tessera's node", "full, torch.utils.checkpoint"}
+    assert all(t > 0 for t in medians.values()) and rng._Recomputed is node
+    assert "recomputation adds" in capsys.readouterr().out

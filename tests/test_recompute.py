@@ -132,3 +132,46 @@ def test_combinations_it_does_not_run_are_refused():
         with pytest.raises(ConfigError, match=r"train\.cuda_graphs: a graphed layer's backward"):
             validate(load_config(None, BASE + ["model.dropout=0", f"train.recompute={mode}",
                                                "train.cuda_graphs=true"]), 1)
+
+
+def _block(w: torch.Tensor, tracker):
+    """A layer in miniature: a GEMM, dropout on the default stream and on the tracker's tp stream."""
+    def fn(x, scale):
+        h = torch.nn.functional.dropout(x @ w, 0.3)
+        with tracker.fork("tp"):
+            h = torch.nn.functional.dropout(h, 0.3)
+        return torch.tanh(h) * scale
+    return fn
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_the_recompute_node_gives_the_plain_gradients_masks_and_later_draws(input_grad):
+    """Full recomputation (one autograd node where x needs a gradient; torch's checkpoint where it
+    does not): the output, x's and the weight's gradients equal the plain run's to the bit, every
+    dropout mask recomputed as drawn, and both streams left where the plain run leaves them."""
+    from tessera.tensor_parallel.random import RNGTracker, recompute
+
+    def run(recomputed: bool):
+        torch.manual_seed(0)
+        tracker = RNGTracker("cpu")
+        tracker.add("tp", 7)
+        w = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2)).requires_grad_(input_grad)
+        fn = _block(w, tracker)
+        y = recompute(fn, x, 0.5, tracker=tracker) if recomputed else fn(x, 0.5)
+        torch.randn(3)  # a draw between forward and backward: the rerun must not see it
+        y.square().sum().backward()
+        with tracker.fork("tp"):
+            after_tp = torch.rand(2)
+        return y.detach(), w.grad, x.grad, torch.rand(2), after_tp
+
+    for a, b in zip(run(False), run(True)):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_recompute_refuses_a_second_input_that_needs_a_gradient():
+    from tessera.tensor_parallel.random import recompute
+
+    x, other = torch.randn(2, requires_grad=True), torch.randn(2, requires_grad=True)
+    with pytest.raises(ValueError, match="first argument alone"):
+        recompute(lambda a, b: a * b, x, other)

@@ -137,15 +137,66 @@ def _dropout_p(op, args, kwargs) -> float:
     return float(args[i] if i < len(args) else kwargs.get("dropout_p", 0.0))
 
 
-def recompute(fn, *args, tracker: RNGTracker | None = None, policy: SelectivePolicy | None = None):
-    """``fn(*args)`` keeping only its inputs: run again in the backward to rebuild what it saved
-    (activation recomputation, Megatron's CheckpointFunction), through torch.utils.checkpoint
-    (non-reentrant). With a ``policy`` (selective recomputation), the outputs of the ops it names
-    are kept too and the rerun takes them from there instead of computing them again (torch's
-    selective activation checkpointing). torch restores the device's default stream for the rerun;
-    the tracker's named streams (``tp``: dropout on TP-split activations) are put back here, as
-    they were when ``fn`` first ran, and after the rerun to where the forward left them: every
-    recomputed dropout mask equals the original, and later draws are unchanged."""
+class _Recomputed(torch.autograd.Function):
+    """Full recomputation as one autograd node (Megatron's CheckpointFunction): the forward runs
+    ``fn`` without grad and keeps its input alone; the backward puts the RNG streams and autocast
+    back as the forward found them, runs ``fn`` again with grad, back-propagates through it, and
+    puts the streams back where they were. One node per layer, where torch's non-reentrant
+    checkpoint runs Python hooks for every tensor the layer saves (the host's time: BENCHMARKS.md,
+    Memory and recomputation)."""
+
+    @staticmethod
+    def forward(ctx, fn, tracker, x, *rest):
+        ctx.fn, ctx.tracker, ctx.rest, ctx.device = fn, tracker, rest, x.device
+        ctx.states = _streams(tracker, x.device)
+        kind = x.device.type
+        ctx.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x, *rest)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (saved,) = ctx.saved_tensors
+        x = saved.detach().requires_grad_(True)
+        now = _streams(ctx.tracker, ctx.device)
+        _put_streams(ctx.tracker, ctx.device, ctx.states)
+        try:
+            enabled, dtype = ctx.autocast
+            with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
+                out = ctx.fn(x, *ctx.rest)
+        finally:
+            _put_streams(ctx.tracker, ctx.device, now)
+        torch.autograd.backward(out, grad)
+        return (None, None, x.grad, *(None for _ in ctx.rest))
+
+
+def _streams(tracker: RNGTracker | None, device: torch.device) -> dict[str, torch.Tensor]:
+    return tracker.get_states() if tracker is not None else {"": _get_state(device)}
+
+
+def _put_streams(tracker: RNGTracker | None, device: torch.device, states: dict[str, torch.Tensor]) -> None:
+    if tracker is not None:
+        tracker.set_states(states)
+    else:
+        _set_state(device, states[""])
+
+
+def recompute(fn, x, *rest, tracker: RNGTracker | None = None, policy: SelectivePolicy | None = None):
+    """``fn(x, *rest)`` keeping only its input ``x``, run again in the backward to rebuild what it
+    saved (activation recomputation); ``rest`` holds no tensor that needs a gradient. Full
+    (``policy`` None): one autograd node, ``_Recomputed`` (where ``x`` needs a gradient).
+    Selective, or an ``x`` that needs none: torch.utils.checkpoint
+    (non-reentrant) with the policy, which keeps the outputs of the ops it names, the rerun taking
+    them from there (torch's selective activation checkpointing); torch restores the device's
+    default stream for the rerun and the tracker's named streams (``tp``: dropout on TP-split
+    activations) are put back here, as they were when ``fn`` first ran, and after the rerun to
+    where the forward left them. Either way every recomputed dropout mask equals the original,
+    and later draws are unchanged."""
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in rest):
+        raise ValueError("recompute keeps the gradient of its first argument alone: the others must not need one")
+    if policy is None and x.requires_grad:  # (else the node would not be in the graph: the layer's
+        return _Recomputed.apply(fn, tracker, x, *rest)  # weights are not its inputs)
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     def contexts():
@@ -165,4 +216,4 @@ def recompute(fn, *args, tracker: RNGTracker | None = None, policy: SelectivePol
                 tracker.states = now
         return first_run, as_first()
 
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)
+    return checkpoint(fn, x, *rest, use_reentrant=False, context_fn=contexts)
