@@ -173,3 +173,19 @@ def test_the_byte_tokenizer_json_reads_as_bytes():
     ids = list(range(256)) + [0xE6, 0x97, 0xA5]
     assert theirs.decode(ids) == ours.decode(ids)
     assert torch.equal(torch.tensor(theirs.encode(text).ids), torch.tensor(list(text.encode())))
+
+
+def test_decode_is_graphed_by_default_where_measured():
+    """--cuda-graph auto replays the decode step on CUDA at tp=1, pp=1 with the KV cache (measured
+    15x eager at batch 1), nowhere else; on and off are taken as given."""
+    from types import SimpleNamespace
+
+    from tessera.inference.commands import decode_graphed
+
+    def topo(device="cuda", tp=1, pp=1):
+        return SimpleNamespace(device=torch.device(device), tp=tp, pp=pp)
+
+    assert decode_graphed("auto", topo(), no_cache=False)
+    assert not any(decode_graphed("auto", t, no_cache=False) for t in (topo("cpu"), topo(tp=2), topo(pp=2)))
+    assert not decode_graphed("auto", topo(), no_cache=True)
+    assert decode_graphed("on", topo(tp=2), no_cache=False) and not decode_graphed("off", topo(), no_cache=False)

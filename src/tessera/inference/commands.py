@@ -60,8 +60,10 @@ def add_inference_commands(sub) -> None:
                      "probability (1: all; default)")
     gen.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
     gen.add_argument("--no-stop", action="store_true", help="go on past the end-of-document id")
-    gen.add_argument("--cuda-graph", action="store_true",
-                     help="replay each decode step as one CUDA graph (CUDA, pp=1; opt-in until measured: benchmarks/decode.py)")
+    gen.add_argument("--cuda-graph", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                     help="replay each decode step as one CUDA graph: auto (default) where measured, on CUDA at tp=1 "
+                     "and pp=1 with the KV cache (15x eager decode at batch 1: BENCHMARKS.md, Inference); on: also at "
+                     "tp>1; off: launch each kernel")
     gen.add_argument("--no-cache", action="store_true", help="the reference: run the whole context each step")
     ev = sub.add_parser("eval", help="a checkpoint's mean loss per token and perplexity on data (any tp, pp, dp)")
     _common(ev)
@@ -130,9 +132,9 @@ def check_request(args, world_size: int) -> Request:
         Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     except ValueError as e:
         raise ConfigError("--temperature", str(e), "give --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1") from None
-    if args.cuda_graph and (cfg.parallel.pp > 1 or args.no_cache):
+    if args.cuda_graph == "on" and (cfg.parallel.pp > 1 or args.no_cache):
         raise ConfigError("--cuda-graph", "captures the decode step of one pipeline stage with the KV cache",
-                          "use it at parallel.pp=1 without --no-cache")
+                          "use it at parallel.pp=1 without --no-cache, or leave it at auto")
     return Request(path, meta, cfg, vocab, tokenizer, prompts, texts)
 
 
@@ -201,6 +203,14 @@ def run_inference_command(args) -> int:
     return 0
 
 
+def decode_graphed(choice: str, topo, no_cache: bool) -> bool:
+    """``--cuda-graph``'s choice for this topology: ``auto`` where measured (CUDA, tp=1, pp=1, the
+    KV cache); ``on`` (pp and the cache checked beforehand) or ``off`` as given."""
+    if choice == "auto":
+        return topo.device.type == "cuda" and topo.tp == 1 and topo.pp == 1 and not no_cache
+    return choice == "on"
+
+
 def _generate(args, request: Request, chunks, topo, p2p) -> list[str]:
     """This replica's share of the prompts, generated in batches; one output (text) per prompt."""
     import numpy as np
@@ -210,12 +220,13 @@ def _generate(args, request: Request, chunks, topo, p2p) -> list[str]:
 
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     stops = () if args.no_stop else request.vocab.stop_ids
+    graph = decode_graphed(args.cuda_graph, topo, args.no_cache)
     share = np.array_split(np.arange(len(request.prompts)), topo.dp)[topo.dp_rank].tolist()
     lines = []
     for start in range(0, len(share), args.batch_size):
         batch = share[start: start + args.batch_size]
         outs = generate(chunks, [request.prompts[i] for i in batch], args.max_new_tokens, topo=topo, p2p=p2p,
-                        sampling=sampling, stop_ids=stops, use_cache=not args.no_cache, cuda_graph=args.cuda_graph)
+                        sampling=sampling, stop_ids=stops, use_cache=not args.no_cache, cuda_graph=graph)
         for i, ids in zip(batch, outs):
             new = ids[len(request.prompts[i]):]
             ended = bool(new) and new[-1] in stops
