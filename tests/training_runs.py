@@ -204,10 +204,14 @@ def run_train(out_dir, nproc, overrides, timeout=180) -> tuple[list[dict], str]:
 
 
 # -- the trainer in rank processes -----------------------------------------------------------------------
-def _train_runs(rank: int, world: int, base: list[str], runs: list[list[str]]) -> list[tuple[list[dict], str] | None]:
+def _train_runs(rank: int, world: int, base: list[str], runs: list[list[str]],
+                env: dict[str, str]) -> list[tuple[list[dict], str] | None]:
     """Each run's metrics and what it printed, on the logging rank (None elsewhere)."""
+    import os
+
     from tessera.training.trainer import train
 
+    os.environ.update(env)
     out = []
     for overrides in runs:
         printed = io.StringIO()
@@ -217,11 +221,13 @@ def _train_runs(rank: int, world: int, base: list[str], runs: list[list[str]]) -
     return out
 
 
-def train_outputs(world: int, base: list[str], runs: list[list[str]], timeout: float = 240) -> list[tuple[list[dict], str]]:
+def train_outputs(world: int, base: list[str], runs: list[list[str]], timeout: float = 240,
+                  env: dict[str, str] | None = None) -> list[tuple[list[dict], str]]:
     """``train`` (what each worker of ``tessera train`` runs) on ``world`` ranks for each run's
     ``base + overrides``, one after the other in one ``run_ranks`` call: each run's history (the
-    metrics the logging rank logged) and the lines that rank printed."""
-    by_rank = run_ranks(_train_runs, world, base, runs, timeout=timeout)
+    metrics the logging rank logged) and the lines that rank printed. ``env``: set in the rank
+    processes first (they are forked from a server started once, with the environment of then)."""
+    by_rank = run_ranks(_train_runs, world, base, runs, env or {}, timeout=timeout)
     return [next(h[i] for h in by_rank if h[i] is not None) for i in range(len(runs))]
 
 
