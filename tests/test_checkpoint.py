@@ -385,7 +385,7 @@ def test_a_finetune_takes_the_weights_only_and_a_restart_goes_on_from_its_own_ch
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_one_run_at_a_time_saves_into_a_checkpoint_dir(tmp_path):
+def test_one_run_at_a_time_saves_into_a_checkpoint_dir(tmp_path, capsys):
     """Two runs saving into one checkpoint.dir would replace each other's checkpoints: while one
     holds it (rank 0's lock), another is refused, by the launcher before torchrun too. The same
     folder may be both out_dir and checkpoint.dir."""
@@ -395,10 +395,11 @@ def test_one_run_at_a_time_saves_into_a_checkpoint_dir(tmp_path):
     try:
         with pytest.raises(ConfigError, match="checkpoint.dir: .* is in use by another run"):
             _train_here(tmp_path, "out", ["train.steps=1", f"checkpoint.dir={tmp_path}/ck"])
-        proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2", "--set",
-                               f"checkpoint.dir={tmp_path}/ck", "--set", f"train.out_dir={tmp_path}/out2"],
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 2 and "checkpoint.dir" in proc.stderr and "in use by another run" in proc.stderr
+        capsys.readouterr()  # (the launcher's refusal, in this process: before torchrun would start)
+        assert main(["train", "--nproc-per-node", "2", "--set", f"checkpoint.dir={tmp_path}/ck", "--set",
+                     f"train.out_dir={tmp_path}/out2"]) == 2
+        err = capsys.readouterr().err
+        assert "checkpoint.dir" in err and "in use by another run" in err, err
     finally:
         held.close()
     _train_here(tmp_path, "both", ["train.steps=1", f"checkpoint.dir={tmp_path}/both"])  # out_dir == checkpoint.dir
