@@ -19,6 +19,7 @@ import torch
 
 from tessera.checkpoint import checkpoints, dcp, store
 from tessera.checkpoint.shards import flat_boxes
+from tessera.cli import main
 from tessera.config import ConfigError, load_config
 from tessera.testing import run_ranks
 from training_runs import train_histories
@@ -217,7 +218,7 @@ def _refusal(overrides):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
+def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path, capsys):
     _train_here(tmp_path, "out", ["train.steps=4", "checkpoint.save_every=2", f"checkpoint.dir={tmp_path}/ck"])
     step2 = f"checkpoint.load={tmp_path}/ck/step_00000002"
     BUILTIN = ["data.source=builtin", "model.vocab_size=256"]  # (a split that splits: the demo corpus)
@@ -263,9 +264,10 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
         shutil.copytree(tmp_path / "ck" / "step_00000002", tmp_path / name / "step_00000002")
         damage(tmp_path / name / "step_00000002")
         cases.append(([f"checkpoint.load={tmp_path}/{name}"], "checkpoint.load", f"is damaged: {words}"))
-        shown = subprocess.run([sys.executable, "-m", "tessera", "checkpoint", "inspect", f"{tmp_path}/{name}"],
-                               capture_output=True, text=True, timeout=60)
-        assert shown.returncode == 1 and f"damaged: {words}" in shown.stdout, shown.stdout + shown.stderr
+        capsys.readouterr()
+        assert main(["checkpoint", "inspect", f"{tmp_path}/{name}"]) == 1
+        shown = capsys.readouterr()
+        assert f"damaged: {words}" in shown.out, shown.out + shown.err
     for overrides, key, words in cases:
         got_key, message = _refusal(overrides + ["train.steps=4"] if not any("train.steps" in o for o in overrides)
                                     else overrides)
@@ -289,7 +291,7 @@ def test_resumes_that_cannot_work_are_refused_before_the_run(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_tessera_train_resumes_through_the_launcher(tmp_path):
+def test_tessera_train_resumes_through_the_launcher(tmp_path, capsys):
     """Two processes under torchrun (the README's command), the second run from the first's step 2."""
     def launch(name, extra):
         sets = [a for item in BASE + ["parallel.dp=2", "parallel.zero=1", "train.steps=4",
@@ -306,19 +308,18 @@ def test_tessera_train_resumes_through_the_launcher(tmp_path):
     assert f"resumed from {tmp_path}/ck/step_00000002 at step 2" in out, out
     assert curve(resumed) == curve(straight)[2:]
     # what a checkpoint holds, without loading it
-    shown = subprocess.run([sys.executable, "-m", "tessera", "checkpoint", "inspect", f"{tmp_path}/ck", "--tensors"],
-                           capture_output=True, text=True, timeout=60)
-    assert shown.returncode == 0, shown.stderr
+    capsys.readouterr()
+    assert main(["checkpoint", "inspect", f"{tmp_path}/ck", "--tensors"]) == 0
+    shown = capsys.readouterr()
     from tessera.models import GPTModel
     with torch.device("meta"):
         params = sum(p.numel() for p in GPTModel(load_config(None, BASE).model).parameters())
     params -= (128 - 100) * 32  # the vocabulary's padding rows (to 64 * tp) are not in a checkpoint
-    assert "step_00000002: step 2, saved" in shown.stdout and "at tp=1 cp=1 pp=1 dp=2 vpp=1 zero=1 dtype=fp32" in shown.stdout
-    assert f"{params:,} parameters" in shown.stdout and "24 samples consumed" in shown.stdout
-    assert "model.layers.1.attn.qkv.weight [96, 32]" in shown.stdout and "step_00000004: step 4" in shown.stdout
-    missing = subprocess.run([sys.executable, "-m", "tessera", "checkpoint", "inspect", f"{tmp_path}/nowhere"],
-                             capture_output=True, text=True, timeout=60)
-    assert missing.returncode == 2 and "neither a checkpoint" in missing.stderr
+    assert "step_00000002: step 2, saved" in shown.out and "at tp=1 cp=1 pp=1 dp=2 vpp=1 zero=1 dtype=fp32" in shown.out
+    assert f"{params:,} parameters" in shown.out and "24 samples consumed" in shown.out
+    assert "model.layers.1.attn.qkv.weight [96, 32]" in shown.out and "step_00000004: step 4" in shown.out
+    assert main(["checkpoint", "inspect", f"{tmp_path}/nowhere"]) == 2
+    assert "neither a checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)
@@ -384,7 +385,7 @@ def test_a_finetune_takes_the_weights_only_and_a_restart_goes_on_from_its_own_ch
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_one_run_at_a_time_saves_into_a_checkpoint_dir(tmp_path):
+def test_one_run_at_a_time_saves_into_a_checkpoint_dir(tmp_path, capsys):
     """Two runs saving into one checkpoint.dir would replace each other's checkpoints: while one
     holds it (rank 0's lock), another is refused, by the launcher before torchrun too. The same
     folder may be both out_dir and checkpoint.dir."""
@@ -394,10 +395,11 @@ def test_one_run_at_a_time_saves_into_a_checkpoint_dir(tmp_path):
     try:
         with pytest.raises(ConfigError, match="checkpoint.dir: .* is in use by another run"):
             _train_here(tmp_path, "out", ["train.steps=1", f"checkpoint.dir={tmp_path}/ck"])
-        proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2", "--set",
-                               f"checkpoint.dir={tmp_path}/ck", "--set", f"train.out_dir={tmp_path}/out2"],
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 2 and "checkpoint.dir" in proc.stderr and "in use by another run" in proc.stderr
+        capsys.readouterr()  # (the launcher's refusal, in this process: before torchrun would start)
+        assert main(["train", "--nproc-per-node", "2", "--set", f"checkpoint.dir={tmp_path}/ck", "--set",
+                     f"train.out_dir={tmp_path}/out2"]) == 2
+        err = capsys.readouterr().err
+        assert "checkpoint.dir" in err and "in use by another run" in err, err
     finally:
         held.close()
     _train_here(tmp_path, "both", ["train.steps=1", f"checkpoint.dir={tmp_path}/both"])  # out_dir == checkpoint.dir

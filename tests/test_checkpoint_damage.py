@@ -137,20 +137,21 @@ def test_only_the_files_that_differ_are_named(tmp_path):
 def test_each_rank_checksums_its_own_files_and_a_damaged_one_stops_every_rank(tmp_path):
     """2 ranks, zero=1 with a background save: each rank's files are in tessera.json with their
     CRC-32s; one of rank 1's files changed, the job is refused in one line, exit 2 (the workers
-    find it, as the load starts: the launcher's preflight does not read whole checkpoints)."""
-    def run(steps):
-        sets = TINY + ["parallel.dp=2", "parallel.zero=1", "checkpoint.async_save=true", f"train.steps={steps}",
-                       f"train.out_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/ck"]
-        return subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2",
-                               *(a for s in sets for a in ("--set", s))], capture_output=True, text=True, timeout=240)
-    first = run(2)
-    assert first.returncode == 0, first.stderr[-3000:]
+    find it, as the load starts: the launcher's preflight does not read whole checkpoints).
+    (The save: the trainer in two rank processes; the refused job: launched through torchrun.)"""
+    from training_runs import train_histories
+
+    sets = TINY + ["parallel.dp=2", "parallel.zero=1", "checkpoint.async_save=true", f"train.out_dir={tmp_path}/out",
+                   f"checkpoint.dir={tmp_path}/ck"]
+    assert len(train_histories(2, sets, [["train.steps=2"]])[0]) == 2
     ck = tmp_path / "ck" / "step_00000002"
     sums = json.loads((ck / "tessera.json").read_text())["checksums"]
     assert any(n.startswith("__0_") for n in sums) and any(n.startswith("__1_") for n in sums)
     victim = max((n for n in sums if n.startswith("__1_")), key=lambda n: os.path.getsize(ck / n))
     _flip(ck / victim, os.path.getsize(ck / victim) // 2)
-    second = run(4)
+    second = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2",
+                             *(a for s in sets + ["train.steps=4"] for a in ("--set", s))],
+                            capture_output=True, text=True, timeout=240)
     # one line, said once (by rank 0), no traceback; torchrun's own log lines may follow
     ours = [line for line in second.stderr.splitlines() if line.startswith("tessera: ")]
     assert second.returncode == 2 and len(ours) == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]

@@ -120,28 +120,31 @@ def test_ctrl_c_ends_a_run_with_one_line(tmp_path):
     assert run.returncode == 130 and err.strip().splitlines() == ["tessera: interrupted"], err[-2000:]
 
 
-@pytest.mark.slow
-def test_the_launcher_refuses_an_out_dir_a_running_run_holds(tmp_path):
+# (the launcher's refusals in this process, cli.main as torchrun's parent runs it: a refusal that
+# failed to come would start torchrun and its workers, and the status and line would be theirs)
+def test_the_launcher_refuses_an_out_dir_a_running_run_holds(tmp_path, capsys):
+    from tessera.cli import main
     from tessera.training.metrics import lock_out_dir
 
     held = lock_out_dir(tmp_path)  # a run writing there now
     try:
-        proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2", "--set",
-                               f"train.out_dir={tmp_path}"], capture_output=True, text=True, timeout=60)
+        code = main(["train", "--nproc-per-node", "2", "--set", f"train.out_dir={tmp_path}"])
     finally:
         held.close()
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith(f"tessera: config error: train.out_dir: {tmp_path} is in use by another run (host ")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"tessera: config error: train.out_dir: {tmp_path} is in use by another run (host ")
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a CPU machine's refusal")
-def test_the_launcher_refuses_cuda_graphs_on_a_cpu_machine_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2", "--set",
-                           "train.cuda_graphs=true", "--set", f"train.out_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=60)  # (it was found by each worker, after the launch)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith("tessera: config error: train.cuda_graphs: CUDA graphs need a CUDA device")
+def test_the_launcher_refuses_cuda_graphs_on_a_cpu_machine_in_one_line(tmp_path, capsys):
+    from tessera.cli import main
+
+    # (it was found by each worker, after the launch)
+    code = main(["train", "--nproc-per-node", "2", "--set", "train.cuda_graphs=true", "--set", f"train.out_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("tessera: config error: train.cuda_graphs: CUDA graphs need a CUDA device")
 
 
 @pytest.mark.slow

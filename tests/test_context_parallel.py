@@ -18,9 +18,10 @@ from tessera.training.preflight import validate
 from training_runs import shared_result, train_histories
 
 EOD = 1
+STEPS = 4  # (the validation loss at steps 2 and 4)
 BASE = ["model.hidden=32", "model.layers=4", "model.heads=4", "model.seq_len=32", "model.vocab_size=64",
-        "train.micro_batch=2", "train.global_batch=8", "train.seed=3", "train.steps=8", "train.log_every=1",
-        "data.source=synthetic", "optim.lr=3e-3", "optim.warmup=2", "train.eval_every=4", "train.eval_batches=1",
+        "train.micro_batch=2", "train.global_batch=8", "train.seed=3", f"train.steps={STEPS}", "train.log_every=1",
+        "data.source=synthetic", "optim.lr=3e-3", "optim.warmup=2", "train.eval_every=2", "train.eval_batches=1",
         # the key bias's gradient is zero in exact arithmetic (softmax ignores it): pure rounding
         # noise, which a tiny eps would turn into full-size, layout-dependent Adam steps
         "optim.eps=1e-6"]
@@ -38,7 +39,7 @@ def write_documents(prefix, seed: int = 0, docs: int = 200) -> None:
 
 
 def _weights(folder) -> dict[str, torch.Tensor]:
-    whole = dcp.read_whole(str(folder / "step_00000008"))
+    whole = dcp.read_whole(str(folder / f"step_{STEPS:08d}"))
     return {k: v for k, v in whole.items() if k.startswith("model.")}
 
 
@@ -51,9 +52,19 @@ def _same_weights(got: dict, want: dict, what: str) -> None:
         assert error <= 1e-5, f"{what}: {name}: relative error {error:.2e}"
 
 
-def _runs(tmp_path, family: list[str], data: list[str]) -> dict:
-    """cp=1 on one rank; cp=2 and cp=4 and the composed layouts on four: each run's history, its
-    final weights (a checkpoint of the last step, the whole tensors)."""
+def packed_data(tmp_path) -> list[str]:
+    """Documents written to ``tmp_path``, read packed: positions and attention reset per
+    document, no loss on end-of-document predictions."""
+    write_documents(tmp_path / "docs")
+    return ["data.source=indexed", f"data.paths={tmp_path / 'docs'}", "data.split=90,10,0", f"data.eod_id={EOD}",
+            "data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true",
+            f"data.cache_dir={tmp_path / 'cache'}"]
+
+
+def _runs(tmp_path, family: list[str]) -> dict[str, dict]:
+    """For synthetic data and for packed documents: cp=1 on one rank; cp=2 and cp=4 and the
+    composed layouts on four (one run_ranks call for both data): each run's history, its final
+    weights (a checkpoint of the last step, the whole tensors)."""
     layouts = {"cp2": ["parallel.cp=2", "parallel.dp=2"], "cp4": ["parallel.cp=4"],
                "cp2-tp2-sp": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
                "cp2-pp2-vpp2": ["parallel.cp=2", "parallel.pp=2", "parallel.vpp=2"],
@@ -62,20 +73,28 @@ def _runs(tmp_path, family: list[str], data: list[str]) -> dict:
                "cp2-recompute": ["parallel.cp=2", "parallel.dp=2", "train.recompute=full"],
                "cp2-selective": ["parallel.cp=2", "parallel.dp=2", "train.recompute=selective"]}
 
-    def save(name):
-        return [f"checkpoint.dir={tmp_path / name}", f"train.out_dir={tmp_path / name}-out"]
+    data = {"synthetic": [], "packed": packed_data(tmp_path)}
 
-    one = train_histories(1, BASE + family + data, [save("cp1")], timeout=240)[0]
-    many = train_histories(4, BASE + family + data, [sets + save(name) for name, sets in layouts.items()],
-                           timeout=600)
-    return {"cp1": (one, _weights(tmp_path / "cp1")),
-            **{name: (h, _weights(tmp_path / name)) for name, h in zip(layouts, many)}}
+    def save(kind, name):
+        return data[kind] + [f"checkpoint.dir={tmp_path / kind / name}", f"train.out_dir={tmp_path / kind / name}-out"]
+
+    one = train_histories(1, BASE + family, [save(kind, "cp1") for kind in data], timeout=240)
+    many = iter(train_histories(4, BASE + family, [sets + save(kind, name) for kind in data
+                                                   for name, sets in layouts.items()], timeout=600))
+    return {kind: {"cp1": (h, _weights(tmp_path / kind / "cp1")),
+                   **{name: (next(many), _weights(tmp_path / kind / name)) for name in layouts}}
+            for kind, h in zip(data, one)}
+
+
+def results(tmp_path_factory, family: str) -> dict[str, dict]:
+    return shared_result(RESULTS, family, lambda: _runs(tmp_path_factory.mktemp(f"cp-{family}"),
+                                                         LLAMA if family == "llama" else []))
 
 
 def _check(results: dict) -> None:
     reference, weights = results["cp1"]
     assert len({round(m["loss"], 6) for m in reference}) == len(reference), "every step moved the model"
-    assert [m["step"] for m in reference if "valid_loss" in m] == [4, 8]
+    assert [m["step"] for m in reference if "valid_loss" in m] == [2, 4]
     for name, (history, final) in results.items():
         assert_same_curve(reference, history, rel=1e-5, what=name)
         valid = [(m["step"], m["valid_loss"]) for m in history if "valid_loss" in m]
@@ -90,25 +109,21 @@ def _check(results: dict) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_every_cp_layout_trains_as_one_process(tmp_path_factory, family):
-    tmp = tmp_path_factory.mktemp(f"cp-{family}")
-    _check(shared_result(RESULTS, family, lambda: _runs(tmp, LLAMA if family == "llama" else [], [])))
+    _check(results(tmp_path_factory, family)["synthetic"])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_packed_documents_across_chunks_train_as_one_process(tmp_path, family):
-    write_documents(tmp_path / "docs")
-    data = ["data.source=indexed", f"data.paths={tmp_path / 'docs'}", "data.split=90,10,0", f"data.eod_id={EOD}",
-            "data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true",
-            f"data.cache_dir={tmp_path / 'cache'}"]
-    results = _runs(tmp_path, LLAMA if family == "llama" else [], data)
-    assert all(m["tokens"] < 8 * 32 for m in results["cp1"][0]), "end-of-document predictions carry no loss"
-    _check(results)
+def test_packed_documents_across_chunks_train_as_one_process(tmp_path_factory, family):
+    packed = results(tmp_path_factory, family)["packed"]
+    assert all(m["tokens"] < 8 * 32 for m in packed["cp1"][0]), "end-of-document predictions carry no loss"
+    _check(packed)
 
 
 def _resume_runs(tmp_path) -> list[list[dict]]:
-    base = BASE + LLAMA + ["checkpoint.save_every=4", "optim.decay_steps=8"]  # (one schedule for 4 or 8 steps)
+    base = BASE + LLAMA + ["train.steps=8", "train.eval_every=4", "checkpoint.save_every=4",
+                           "optim.decay_steps=8"]  # (one schedule for 4 or 8 steps)
     straight = train_histories(1, base, [[f"checkpoint.dir={tmp_path}/straight", f"train.out_dir={tmp_path}/s"]])[0]
     first = train_histories(4, base, [["parallel.cp=2", "parallel.dp=2", "train.steps=4",
                                        f"checkpoint.dir={tmp_path}/cp2", f"train.out_dir={tmp_path}/a"]])[0]

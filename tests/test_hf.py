@@ -5,8 +5,9 @@ checkpoint that a run starts from (``checkpoint.finetune``)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,9 +35,18 @@ def same_logits(ours: GPTModel, theirs, vocab: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def tessera(*argv) -> subprocess.CompletedProcess:
+    """``tessera ARGV`` in this process (``cli.main``): its exit status and what it printed."""
+    from tessera.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tessera", "checkpoint", *args], capture_output=True, text=True,
-                          timeout=120)
+    return tessera("checkpoint", *args)
 
 
 @pytest.mark.slow
@@ -168,9 +178,8 @@ def test_an_export_carries_the_datas_tokenizer(tmp_path):
 
     texts = list(pydoc_data.topics.topics.values())[:30]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    done = subprocess.run([sys.executable, "-m", "tessera", "preprocess", "--input", str(tmp_path / "docs.jsonl"),
-                           "--tokenizer", "bpe:300", "--output-prefix", str(tmp_path / "docs"), "--no-progress"],
-                          capture_output=True, text=True, timeout=120)
+    done = tessera("preprocess", "--input", str(tmp_path / "docs.jsonl"), "--tokenizer", "bpe:300", "--output-prefix",
+                   str(tmp_path / "docs"), "--no-progress")
     assert done.returncode == 0, done.stderr
     train(load_config(None, MODELS["gpt2"] + ["train.steps=2", "train.micro_batch=2", "train.global_batch=4",
                                               "data.source=indexed", f"data.paths={tmp_path / 'docs'}", "data.split=1,0,0",
@@ -192,9 +201,8 @@ def test_an_export_carries_the_datas_tokenizer(tmp_path):
     shutil.copyfile(tmp_path / "docs.tokenizer.json", tmp_path / "tokdir" / "tokenizer.json")
     assert cli("export", f"{tmp_path}/ck", "--hf", f"{tmp_path}/hf3", "--tokenizer", f"{tmp_path}/tokdir").returncode == 0
     assert (tmp_path / "hf3" / "tokenizer.json").exists()
-    big = subprocess.run([sys.executable, "-m", "tessera", "preprocess", "--input", str(tmp_path / "docs.jsonl"),
-                          "--tokenizer", "bpe:400", "--output-prefix", str(tmp_path / "big"), "--no-progress"],
-                         capture_output=True, text=True, timeout=120)
+    big = tessera("preprocess", "--input", str(tmp_path / "docs.jsonl"), "--tokenizer", "bpe:400", "--output-prefix",
+                  str(tmp_path / "big"), "--no-progress")
     assert big.returncode == 0, big.stderr
     done = cli("export", f"{tmp_path}/ck", "--hf", f"{tmp_path}/hf4", "--tokenizer", f"{tmp_path}/big.tokenizer.json")
     assert done.returncode == 2 and "has 400 ids, the model 300" in done.stderr, done.stderr
@@ -219,9 +227,8 @@ def test_an_export_from_elsewhere_writes_the_weights_and_says_where_it_looked(tm
     monkeypatch.chdir(tmp_path / "run")
     texts = ["some text here", "and more text there"] * 20
     (tmp_path / "run" / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    done = subprocess.run([sys.executable, "-m", "tessera", "preprocess", "--input", "docs.jsonl",
-                           "--tokenizer", "bpe:280", "--output-prefix", "docs", "--no-progress"],
-                          capture_output=True, text=True, timeout=120)
+    done = tessera("preprocess", "--input", "docs.jsonl", "--tokenizer", "bpe:280", "--output-prefix", "docs",
+                   "--no-progress")
     assert done.returncode == 0, done.stderr
     train(load_config(None, MODELS["gpt2"] + ["train.steps=1", "train.micro_batch=2", "train.global_batch=4",
                                               "data.source=indexed", "data.paths=docs", "data.split=1,0,0",

@@ -1,6 +1,11 @@
 """`tessera train` on Megatron indexed datasets: blended, packed, the same losses on any layout,
-and bad data paths refused before anything starts."""
+and bad data paths refused before anything starts.
 
+The command runs in this process (``cli.main``: its exit status and what it printed) where one
+process is enough, and the trainer in rank processes for the other layouts; the rank-local
+error is launched through torchrun, whose workers say it."""
+
+import re
 import subprocess
 import sys
 
@@ -8,10 +13,19 @@ import numpy as np
 import pytest
 
 from parity import assert_same_curve
+from tessera.cli import main
 from tessera.data import IndexedDatasetWriter
-from training_runs import run_train
+from training_runs import TINY, train_histories
 
 EOD = 1
+
+
+def tessera_train(capsys, sets: list[str]) -> tuple[int, str, str]:
+    """``tessera train --set ...`` in this process: its exit status, stdout and stderr."""
+    capsys.readouterr()
+    code = main(["train", *[a for s in sets for a in ("--set", s)]])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def write_corpus(prefix, seed, docs=60):
@@ -31,12 +45,12 @@ def test_blended_packed_indexed_data_on_every_layout(tmp_path):
             f"data.cache_dir={tmp_path / 'cache'}", f"data.eod_id={EOD}", "data.reset_position_ids=true",
             "data.reset_attention_mask=true", "data.eod_mask_loss=true", "model.vocab_size=64",
             "model.layers=4", "train.steps=6"]
-    reference, _ = run_train(tmp_path / "one", 1, data)
+    (reference,) = train_histories(1, TINY, [data + [f"train.out_dir={tmp_path / 'one'}"]])
     assert reference[-1]["loss"] < reference[0]["loss"]
     assert all(m["tokens"] < 8 * 32 for m in reference), "EOD predictions carry no loss"
     # throughput counts every token processed (global batch 8 x seq 32), not the loss's
     assert all(m["tokens_per_s"] * m["step_time_s"] == pytest.approx(8 * 32) for m in reference)
-    layout, _ = run_train(tmp_path / "tp2pp2", 4, data + ["parallel.tp=2", "parallel.pp=2"])
+    (layout,) = train_histories(4, TINY, [data + ["parallel.tp=2", "parallel.pp=2", f"train.out_dir={tmp_path / 'tp2pp2'}"]])
     assert_same_curve(reference, layout)
 
 
@@ -45,14 +59,12 @@ def test_blended_packed_indexed_data_on_every_layout(tmp_path):
     ("0.5,{a},x,{a}", "weight"),
     ("{missing}", "not found"),
 ])
-def test_bad_data_paths_are_refused_up_front(tmp_path, paths, problem):
+def test_bad_data_paths_are_refused_up_front(tmp_path, capsys, paths, problem):
     write_corpus(tmp_path / "a", 1)
     value = paths.format(a=tmp_path / "a", missing=tmp_path / "nope")
-    proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--set", "data.source=indexed",
-                           "--set", f"data.paths={value}", "--set", f"train.out_dir={tmp_path}/run"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert "data.paths" in proc.stderr and problem in proc.stderr.lower(), proc.stderr
+    code, _, err = tessera_train(capsys, ["data.source=indexed", f"data.paths={value}", f"train.out_dir={tmp_path}/run"])
+    assert code == 2, err
+    assert "data.paths" in err and problem in err.lower(), err
 
 
 @pytest.mark.parametrize("split", ["0,100,0", "1,1000,0"])
@@ -69,16 +81,15 @@ def test_a_split_that_leaves_training_no_sample_is_refused_up_front(tmp_path, sp
 
 
 @pytest.mark.slow
-def test_token_ids_past_the_model_vocabulary_stop_the_run(tmp_path):
+def test_token_ids_past_the_model_vocabulary_stop_the_run(tmp_path, capsys):
     """The corpus holds ids up to 63; a 32-id model would otherwise train on zero embeddings
     under a vocab-parallel layout (no rank owns the id) or fail on one device."""
     write_corpus(tmp_path / "a", 1)
-    proc = subprocess.run([sys.executable, "-m", "tessera", "train", *[a for s in (
+    code, _, err = tessera_train(capsys, [
         "data.source=indexed", f"data.paths={tmp_path / 'a'}", "data.split=1,0,0", "model.vocab_size=32",
-        "model.layers=1", "train.steps=2", f"train.out_dir={tmp_path}/run") for a in ("--set", s)]],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "model.vocab_size: sample" in proc.stderr and "outside the model's vocabulary [0, 32)" in proc.stderr
+        "model.layers=1", "train.steps=2", f"train.out_dir={tmp_path}/run"])
+    assert code == 2, err
+    assert "model.vocab_size: sample" in err and "outside the model's vocabulary [0, 32)" in err
 
 
 @pytest.mark.slow
@@ -103,7 +114,7 @@ def test_a_bad_id_in_one_ranks_share_is_said_by_that_rank(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_jsonl_to_training(tmp_path):
+def test_jsonl_to_training(tmp_path, capsys):
     """The whole pipeline: text -> `tessera preprocess` (a BPE trained on it) -> `tessera train`."""
     import json
 
@@ -113,13 +124,13 @@ def test_jsonl_to_training(tmp_path):
 
     texts = list(pydoc_data.topics.topics.values())[:40]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    proc = subprocess.run([sys.executable, "-m", "tessera", "preprocess", "--input", str(tmp_path / "docs.jsonl"),
-                           "--key", "text", "--tokenizer", "bpe:500", "--output-prefix", str(tmp_path / "docs"),
-                           "--no-progress"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    curve, out = run_train(tmp_path / "run", 1, ["data.source=indexed", f"data.paths={tmp_path / 'docs'}",
-                                                 "model.vocab_size=512", "train.steps=4", "data.split=1,0,0",
-                                                 "train.sample_tokens=8", "train.sample_prompt=The object"])
+    assert main(["preprocess", "--input", str(tmp_path / "docs.jsonl"), "--key", "text", "--tokenizer", "bpe:500",
+                 "--output-prefix", str(tmp_path / "docs"), "--no-progress"]) == 0
+    code, out, err = tessera_train(capsys, TINY + [
+        "data.source=indexed", f"data.paths={tmp_path / 'docs'}", "model.vocab_size=512", "train.steps=4",
+        "data.split=1,0,0", "train.sample_tokens=8", "train.sample_prompt=The object", f"train.out_dir={tmp_path}/run"])
+    assert code == 0, err
+    curve = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(curve) == 4 and curve[-1]["loss"] < curve[0]["loss"]
     # the sample is encoded and decoded with the data's own BPE (docs.tokenizer.json), not bytes
     from tessera.data import FileTokenizer
@@ -130,9 +141,11 @@ def test_jsonl_to_training(tmp_path):
     # the data's tokenizer has 500 ids: refused up front, with or without a sample (it was found
     # only when a rank read such an id, after the launch)
     for sample_tokens in (8, 0):
-        with pytest.raises(AssertionError, match=r"model.vocab_size: 256 is smaller than the 500 ids of .*docs\.tokenizer\.json"):
-            run_train(tmp_path / "small", 1, ["data.source=indexed", f"data.paths={tmp_path / 'docs'}", "model.vocab_size=256",
-                                              "data.split=1,0,0", f"train.sample_tokens={sample_tokens}"])
+        code, _, err = tessera_train(capsys, TINY + [
+            "data.source=indexed", f"data.paths={tmp_path / 'docs'}", "model.vocab_size=256", "data.split=1,0,0",
+            f"train.sample_tokens={sample_tokens}", f"train.out_dir={tmp_path}/small"])
+        assert code == 2 and re.search(r"model.vocab_size: 256 is smaller than the 500 ids of .*docs\.tokenizer\.json",
+                                       err), err
 
 
 def test_a_blend_of_two_vocabularies_is_refused_up_front(tmp_path):

@@ -129,13 +129,25 @@ def test_every_layout_loads_the_import_and_generates_and_evaluates_alike(importe
             assert out[family][1][0] == pytest.approx(one[family][1][0], rel=1e-6), (family, layout)
 
 
+def _command_worker(rank: int, world: int, argv: list[str]) -> str:
+    """``tessera ARGV`` on this rank, as a torchrun worker runs it: what it printed."""
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(argv) == 0
+    return printed.getvalue()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tessera_generate_and_eval_on_an_imported_model_with_its_tokenizer(tmp_path, capsys):
     """The commands end to end on a transformers folder with a tokenizer.json (byte tokens) and
     an end-of-sequence id: ``tessera generate`` prints what transformers generates, stopping
     where it stops; ``tessera eval --jsonl`` prints transformers' loss; both at tp=2 x pp=2 and
-    dp=2 too."""
+    dp=2 too. (One process in this one; tp=2 x pp=2 in four rank processes, as torchrun's workers
+    run the command; dp=2 launched with --nproc-per-node 2, through torchrun.)"""
     import subprocess
     import sys
 
@@ -161,26 +173,34 @@ def test_tessera_generate_and_eval_on_an_imported_model_with_its_tokenizer(tmp_p
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in prompts))
     texts = ["A sentence to score, with some words.", "And another, longer one: " + "la " * 20]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    capsys.readouterr()
-    for launch in ([], ["--nproc-per-node", "4", "--set", "parallel.tp=2", "--set", "parallel.pp=2"],
-                   ["--nproc-per-node", "2"]):  # (one process, tp=2 x pp=2, two replicas: a prompt each)
-        done = subprocess.run([sys.executable, "-m", "tessera", "generate", "--checkpoint", str(tmp_path / "ck"),
-                               "--prompts", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "10",
-                               "--temperature", "0", "--json", *launch], capture_output=True, text=True, timeout=200)
+    commands = {"generate": ["generate", "--checkpoint", str(tmp_path / "ck"), "--prompts", str(tmp_path / "prompts.jsonl"),
+                             "--max-new-tokens", "10", "--temperature", "0", "--json"],
+                "eval": ["eval", "--checkpoint", str(tmp_path / "ck"), "--jsonl", str(tmp_path / "docs.jsonl"), "--json"]}
+
+    def printed(command: str, launch: str) -> str:
+        """What ``command`` printed: one process, tp2 x pp2 (four ranks) or dp2 (torchrun)."""
+        if launch == "one process":
+            capsys.readouterr()
+            assert main(commands[command]) == 0
+            return capsys.readouterr().out
+        if launch == "tp2 x pp2":
+            argv = commands[command] + ["--set", "parallel.tp=2", "--set", "parallel.pp=2"]
+            return run_ranks(_command_worker, 4, argv, timeout=240)[0]
+        done = subprocess.run([sys.executable, "-m", "tessera", *commands[command], "--nproc-per-node", "2"],
+                              capture_output=True, text=True, timeout=200)
         assert done.returncode == 0, done.stderr[-3000:]
-        lines = [json.loads(line) for line in done.stdout.splitlines()]
-        assert [line["prompt"] for line in lines] == prompts
-        assert [bytes_of.encode(t) + line["tokens"] for t, line in zip(prompts, lines)] == theirs
+        return done.stdout
+
+    for launch in ("one process", "tp2 x pp2", "dp2"):  # (two replicas: a prompt each)
+        lines = [json.loads(line) for line in printed("generate", launch).splitlines()]
+        assert [line["prompt"] for line in lines] == prompts, launch
+        assert [bytes_of.encode(t) + line["tokens"] for t, line in zip(prompts, lines)] == theirs, launch
         assert lines[0]["stop"] == "end_of_document" and lines[1]["stop"] == "length"
         assert lines[1]["text"] == bytes_of.decode(theirs[1])
-        done = subprocess.run([sys.executable, "-m", "tessera", "eval", "--checkpoint", str(tmp_path / "ck"), "--jsonl",
-                               str(tmp_path / "docs.jsonl"), "--json", *launch], capture_output=True, text=True,
-                              timeout=200)
-        assert done.returncode == 0, done.stderr[-3000:]
-        figure = json.loads(done.stdout)
+        figure = json.loads(printed("eval", launch))
         ids = [bytes_of.encode(t) for t in texts]
         windows = [row[i: i + 33] for row in ids for i in range(0, len(row) - 1, 32)]
         with torch.no_grad():
             want = sum(model(torch.tensor([w]), labels=torch.tensor([w])).loss.item() * (len(w) - 1) for w in windows)
         assert figure["tokens"] == sum(len(w) - 1 for w in windows)
-        assert figure["loss"] == pytest.approx(want / figure["tokens"], rel=1e-5)
+        assert figure["loss"] == pytest.approx(want / figure["tokens"], rel=1e-5), launch

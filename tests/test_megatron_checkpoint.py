@@ -13,6 +13,8 @@ whose logits then equal tessera's. The refusals need no megatron-core.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -126,8 +128,13 @@ def save_megatron(dist_checkpointing, model, args, root, iteration: int) -> None
 
 
 def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tessera", "checkpoint", *args], capture_output=True, text=True,
-                          timeout=180)
+    """``tessera checkpoint ...`` in this process: its exit status and what it printed."""
+    from tessera.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["checkpoint", *args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.slow

@@ -149,24 +149,23 @@ def test_an_indexed_dataset_in_s3_trains_as_its_local_copy_does(s3, tmp_path, mo
 @pytest.mark.timeout(400)
 def test_two_ranks_save_to_s3_in_the_background_and_resume(s3, tmp_path):
     """Two processes, zero=1, checkpoint.async_save: each rank writes (and checksums) its own
-    objects, rank 0 the marker; the job run again resumes from s3 and ends where one run does."""
+    objects, rank 0 the marker; the job run again resumes from s3 and ends where one run does.
+    (The trainer in two rank processes, as each torchrun worker runs it: the launch itself is
+    test_cli_launch's and test_checkpoint's.)"""
+    from training_runs import train_outputs
+
     url = s3("ranks") + "/run"
-
-    def run(steps, out, ck):
-        sets = TINY + ["parallel.dp=2", "parallel.zero=1", "checkpoint.async_save=true", "checkpoint.save_every=2",
-                       f"train.steps={steps}", f"train.out_dir={out}", f"checkpoint.dir={ck}"]
-        proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--nproc-per-node", "2",
-                               *(a for s in sets for a in ("--set", s))], capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()], proc.stdout
-
-    first, _ = run(2, tmp_path / "a", url)
-    resumed, out = run(4, tmp_path / "b", url)
+    sets = ["parallel.dp=2", "parallel.zero=1", "checkpoint.async_save=true", "checkpoint.save_every=2"]
+    env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                                       "AWS_ENDPOINT_URL")}
+    (first, _), (resumed, out), (straight, _) = train_outputs(2, TINY + sets, [
+        ["train.steps=2", f"train.out_dir={tmp_path / 'a'}", f"checkpoint.dir={url}"],
+        ["train.steps=4", f"train.out_dir={tmp_path / 'b'}", f"checkpoint.dir={url}"],
+        ["train.steps=4", f"train.out_dir={tmp_path / 'c'}", f"checkpoint.dir={tmp_path / 'ck'}"]], env=env)
     assert f"resumed from {url}/step_00000002 at step 2" in out
     assert [step for step, _ in checkpoints(url)] == [2, 4]
     sums = json.loads(_fs().cat_file("ranks/run/step_00000004/tessera.json"))["checksums"]
     assert any(n.startswith("__0_") for n in sums) and any(n.startswith("__1_") for n in sums)
-    straight, _ = run(4, tmp_path / "c", tmp_path / "ck")
     keys = ("step", "loss", "grad_norm")
     assert [[m[k] for k in keys] for m in first + resumed] == [[m[k] for k in keys] for m in straight]
 

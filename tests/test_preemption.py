@@ -137,8 +137,9 @@ def _metrics(path) -> list[dict]:
 
 
 def _wait_for_step(path, step: int, proc, deadline_s: float = 240) -> None:
+    """Until ``path`` holds ``step``'s metrics (those of a run that started after step 1 too)."""
     deadline = time.monotonic() + deadline_s  # (generous: bounds a hang only)
-    while len(_metrics(path)) < step:
+    while not any(m["step"] == step for m in _metrics(path)):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the run did not reach the step"
         time.sleep(0.2)
@@ -166,32 +167,41 @@ LONG = ["data.source=synthetic", "train.steps=400", "train.log_every=1", "checkp
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the job's processes in /proc")
-@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGUSR1 to every process (Slurm)"])
-def test_a_signalled_job_saves_exits_0_and_the_same_command_resumes(tmp_path, how):
+def test_a_signalled_job_saves_exits_0_and_the_same_command_resumes(tmp_path):
+    """SIGTERM to the launcher, then (to the resumed job) SIGUSR1 to every process, as Slurm
+    sends it: each time the job saves, says so and exits 0, and the same command resumes from
+    that checkpoint."""
     sets = LONG + [f"train.out_dir={tmp_path}/out", f"checkpoint.dir={tmp_path}/ck"]
-    run = _tessera(tmp_path, sets)
-    try:
-        _wait_for_step(tmp_path / "out" / "metrics.jsonl", 3, run)
-        if how.startswith("SIGTERM"):
-            run.send_signal(signal.SIGTERM)
-        else:  # a job step's every process: the launcher, torchrun, the workers
-            for pid in [run.pid, *_descendants(run.pid)]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGUSR1)
-        out, err = run.communicate(timeout=240)
-    finally:
-        run.kill()
-    assert run.returncode == 0, err[-3000:]
-    done = _metrics(tmp_path / "out" / "metrics.jsonl")[-1]["step"]
-    assert 3 <= done < 400 and [step for step, _ in checkpoints(f"{tmp_path}/ck")] == [done]
-    assert f"tessera: stopped after step {done} of 400" in out and "the same command resumes from it" in out
+    metrics, saved, start = tmp_path / "out" / "metrics.jsonl", [], 0
+    for how in ("SIGTERM to the launcher", "SIGUSR1 to every process (Slurm)"):
+        run = _tessera(tmp_path, sets)
+        try:
+            _wait_for_step(metrics, start + 3, run)  # (3 steps of this launch)
+            if how.startswith("SIGTERM"):
+                run.send_signal(signal.SIGTERM)
+            else:  # a job step's every process: the launcher, torchrun, the workers
+                for pid in [run.pid, *_descendants(run.pid)]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGUSR1)
+            out, err = run.communicate(timeout=240)
+        finally:
+            run.kill()
+        assert run.returncode == 0, (how, err[-3000:])
+        if start:
+            assert f"resumed from {tmp_path}/ck/step_{start:08d} at step {start}" in out, how
+        done = _metrics(metrics)[-1]["step"]
+        assert start + 3 <= done < 400, how
+        saved.append(done)
+        assert [step for step, _ in checkpoints(f"{tmp_path}/ck")] == saved, how
+        assert f"tessera: stopped after step {done} of 400" in out and "the same command resumes from it" in out, how
+        start = done
     again = _tessera(tmp_path, sets[:1] + ["train.steps=" + str(done + 2)] + sets[2:])  # (a shorter rest)
     out, err = again.communicate(timeout=240)
     assert again.returncode == 0, err[-3000:]
     assert f"resumed from {tmp_path}/ck/step_{done:08d} at step {done}" in out
-    assert [m["step"] for m in _metrics(tmp_path / "out" / "metrics.jsonl")] == [done + 1, done + 2]
+    assert [m["step"] for m in _metrics(metrics)] == [done + 1, done + 2]
 
 
 @pytest.mark.slow
@@ -199,21 +209,22 @@ def test_a_signalled_job_saves_exits_0_and_the_same_command_resumes(tmp_path, ho
 def test_a_killed_worker_restarts_from_the_newest_checkpoint_with_the_same_losses(tmp_path):
     """train.inject_fault=kill: the last rank SIGKILLs itself as step 7 starts, in the first
     attempt only; torchrun (--max-restarts 1) restarts both workers, which resume from step 4's
-    checkpoint and end as an uninterrupted run on the same layout does, to the bit (CPU)."""
+    checkpoint and end as an uninterrupted run on the same layout does, to the bit (CPU; that
+    one the trainer in two rank processes, as each torchrun worker runs it)."""
+    from training_runs import TINY, train_histories
+
     common = ["data.source=synthetic", "train.steps=10", "train.log_every=1", "checkpoint.save_every=4"]
     killed = _tessera(tmp_path, common + [f"train.out_dir={tmp_path}/a", f"checkpoint.dir={tmp_path}/a/ck",
                                           "train.inject_fault=kill", "train.inject_fault_step=7"],
                       extra=("--max-restarts", "1"))
-    straight = _tessera(tmp_path, common + [f"train.out_dir={tmp_path}/b", f"checkpoint.dir={tmp_path}/b/ck"])
-    outs = {}
-    for name, proc in (("killed", killed), ("straight", straight)):
-        outs[name], err = proc.communicate(timeout=400)
-        assert proc.returncode == 0, err[-3000:]
-    assert f"resumed from {tmp_path}/a/ck/step_00000004 at step 4" in outs["killed"]
+    out, err = killed.communicate(timeout=400)
+    assert killed.returncode == 0, err[-3000:]
+    assert f"resumed from {tmp_path}/a/ck/step_00000004 at step 4" in out
     first = _metrics(tmp_path / "a" / "metrics.1.jsonl")  # (the first attempt's, kept aside by the restart)
     after = _metrics(tmp_path / "a" / "metrics.jsonl")
     assert [m["step"] for m in first] == [1, 2, 3, 4, 5, 6] and after[0]["step"] == 5, (first, after)
+    (straight,) = train_histories(2, TINY + common, [[f"train.out_dir={tmp_path}/b", f"checkpoint.dir={tmp_path}/b/ck"]])
     keys = ("step", "loss", "grad_norm", "lr")
     joined = [[m[k] for k in keys] for m in first[:4] + after]
-    assert joined == [[m[k] for k in keys] for m in _metrics(tmp_path / "b" / "metrics.jsonl")]
+    assert joined == [[m[k] for k in keys] for m in straight]
     assert [step for step, _ in checkpoints(f"{tmp_path}/a/ck")] == [4, 8, 10]

@@ -8,7 +8,8 @@
   the collectives and parameter gathers, fused weight gradients).
 - ``run_train``: ``tessera train`` as a user runs it (the CLI, torchrun for several processes),
   its metrics.jsonl read back.
-- ``train_histories``: the trainer's ``train`` in ``run_ranks`` workers, each run's history.
+- ``train_histories`` / ``train_outputs``: the trainer's ``train`` in ``run_ranks`` workers, each
+  run's history (and what it printed).
 - ``shared_result``: one multi-rank call's result shared by the tests that read it.
 
 Rank processes import this module to find ``train_histories``' worker, and the test modules
@@ -17,6 +18,8 @@ that import it to find theirs: it imports no pytest (about 0.1 s of CPU per rank
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -201,15 +204,33 @@ def run_train(out_dir, nproc, overrides, timeout=180) -> tuple[list[dict], str]:
 
 
 # -- the trainer in rank processes -----------------------------------------------------------------------
-def _train_runs(rank: int, world: int, base: list[str], runs: list[list[str]]) -> list[list[dict] | None]:
-    """Each run's metrics on the logging rank (None elsewhere)."""
+def _train_runs(rank: int, world: int, base: list[str], runs: list[list[str]],
+                env: dict[str, str]) -> list[tuple[list[dict], str] | None]:
+    """Each run's metrics and what it printed, on the logging rank (None elsewhere)."""
+    import os
+
     from tessera.training.trainer import train
 
-    return [train(load_config(None, base + overrides)) or None for overrides in runs]
+    os.environ.update(env)
+    out = []
+    for overrides in runs:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            history = train(load_config(None, base + overrides))
+        out.append((history, printed.getvalue()) if history else None)
+    return out
+
+
+def train_outputs(world: int, base: list[str], runs: list[list[str]], timeout: float = 240,
+                  env: dict[str, str] | None = None) -> list[tuple[list[dict], str]]:
+    """``train`` (what each worker of ``tessera train`` runs) on ``world`` ranks for each run's
+    ``base + overrides``, one after the other in one ``run_ranks`` call: each run's history (the
+    metrics the logging rank logged) and the lines that rank printed. ``env``: set in the rank
+    processes first (they are forked from a server started once, with the environment of then)."""
+    by_rank = run_ranks(_train_runs, world, base, runs, env or {}, timeout=timeout)
+    return [next(h[i] for h in by_rank if h[i] is not None) for i in range(len(runs))]
 
 
 def train_histories(world: int, base: list[str], runs: list[list[str]], timeout: float = 240) -> list[list[dict]]:
-    """``train`` on ``world`` ranks for each run's ``base + overrides``, one after the other in one
-    ``run_ranks`` call: each run's history (the metrics the logging rank logged)."""
-    by_rank = run_ranks(_train_runs, world, base, runs, timeout=timeout)
-    return [next(h[i] for h in by_rank if h[i] is not None) for i in range(len(runs))]
+    """:func:`train_outputs`' histories alone."""
+    return [history for history, _ in train_outputs(world, base, runs, timeout)]
