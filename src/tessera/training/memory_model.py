@@ -24,7 +24,8 @@
   and the gradients of its two widest tensors), FSDP's gathered layer (two in the compute dtype,
   the one being computed and the prefetched next, the fp8 linears' weights at a byte where FSDP
   gathers them in fp8, and an fp32 gradient), zero=2's two bucket
-  gradient buffers in flight.
+  gradient buffers in flight; the tensorwise fp8 weight cache (a byte per element of each fp8
+  linear's weight, twice: as cast and column-major), held from a step's first forward to its update.
 
 Not counted: the CUDA context, NCCL's buffers, the allocator's fragmentation (``tessera plan``
 keeps a headroom for them), CUDA graphs' pools, compiled code's workspaces.
@@ -247,6 +248,15 @@ class Prediction:
         return self.state.total + self.activations + self.temporaries
 
 
+FP8_LINEARS = (".qkv.weight", ".proj.weight", ".fc1.weight", ".fc2.weight")  # the layers' fp8 GEMMs' weights
+
+
+def fp8_cache_bytes(chunk_params: list[list[Param]]) -> float:
+    """The tensorwise fp8 weight cache (tensor_parallel/fp8_linear.py ``cast_weight``): each fp8
+    linear's weight at a byte, as cast and column-major."""
+    return 2.0 * sum(q.numel for chunk in chunk_params for q in chunk if q.name.endswith(FP8_LINEARS))
+
+
 def _transients(cfg: Config, chunk_params: list[list[Param]], fp8_gather: bool = False) -> tuple[float, float]:
     """(during any compute, during a backward) from data parallelism: FSDP's gathered layers (the
     fp8 linears' weights at a byte where ``fp8_gather``), zero=2's gradient buckets in flight."""
@@ -254,7 +264,7 @@ def _transients(cfg: Config, chunk_params: list[list[Param]], fp8_gather: bool =
     if p.zero == 3:
         layers, gathered = Counter(), Counter()
         for q in (q for chunk in chunk_params for q in chunk if q.name.startswith("layers.")):
-            in_fp8 = fp8_gather and q.name.endswith((".qkv.weight", ".proj.weight", ".fc1.weight", ".fc2.weight"))
+            in_fp8 = fp8_gather and q.name.endswith(FP8_LINEARS)
             layers[q.name.split(".")[1]] += q.numel
             gathered[q.name.split(".")[1]] += q.numel * (1 if in_fp8 else DTYPE_BYTES[t.dtype])
         return 2 * max(gathered.values(), default=0), 4 * max(layers.values(), default=0)
@@ -274,6 +284,8 @@ def predict(cfg: Config, plan: ExecutionPlan, pp_rank: int = 0, dp_rank: int = 0
     per_chunk = [chunk_bytes(cfg, act, stage, layers) for stage, layers in chunks]
     params = rank_parameters(cfg, pp_rank)
     always, in_backward = _transients(cfg, params, plan.fp8_param_gather)
+    if plan.fp8_weight_cache:
+        always += fp8_cache_bytes(params)
     m = microbatch_count or microbatches(cfg)
     held = deferred = 0.0
     holding: set[tuple[int, int]] = set()

@@ -32,7 +32,7 @@ class ExecutionPlan:
     fused_elementwise: bool  # llama's RMSNorm, RoPE, SwiGLU as compiled functions in eager layers
     comm_overlap: bool  # a column layer's input-gradient reduction overlaps its weight-gradient GEMM
     fused_cross_entropy: bool  # the compiled vocab-parallel loss
-    fp8_weight_cache: bool = False  # tensorwise fp8 weights cast once per step (eager layers)
+    fp8_weight_cache: bool = False  # tensorwise fp8 weights cast once per step
     fp8_param_gather: bool = False  # zero=3: FSDP gathers tensorwise fp8 weights as e4m3 bytes (eager layers)
 
     @property
@@ -55,7 +55,7 @@ class ExecutionPlan:
         if self.fused_elementwise:
             parts.append("RMSNorm / RoPE / SwiGLU compiled")
         if cfg.train.fp8 != "none":
-            cast = "once per step" if self.fp8_weight_cache and not self.compiled else "in the layers' kernels"
+            cast = "once per step" if self.fp8_weight_cache and not self.graphed else "in the layers' kernels"
             if self.fp8_param_gather:
                 cast = "before FSDP's all-gather, gathered as fp8"
             elif p.zero == 3:
