@@ -140,9 +140,8 @@ class Attention(nn.Module):
         self.rope = (RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta, device, tp.fused_elementwise)
                      if cfg.family == "llama" else None)
 
-    def forward(self, x: Tensor, seq: PackedSequence, fp8: dict | None = None) -> Tensor:
-        """``fp8``: the fp8 casts of the layer's weights (``TransformerLayer.fp8_weights``)."""
-        qkv = self.qkv(x, fp8_cast=None if fp8 is None else fp8["qkv"])  # [s, b, (heads + 2 kv_heads) * head_dim / tp]
+    def forward(self, x: Tensor, seq: PackedSequence) -> Tensor:
+        qkv = self.qkv(x)  # [s, b, (heads + 2 kv_heads) * head_dim / tp]
         s, b = qkv.shape[:2]
         q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
                              self.kv_heads * self.head_dim], dim=-1)
@@ -154,7 +153,7 @@ class Attention(nn.Module):
         with self.tp.split_region() if dropout else contextlib.nullcontext():
             o = seq.attention(q, k, v, dropout, enable_gqa=self.heads != self.kv_heads)  # causal, within documents
         o = o.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)  # [s, b, h/tp]
-        return self.proj(o, fp8_cast=None if fp8 is None else fp8["proj"])
+        return self.proj(o)
 
 
 class MLP(nn.Module):
@@ -173,13 +172,13 @@ class MLP(nn.Module):
                                         comm_overlap=tp.comm_overlap, **common)
         self.fc2 = RowParallelLinear(ffn, cfg.hidden, bias=gpt2, init_std=out_std, **common)
 
-    def forward(self, x: Tensor, fp8: dict | None = None) -> Tensor:
-        y = self.fc1(x, fp8_cast=None if fp8 is None else fp8["fc1"])
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.fc1(x)
         if self.family == "gpt2":
             y = F.gelu(y, approximate=self.approximate)
         else:
             y = kernels(self.fused, y).swiglu(y)
-        return self.fc2(y, fp8_cast=None if fp8 is None else fp8["fc2"])
+        return self.fc2(y)
 
 
 class TransformerLayer(nn.Module):
@@ -193,20 +192,6 @@ class TransformerLayer(nn.Module):
         self.mlp_norm = build_norm(cfg, tp, device)
         self.mlp = MLP(cfg, tp, device)
         self.graph = None  # a CUDA-graphed replay of block() (use_graph)
-        self.compiled_block = None  # block() torch.compile'd (compile)
-
-    def compile(self, *args, **kwargs) -> None:
-        """Compile :meth:`block` (``torch.compile(block, *args, **kwargs)``), not the whole call: the
-        forward hooks (data parallelism's parameter-gather waits) and the fp8 weight lookups run
-        eagerly before it, and the compiled block takes the cast weights as inputs."""
-        self.compiled_block = torch.compile(self.block, *args, **kwargs)
-
-    def fp8_weights(self) -> dict | None:
-        """The tensorwise fp8 casts of the four linear layers' weights from the step's cache (cast
-        at the first micro-batch after an update), or None where the cache does not serve them."""
-        linears = {"qkv": self.attn.qkv, "proj": self.attn.proj, "fc1": self.mlp.fc1, "fc2": self.mlp.fc2}
-        casts = {name: m.fp8_weight() for name, m in linears.items()}
-        return None if any(c is None for c in casts.values()) else casts
 
     def use_graph(self, replay) -> None:
         """In training, run ``replay(x, seq)`` (this layer's forward and backward captured as CUDA
@@ -222,11 +207,8 @@ class TransformerLayer(nn.Module):
     def forward(self, x: Tensor, seq: PackedSequence | None = None) -> Tensor:
         if self.graph is not None and self.training:
             return self.graph(x, seq)
-        if self.compiled_block is not None:
-            return self.compiled_block(x, seq, self.fp8_weights())
         return self.block(x, seq)
 
-    def block(self, x: Tensor, seq: PackedSequence | None = None, fp8: dict | None = None) -> Tensor:
-        """The layer's computation; ``fp8``: its weights' fp8 casts (:meth:`fp8_weights`)."""
-        x = x + self._drop(self.attn(self.attn_norm(x), seq or PackedSequence(), fp8))
-        return x + self._drop(self.mlp(self.mlp_norm(x), fp8))
+    def block(self, x: Tensor, seq: PackedSequence | None = None) -> Tensor:
+        x = x + self._drop(self.attn(self.attn_norm(x), seq or PackedSequence()))
+        return x + self._drop(self.mlp(self.mlp_norm(x)))

@@ -10,9 +10,8 @@ graph stays out of it:
   two GEMMs are one opaque op, ``tessera::fp8_input_grad``, that returns dx and files, fuses or
   adds dW as a side effect, finding the store by the weight's storage (as the bf16
   ``tessera::linear_input_grad`` of wgrad.py); in eager code the function does it directly;
-* the weight cache (``Float8WeightCache``, tensorwise): looked up in eager code only. A compiled
-  transformer layer compiles its block, not its call: the layer looks its weights up eagerly
-  (:func:`cached_weight`) and hands the casts to the compiled block as inputs (``cast=``).
+* the weight cache (``Float8WeightCache``, tensorwise): eager code only; compiled code casts the
+  weight in its fused kernels.
 
 A weight FSDP gathered in fp8 (zero=3, tensorwise: distributed/fsdp_fp8.py) arrives as a
 ``Float8Weight``: its e4m3 bytes and factor are the cast weight, as the cache's are.
@@ -83,36 +82,15 @@ def _(gq, gs, wq, ws, gtq, gts, xq, xs, weight, out_dtype):
     return gq.new_empty(gq.shape[0], wq.shape[1], dtype=out_dtype)
 
 
-def cast_weight(weight: Tensor, sharded: bool, group: Group) -> tuple[Tensor, Tensor, Tensor]:
-    """A tensorwise weight's (e4m3 copy [n, k], dequantizing factor, the copy column-major): the
-    forward GEMM takes the copy as it is, the input-gradient GEMM (``dx = g @ W``) the
-    column-major one, so a cached cast serves both without a transposing copy per micro-batch."""
-    wq, ws = quantize(weight, E4M3, (0, 1), sharded, group)
-    return wq, ws, wq.t().contiguous().t()
-
-
-def cached_weight(weight: Tensor, recipe: Float8Recipe | None, sharded: str | None, group: Group,
-                  cache: Float8WeightCache | None) -> tuple[Tensor, Tensor, Tensor] | None:
-    """``weight``'s :func:`cast_weight` from ``cache`` (cast on its first use since a change), or
-    None where the cache does not serve it: no cache, rowwise, compiled code, a CUDA graph
-    capture, or a weight FSDP gathered in fp8."""
-    if (recipe is None or recipe.scaling != "tensorwise" or isinstance(weight, Float8Weight)
-            or not cache_applies(cache, weight)):
-        return None
-    # (detached: outside the autograd function a cast on the weight would enter autograd's graph)
-    return cache.get(weight, lambda: cast_weight(weight.detach(), sharded is not None, group))
-
-
 class _Float8Linear(torch.autograd.Function):
     """``y = x W^T + b`` with x [m, k] and W [n, k] in fp8. ``sharded``: which of W's dims the TP
     group splits ("n": column-parallel, "k": row-parallel, None), so which amaxes to reduce.
     ``gather``: x is a sequence slice, gathered in fp8 (tensorwise, column-parallel).
     ``store``: a WeightGradStore (eager code); ``registered``: compiled code whose weight a
-    store registered (the opaque op files dW). ``wq, ws, wt``: the weight's cast (fp8 copy,
-    factor, the copy column-major or None) where it was cast before."""
+    store registered (the opaque op files dW). ``wcache``: the weight's fp8 copy and factor."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, group, sharded, store, registered, gather, wq, ws, wt):
+    def forward(ctx, x, weight, bias, recipe, group, sharded, store, registered, gather, wcache):
         rowwise = recipe.scaling == "rowwise"
         if gather:  # [s/tp, b, k] -> x2 [s*b, k], quantized under the whole tensor's scale
             xq, xs = gather_quantized(x, group)
@@ -123,8 +101,9 @@ class _Float8Linear(torch.autograd.Function):
             # y = x @ W^T: x's rows and W's rows, each over k
             xq, xs = quantize(x2, E4M3, (1,) if rowwise else (0, 1), sharded == "k", group)
             out_shape = (*x.shape[:-1], weight.shape[0])
-        if wq is None:
-            wt = None
+        if wcache is not None:
+            wq, ws = wcache
+        else:
             wq, ws = quantize(weight, E4M3, (1,) if rowwise else (0, 1),
                               sharded == "k" if rowwise else sharded is not None, group)
         y = scaled_matmul(xq, xs, wq.t(), ws.t(), x.dtype)
@@ -133,7 +112,7 @@ class _Float8Linear(torch.autograd.Function):
         if rowwise:  # the backward's GEMMs reduce over other axes: quantized again from these
             ctx.save_for_backward(x2, weight)
         else:
-            ctx.save_for_backward(xq, xs, wq if wt is None else wt, ws, weight)  # (dx = g @ W)
+            ctx.save_for_backward(xq, xs, wq, ws, weight)
         ctx.recipe, ctx.group, ctx.sharded, ctx.registered, ctx.gather = recipe, group, sharded, registered, gather
         if store is not None:
             ctx.store, ctx.weight = store, weight
@@ -173,33 +152,30 @@ class _Float8Linear(torch.autograd.Function):
                 grad_w = scaled_matmul(gtq, gts, xq, xs, torch.float32).to(weight.dtype)
         if ctx.gather:  # the gathered input's gradient: partial sums over TP, reduce-scattered
             grad_x = _reduce_scatter_first(grad_x.view(-1, *ctx.x_shape[1:]), group)
-        return grad_x.view(ctx.x_shape), grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return grad_x.view(ctx.x_shape), grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Float8Recipe, group: Group = None,
                sharded: str | None = None, store: WeightGradStore | None = None,
-               cache: Float8WeightCache | None = None, gather: bool = False,
-               cast: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+               cache: Float8WeightCache | None = None, gather: bool = False) -> Tensor:
     """``F.linear(x, weight, bias)`` with its three GEMMs in float8 (the module docstring).
     ``cache``: reuse the weight's fp8 copy until it changes (tensorwise). ``gather``: ``x`` is this
     rank's sequence slice [s/tp, b, k] of a column-parallel layer's input, all-gathered in fp8
-    (tensorwise; backward reduce-scatters its gradient). ``cast``: the weight's
-    :func:`cast_weight`, looked up before (a compiled layer takes it as an input)."""
+    (tensorwise; backward reduce-scatters its gradient)."""
     rowwise = recipe.scaling == "rowwise"
     if gather and (rowwise or sharded != "n"):
         raise ValueError("an fp8 gather of the input is for tensorwise column-parallel layers")
     gather = gather and group_size(group) > 1
-    if cast is not None and rowwise:
-        raise ValueError("a weight cast before the layer is tensorwise; rowwise casts it in the layer")
+    wcache = None
     if isinstance(weight, Float8Weight):  # gathered in fp8 under the whole weight's scale
         if rowwise:
             raise ValueError("a weight gathered in fp8 is cast tensorwise; rowwise gathers it in train.dtype")
-        cast = (*weight.fp8(), None)
-    elif cast is None:
-        cast = cached_weight(weight, recipe, sharded, group, cache)
-    wq, ws, wt = (None, None, None) if cast is None else cast
+        wcache = weight.fp8()
+    elif cache is not None and not rowwise and cache_applies(cache, weight):
+        # (detached: outside the autograd function a cast on the weight would enter autograd's graph)
+        wcache = cache.get(weight, lambda: quantize(weight.detach(), E4M3, (0, 1), sharded is not None, group))
     if store is None or not torch.compiler.is_compiling():
-        return _Float8Linear.apply(x, weight, bias, recipe, group, sharded, store, False, gather, wq, ws, wt)
+        return _Float8Linear.apply(x, weight, bias, recipe, group, sharded, store, False, gather, wcache)
     if getattr(weight, "_wgrad_registered", False) and weight.requires_grad:  # the opaque op files dW
-        return _Float8Linear.apply(x, weight, bias, recipe, group, sharded, None, True, gather, wq, ws, wt)
-    return _apply_eager(_Float8Linear, x, weight, bias, recipe, group, sharded, store, False, gather, wq, ws, wt)
+        return _Float8Linear.apply(x, weight, bias, recipe, group, sharded, None, True, gather, None)
+    return _apply_eager(_Float8Linear, x, weight, bias, recipe, group, sharded, store, False, gather, wcache)

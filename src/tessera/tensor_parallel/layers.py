@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tessera.precision.fp8 import Float8Recipe, Float8WeightCache
-from tessera.tensor_parallel.fp8_linear import cached_weight, fp8_linear
+from tessera.tensor_parallel.fp8_linear import fp8_linear
 from tessera.tensor_parallel.wgrad import WeightGradStore, linear
 from tessera.tensor_parallel.mappings import (
     Group,
@@ -63,27 +63,26 @@ def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tp_gr
                            sequence_parallel: bool = False, gather_output: bool = False,
                            wgrad_store: WeightGradStore | None = None, fuse_wgrad: bool = True,
                            comm_overlap: bool = False, fp8: Float8Recipe | None = None,
-                           fp8_cache: Float8WeightCache | None = None, fp8_cast: tuple | None = None) -> Tensor:
+                           fp8_cache: Float8WeightCache | None = None) -> Tensor:
     """The column-parallel product with a given local weight [out/tp, in] (also used by a tied
     output layer, whose weight is the embedding's: ``fuse_wgrad=False`` as that weight's
     gradient has a second term, from the lookup). ``comm_overlap`` (tp > 1): the input gradient's
     reduction overlaps the weight-gradient GEMM (one autograd function for collective + matmul).
     ``fp8``: the GEMMs in float8, scaled over the whole weight (tensor_parallel/fp8_linear.py);
     tensorwise under sequence parallelism, the input is gathered in fp8. ``fp8_cache``: the
-    weight's fp8 copy reused across a step's micro-batches; ``fp8_cast``: that copy, looked up
-    before (``cached_weight``)."""
+    weight's fp8 copy reused across a step's micro-batches."""
     if comm_overlap and fp8 is None and group_size(tp_group) > 1:
         y = column_parallel_matmul(x, weight, bias, tp_group, sequence_parallel, wgrad_store, fuse_wgrad)
         return gather_from_tp_region(y, tp_group) if gather_output else y
     if fp8 is not None and fp8.scaling == "tensorwise" and sequence_parallel:
-        y = fp8_linear(x, weight, bias, fp8, tp_group, "n", wgrad_store, fp8_cache, gather=True, cast=fp8_cast)
+        y = fp8_linear(x, weight, bias, fp8, tp_group, "n", wgrad_store, fp8_cache, gather=True)
         return gather_from_tp_region(y, tp_group) if gather_output else y
     if sequence_parallel:
         x = gather_from_sequence_region(x, tp_group, reduce_grad=True)
     else:
         x = copy_to_tp_region(x, tp_group)
     if fp8 is not None:
-        y = fp8_linear(x, weight, bias, fp8, tp_group, "n", wgrad_store, fp8_cache, cast=fp8_cast)
+        y = fp8_linear(x, weight, bias, fp8, tp_group, "n", wgrad_store, fp8_cache)
     else:
         y = linear(x, weight, bias, wgrad_store, fuse_wgrad)
     return gather_from_tp_region(y, tp_group) if gather_output else y
@@ -126,19 +125,14 @@ class ColumnParallelLinear(nn.Module):
         if self.bias is not None:
             self.bias.zero_()
 
-    def forward(self, x: Tensor, weight: Tensor | None = None, fp8_cast: tuple | None = None) -> Tensor:
+    def forward(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
         """x: [s/tp if sequence_parallel else s, b, in] -> [s, b, out/tp] (or [s, b, out] gathered).
 
-        ``weight`` overrides the layer's own (a tied output layer passes the embedding's);
-        ``fp8_cast``: the weight's fp8 cast from :meth:`fp8_weight`."""
+        ``weight`` overrides the layer's own (a tied output layer passes the embedding's)."""
         return column_parallel_linear(x, self.weight if weight is None else weight, self.bias,
                                       self.tp_group, self.sequence_parallel, self.gather_output,
                                       self.wgrad_store, comm_overlap=self.comm_overlap, fp8=self.fp8,
-                                      fp8_cache=self.fp8_cache if weight is None else None, fp8_cast=fp8_cast)
-
-    def fp8_weight(self) -> tuple | None:
-        """The weight's tensorwise fp8 cast from the step's cache, or None (``cached_weight``)."""
-        return cached_weight(self.weight, self.fp8, "n", self.tp_group, self.fp8_cache)
+                                      fp8_cache=self.fp8_cache if weight is None else None)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes} / tp={self.tp}, bias={self.bias is not None}"
@@ -176,14 +170,12 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             self.bias.zero_()
 
-    def forward(self, x: Tensor, fp8_cast: tuple | None = None) -> Tensor:
-        """x: [s, b, in/tp] -> [s/tp if sequence_parallel else s, b, out]; ``fp8_cast``: the
-        weight's fp8 cast from :meth:`fp8_weight`."""
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [s, b, in/tp] -> [s/tp if sequence_parallel else s, b, out]."""
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
         if self.fp8 is not None:
-            z = fp8_linear(x, self.weight, None, self.fp8, self.tp_group, "k", self.wgrad_store, self.fp8_cache,
-                           cast=fp8_cast)
+            z = fp8_linear(x, self.weight, None, self.fp8, self.tp_group, "k", self.wgrad_store, self.fp8_cache)
         else:
             z = linear(x, self.weight, None, self.wgrad_store)
         if self.sequence_parallel:
@@ -191,10 +183,6 @@ class RowParallelLinear(nn.Module):
         else:
             z = reduce_from_tp_region(z, self.tp_group)
         return z if self.bias is None else z + self.bias
-
-    def fp8_weight(self) -> tuple | None:
-        """The weight's tensorwise fp8 cast from the step's cache, or None (``cached_weight``)."""
-        return cached_weight(self.weight, self.fp8, "k", self.tp_group, self.fp8_cache)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features} / tp={self.tp}, out={self.out_features}, bias={self.bias is not None}"

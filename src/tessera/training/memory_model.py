@@ -24,8 +24,8 @@
   and the gradients of its two widest tensors), FSDP's gathered layer (two in the compute dtype,
   the one being computed and the prefetched next, the fp8 linears' weights at a byte where FSDP
   gathers them in fp8, and an fp32 gradient), zero=2's two bucket
-  gradient buffers in flight; the tensorwise fp8 weight cache (a byte per element of each fp8
-  linear's weight, twice: as cast and column-major), held from a step's first forward to its update.
+  gradient buffers in flight; the tensorwise fp8 weight cache of eager layers (a byte per element
+  of each fp8 linear's weight), held from a step's first forward to its update.
 
 Not counted: the CUDA context, NCCL's buffers, the allocator's fragmentation (``tessera plan``
 keeps a headroom for them), CUDA graphs' pools, compiled code's workspaces.
@@ -252,9 +252,8 @@ FP8_LINEARS = (".qkv.weight", ".proj.weight", ".fc1.weight", ".fc2.weight")  # t
 
 
 def fp8_cache_bytes(chunk_params: list[list[Param]]) -> float:
-    """The tensorwise fp8 weight cache (tensor_parallel/fp8_linear.py ``cast_weight``): each fp8
-    linear's weight at a byte, as cast and column-major."""
-    return 2.0 * sum(q.numel for chunk in chunk_params for q in chunk if q.name.endswith(FP8_LINEARS))
+    """The tensorwise fp8 weight cache (``Float8WeightCache``): each fp8 linear's weight at a byte."""
+    return float(sum(q.numel for chunk in chunk_params for q in chunk if q.name.endswith(FP8_LINEARS)))
 
 
 def _transients(cfg: Config, chunk_params: list[list[Param]], fp8_gather: bool = False) -> tuple[float, float]:

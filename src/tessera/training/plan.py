@@ -32,7 +32,7 @@ class ExecutionPlan:
     fused_elementwise: bool  # llama's RMSNorm, RoPE, SwiGLU as compiled functions in eager layers
     comm_overlap: bool  # a column layer's input-gradient reduction overlaps its weight-gradient GEMM
     fused_cross_entropy: bool  # the compiled vocab-parallel loss
-    fp8_weight_cache: bool = False  # tensorwise fp8 weights cast once per step
+    fp8_weight_cache: bool = False  # tensorwise fp8 weights cast once per step (eager layers only)
     fp8_param_gather: bool = False  # zero=3: FSDP gathers tensorwise fp8 weights as e4m3 bytes (eager layers)
 
     @property
@@ -55,7 +55,7 @@ class ExecutionPlan:
         if self.fused_elementwise:
             parts.append("RMSNorm / RoPE / SwiGLU compiled")
         if cfg.train.fp8 != "none":
-            cast = "once per step" if self.fp8_weight_cache and not self.graphed else "in the layers' kernels"
+            cast = "once per step" if self.fp8_weight_cache else "in the layers' kernels"
             if self.fp8_param_gather:
                 cast = "before FSDP's all-gather, gathered as fp8"
             elif p.zero == 3:
@@ -145,8 +145,9 @@ def make_plan(cfg: Config, device: torch.device, tp: int | None = None) -> Execu
     elementwise = cuda and not compiled and m.family == "llama" and t.fused_elementwise is not False
     overlap = resolve(p.tp_comm_overlap, graphed and tp > 1)
     # tensorwise: a weight's fp8 copy serves every micro-batch of a step; not under FSDP (zero=3),
-    # whose point is not to keep whole weights (the copy would be a full 1-byte one per layer)
-    cache = t.fp8 == "tensorwise" and p.zero < 3
+    # whose point is not to keep whole weights; not in compiled layers, whose fused casts measured
+    # as fast as copies cast once per step and handed in, which held 2 bytes per weight more
+    cache = t.fp8 == "tensorwise" and p.zero < 3 and not compiled
     # zero=3, tensorwise: FSDP gathers those weights as fp8 bytes cast under the whole weight's
     # scale (rowwise gathers train.dtype: its backward casts the weight again along other axes;
     # compiled layers too: their graphs would take the gathered weight, a tensor subclass)
