@@ -2,7 +2,7 @@
 Face transformers on the same weights, beside the physical limit.
 
     python3 benchmarks/decode.py [MODEL] [--new-tokens 512] [--prompt-len 128] [--batches 1,32]
-                                 [--ttft-len 2048] [--skip hf] [--device cuda]
+                                 [--ttft-len 2048] [--skip hf] [--device cuda] [--profile DIR]
 
 MODEL: a name in benchmarks/models/ (default llama-1b) or a config TOML; random weights (seeded),
 bf16. Each batch's prompts are random ids of ``--prompt-len`` tokens (no padding), greedy.
@@ -11,6 +11,8 @@ Rows (each timed after one untimed run of the same call: compilation, graph capt
 
 - **tessera eager**: ``generate()`` with the KV cache, one eager forward per decode step;
 - **tessera graphed**: the same with ``cuda_graph=True`` (a decode step is one CUDA graph replay);
+- **tessera compiled+graphed**: the same with ``compile=True`` too (the decode step compiled by
+  inductor, then captured; its untimed runs compile);
 - **transformers static+compile**: ``generate(cache_implementation="static")`` with its forward
   compiled (``CompileConfig(fullgraph=True, mode="reduce-overhead")``: inductor and CUDA graphs);
 - **physical limit**: the HBM bytes a decode step must read (every weight but the embedding
@@ -21,6 +23,16 @@ Decode tokens/s = batch x (new tokens - 2) / (time of ``new`` tokens - time of 2
 prefill, the first token and the first decode step (where tessera captures its graph) are left
 out. Time to first token: a ``--ttft-len`` prompt (batch 1)
 to its first token on the host. Every figure is from this run's GPU only.
+
+The compiled row compiles each batch's step for its shapes, static, as one ``tessera generate``
+batch does (``torch._dynamo.reset()`` before each batch: a second shape in one process would
+compile once more with symbolic sizes).
+
+``--profile DIR``: the fastest tessera row at batch 1 under torch.profiler, written to
+DIR/decode_profile.txt: each kernel's count per decode step, the difference between a run of 22
+new tokens and one of 2 new tokens after a prompt 20 tokens longer (the same cache capacity; the
+difference leaves out the prefill, the first token and the capture) over the 20 steps between
+them, and its time per step, that count times the kernel's mean time in the longer run.
 """
 
 from __future__ import annotations
@@ -85,21 +97,84 @@ def step_bytes(model: GPTModel, batch: int, context: float) -> float:
     return (weights + batch * cfg.hidden + cache) * size
 
 
-def tessera_rows(model: GPTModel, topo: Topology, prompts: dict, new: int, ttft_prompt, modes: tuple) -> dict:
-    out = {}
-    for graphed in modes:
-        name = "tessera graphed" if graphed else "tessera eager"
+PATHS = {  # row: (its --skip name, generate()'s options)
+    "tessera eager": ("eager", {}),
+    "tessera graphed": ("graphs", {"cuda_graph": True}),
+    "tessera compiled+graphed": ("compiled", {"cuda_graph": True, "compile": True}),
+}
 
-        def run(batch, tokens, graphed=graphed):
-            return generate([model], batch, tokens, topo=topo, sampling=Sampling(), cuda_graph=graphed)
+
+def tessera_rows(model: GPTModel, topo: Topology, prompts: dict, new: int, ttft_prompt, rows: list[str]) -> dict:
+    out = {}
+    for name in rows:
+        options = PATHS[name][1]
+
+        def run(batch, tokens, options=options):
+            return generate([model], batch, tokens, topo=topo, sampling=Sampling(), **options)
         row = {}
-        for b, batch in prompts.items():
-            whole, first = timed(lambda: run(batch, new), topo.device), timed(lambda: run(batch, 2), topo.device)
-            row[b] = b * (new - 2) / (whole - first)
-        row["ttft"] = timed(lambda: run([ttft_prompt], 1), topo.device)
+        try:
+            for b, batch in prompts.items():
+                if options.get("compile"):  # each batch's step compiled for its own shapes, as one
+                    torch._dynamo.reset()   # `tessera generate` batch compiles it (the first shape static)
+                whole, first = timed(lambda: run(batch, new), topo.device), timed(lambda: run(batch, 2), topo.device)
+                row[b] = b * (new - 2) / (whole - first)
+            row["ttft"] = timed(lambda: run([ttft_prompt], 1), topo.device)
+        except Exception as e:  # noqa: BLE001 -- reported, the other rows still print
+            print(f"{name}: not measured ({type(e).__name__}: {str(e)[:300]})", flush=True)
+            continue
         out[name] = row
         print(f"{name}: {row}", flush=True)
     return out
+
+
+def kernel_table(model: GPTModel, topo: Topology, prompt: list[int], name: str, steps: int = 20) -> str:
+    """Each kernel's count and time per decode step of row ``name`` at batch 1 (CPU ops and their
+    self time on a CPU). Counts: a run of ``steps + 2`` new tokens less a run of 2 new tokens after
+    a prompt ``steps`` tokens longer (the same cache capacity, so the same compiled step), over
+    ``steps``: the decode steps and their sampling, without the prefill, the first token and the
+    capture. Time: that count times the kernel's mean time in the longer run (where a kernel the
+    prefill shares runs once in the prefill against once in each of the 21 decode steps)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = topo.device.type == "cuda"
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    options = PATHS[name][1]
+    if options.get("compile"):
+        torch._dynamo.reset()  # (compiled static for this shape, as in the row)
+
+    def durations(ids: list[int], tokens: int) -> tuple[dict, list[int]]:
+        generate([model], [ids], tokens, topo=topo, sampling=Sampling(), **options)  # (compiles, captures)
+        sync(topo.device)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            drawn = generate([model], [ids], tokens, topo=topo, sampling=Sampling(), **options)[0]
+            sync(topo.device)
+        times = {}
+        for event in prof.events():
+            if event.device_type == kind:
+                times.setdefault(event.name, []).append(event.time_range.elapsed_us() if cuda
+                                                        else event.self_cpu_time_total)
+        return times, drawn
+
+    long, drawn = durations(prompt, steps + 2)
+    short, _ = durations(drawn[: len(prompt) + steps], 2)
+    rows = []
+    for kernel, times in long.items():
+        count = (len(times) - len(short.get(kernel, []))) / steps
+        if count >= 0.5:  # (a kernel of one prefill but not the other's leaves 1 / steps)
+            rows.append((kernel, count, count * statistics.fmean(times)))
+    rows.sort(key=lambda r: -r[2])
+    total_us, total_count = sum(r[2] for r in rows), sum(r[1] for r in rows)
+    what = "kernels" if cuda else "CPU ops (self time)"
+    lines = [(f"{name}, batch 1, prompt of {len(prompt)} tokens (a cache of {len(prompt) + steps + 1} slots), per "
+              f"decode step (counts: {steps + 2} new tokens less 2 after {steps} more prompt tokens, over {steps}; "
+              f"time: count x mean), {what}"),
+             (f"{total_count:.1f} {'kernels' if cuda else 'ops'} per step, {total_us:.1f} us of "
+              f"{'kernel' if cuda else 'CPU'} time per step"), "",
+             f"{'us/step':>9} {'%':>6} {'count/step':>10}  name"]
+    lines += [f"{us:9.2f} {100 * us / max(total_us, 1e-9):6.2f} {count:10.2f}  {kernel[:160]}"
+              for kernel, count, us in rows]
+    return "\n".join(lines) + "\n"
 
 
 def transformers_row(model: GPTModel, prompts: dict, new: int, ttft_prompt) -> dict:
@@ -146,9 +221,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     parser.add_argument("--ttft-len", type=int, default=2048, help="the time-to-first-token prompt's length")
-    parser.add_argument("--skip", default="", help="comma-separated: hf, eager, graphs")
+    parser.add_argument("--skip", default="", help="comma-separated: hf, eager, graphs, compiled")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="model overrides (smoke runs)")
+    parser.add_argument("--profile", metavar="DIR", help="write the fastest tessera row's kernels per decode step at "
+                        "batch 1 to DIR/decode_profile.txt")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     device = torch.device(args.device)
@@ -166,9 +243,20 @@ def main(argv: list[str]) -> None:
     print(f"decode: {args.model} ({cfg.family}, {sum(p.numel() for p in model.parameters()):,} parameters, {dtype}) "
           f"on {name}, torch {torch.__version__}; prompts of {args.prompt_len} tokens, {args.new_tokens} new, greedy",
           flush=True)
-    modes = tuple(graphed for graphed in (False, True) if ("graphs" if graphed else "eager") not in skip
-                  and (device.type == "cuda" or not graphed))
-    rows = tessera_rows(model, topo, prompts, args.new_tokens, ttft_prompt, modes)
+    paths = [row for row, (short, options) in PATHS.items() if short not in skip
+             and (device.type == "cuda" or not options.get("cuda_graph"))]
+    rows = tessera_rows(model, topo, prompts, args.new_tokens, ttft_prompt, paths)
+    if args.profile and rows:
+        smallest = 1 if 1 in prompts else batches[0]  # (the rows measured at batch 1 where asked)
+        fastest = max(rows, key=lambda name: rows[name][smallest])
+        prompt = prompts[smallest][0]
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        table = kernel_table(model, topo, prompt, fastest)
+        if smallest == 1:
+            table = f"measured above: {1e3 / rows[fastest][1]:.3f} ms per token at batch 1\n" + table
+        (Path(args.profile) / "decode_profile.txt").write_text(table)
+        print(f"profile of {fastest} at batch 1: {args.profile}/decode_profile.txt\n"
+              + "\n".join(table.splitlines()[:24]), flush=True)
     if "hf" not in skip:
         try:
             rows |= transformers_row(model, prompts, args.new_tokens, ttft_prompt)

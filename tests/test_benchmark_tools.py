@@ -197,19 +197,24 @@ def test_kernel_table_splits_time_by_what_runs_beside_what(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_the_decode_benchmark_prints_its_table_on_a_tiny_model(capsys):
+def test_the_decode_benchmark_prints_its_table_on_a_tiny_model(capsys, tmp_path):
     """benchmarks/decode.py end to end on a CPU (the GPU rows, graphs and the physical limit, are
-    the GPU machine's): tessera's and transformers' rows, the same greedy tokens."""
+    the GPU machine's): tessera's and transformers' rows, the same greedy tokens, and the
+    profile of a decode step (CPU ops there)."""
     import decode
 
     decode.main(["llama-1b", "--device", "cpu", "--new-tokens", "4", "--prompt-len", "4", "--batches", "1,2",
-                 "--ttft-len", "16", *[a for s in ("model.layers=2", "model.hidden=64", "model.heads=4",
-                                                    "model.kv_heads=2", "model.ffn_hidden=128", "model.vocab_size=512",
-                                                    "model.seq_len=64") for a in ("--set", s)]])
+                 "--ttft-len", "16", "--profile", str(tmp_path / "prof"),
+                 *[a for s in ("model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2",
+                               "model.ffn_hidden=128", "model.vocab_size=512", "model.seq_len=64")
+                   for a in ("--set", s)]])
     out = capsys.readouterr().out
     assert "the first 32 of 32 greedy tokens equal tessera's" in out, out
     assert "| | batch 1 tok/s | batch 2 tok/s | TTFT 16 (ms) |".replace("| |", "|  |") in out, out
     assert "| tessera eager |" in out and "| transformers static+compile |" in out, out
+    profile = (tmp_path / "prof" / "decode_profile.txt").read_text()
+    assert "tessera eager, batch 1, prompt of 4 tokens (a cache of 25 slots), per decode step" in profile, profile
+    assert "aten::mm" in profile and "ms per token at batch 1" in profile, profile
 
 
 @pytest.mark.slow

@@ -174,6 +174,7 @@ def test_a_training_step_after_sampling_sends_its_own_shapes():
     ([[-1]], {}, "outside the model's vocabulary"),
     ([[1]], {"max_new_tokens": -1}, "max_new_tokens >= 0"),
     ([[1]], {"cuda_graph": True}, "needs the KV cache, a CUDA device and pp=1"),
+    ([[1]], {"compile": True, "use_cache": False}, "a compiled decode step needs the KV cache and pp=1"),
 ])
 def test_bad_input_is_refused_naming_it(prompts, kwargs, problem):
     topo = Topology.build()
@@ -251,3 +252,22 @@ def test_a_decode_step_over_the_whole_cache_equals_one_over_its_filled_slots():
             assert cache.keys[0].shape == (4, LLAMA.num_kv_heads, 9, LLAMA.head_dim)
             logits[name] = model(torch.tensor([[7, 8, 9, 10]]), cache=cache.decode(end))
     torch.testing.assert_close(logits["whole"], logits["filled"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_compiled_decode_step_draws_what_the_eager_one_draws():
+    """The decode step compiled by inductor (attention over the whole capacity, the cache written
+    in place; on a CPU, without a CUDA graph) draws the eager step's greedy tokens, prompts of
+    different lengths batched, past seq_len; a second call of the same shapes compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    cfg = ModelConfig(family="llama", vocab_size=50, hidden=32, heads=4, kv_heads=2, layers=2, seq_len=12,
+                      tie_embeddings=False)  # (LLAMA with 2 layers: compiling is the test's time)
+    topo = Topology.build()
+    chunks = _chunks(topo, cfg)
+    new = cfg.seq_len + 3
+    eager = generate(chunks, PROMPTS, new, topo=topo)
+    assert generate(chunks, PROMPTS, new, topo=topo, compile=True) == eager
+    compiled = counters["stats"]["unique_graphs"]
+    assert generate(chunks, PROMPTS, new, topo=topo, compile=True) == eager
+    assert counters["stats"]["unique_graphs"] == compiled > 0

@@ -1,5 +1,6 @@
-"""Generation on a GPU (gpu-marked, skipped elsewhere): the KV cache's decode steps, eager and
-replayed from one CUDA graph, draw what the whole-context reference draws on the same GPU."""
+"""Generation on a GPU (gpu-marked, skipped elsewhere): the KV cache's decode steps, eager,
+replayed from one CUDA graph, and compiled by inductor then replayed, draw what the
+whole-context reference draws on the same GPU."""
 
 from __future__ import annotations
 
@@ -30,13 +31,14 @@ def _chunks(cfg: ModelConfig, topo: Topology):
 
 @pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama-gqa", "gpt2"])
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, top_k=20, seed=3)], ids=["greedy", "top-k"])
-def test_graphed_and_eager_decode_draw_what_the_whole_context_draws_on_a_gpu(cfg, sampling):
+def test_eager_graphed_and_compiled_decode_draw_what_the_whole_context_draws_on_a_gpu(cfg, sampling):
     topo = Topology.build(device="cuda")
     chunks = _chunks(cfg, topo)
     new = cfg.seq_len + 5  # (past seq_len: the cache slides)
     reference = generate(chunks, PROMPTS, new, topo=topo, sampling=sampling, use_cache=False)
     assert generate(chunks, PROMPTS, new, topo=topo, sampling=sampling) == reference
     assert generate(chunks, PROMPTS, new, topo=topo, sampling=sampling, cuda_graph=True) == reference
+    assert generate(chunks, PROMPTS, new, topo=topo, sampling=sampling, cuda_graph=True, compile=True) == reference
     # a second call reuses nothing stale from the first one's graph
     assert generate(chunks, PROMPTS[:2], 7, topo=topo, sampling=sampling, cuda_graph=True) == \
         generate(chunks, PROMPTS[:2], 7, topo=topo, sampling=sampling, use_cache=False)

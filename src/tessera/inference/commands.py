@@ -64,6 +64,10 @@ def add_inference_commands(sub) -> None:
                      help="replay each decode step as one CUDA graph: auto (default) where measured, on CUDA at tp=1 "
                      "and pp=1 with the KV cache (15x eager decode at batch 1: BENCHMARKS.md, Inference); on: also at "
                      "tp>1; off: launch each kernel")
+    gen.add_argument("--compile", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                     help="compile the decode step with inductor (fused elementwise kernels), then capture it where "
+                     "the decode step is graphed; the first batch compiles (a second shape once more): auto (default) "
+                     "off until measured (benchmarks/decode.py); on: also on a CPU (inductor's C++ kernels); off")
     gen.add_argument("--no-cache", action="store_true", help="the reference: run the whole context each step")
     ev = sub.add_parser("eval", help="a checkpoint's mean loss per token and perplexity on data (any tp, pp, dp)")
     _common(ev)
@@ -134,6 +138,9 @@ def check_request(args, world_size: int) -> Request:
         raise ConfigError("--temperature", str(e), "give --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1") from None
     if args.cuda_graph == "on" and (cfg.parallel.pp > 1 or args.no_cache):
         raise ConfigError("--cuda-graph", "captures the decode step of one pipeline stage with the KV cache",
+                          "use it at parallel.pp=1 without --no-cache, or leave it at auto")
+    if args.compile == "on" and (cfg.parallel.pp > 1 or args.no_cache):
+        raise ConfigError("--compile", "compiles the decode step of one pipeline stage with the KV cache",
                           "use it at parallel.pp=1 without --no-cache, or leave it at auto")
     return Request(path, meta, cfg, vocab, tokenizer, prompts, texts)
 
@@ -211,6 +218,12 @@ def decode_graphed(choice: str, topo, no_cache: bool) -> bool:
     return choice == "on"
 
 
+def decode_compiled(choice: str) -> bool:
+    """``--compile``'s choice: ``auto`` is off (a compiled step is not yet measured faster than the
+    graphed one); ``on`` (pp and the cache checked beforehand) or ``off`` as given."""
+    return choice == "on"
+
+
 def _generate(args, request: Request, chunks, topo, p2p) -> list[str]:
     """This replica's share of the prompts, generated in batches; one output (text) per prompt."""
     import numpy as np
@@ -221,12 +234,14 @@ def _generate(args, request: Request, chunks, topo, p2p) -> list[str]:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     stops = () if args.no_stop else request.vocab.stop_ids
     graph = decode_graphed(args.cuda_graph, topo, args.no_cache)
+    compiled = decode_compiled(args.compile)
     share = np.array_split(np.arange(len(request.prompts)), topo.dp)[topo.dp_rank].tolist()
     lines = []
     for start in range(0, len(share), args.batch_size):
         batch = share[start: start + args.batch_size]
         outs = generate(chunks, [request.prompts[i] for i in batch], args.max_new_tokens, topo=topo, p2p=p2p,
-                        sampling=sampling, stop_ids=stops, use_cache=not args.no_cache, cuda_graph=graph)
+                        sampling=sampling, stop_ids=stops, use_cache=not args.no_cache, cuda_graph=graph,
+                        compile=compiled)
         for i, ids in zip(batch, outs):
             new = ids[len(request.prompts[i]):]
             ended = bool(new) and new[-1] in stops

@@ -12,7 +12,8 @@ The plan of one call; every rank of a dp replica runs it alike, with the same pr
    the other pipeline ranks, the first stage embeds them, each layer writes one slot of its cache
    and attends to it. The tokens stay on the device until the end: with stop ids, whether every
    sequence has ended is read every few steps, the loop's one host read. ``cuda_graph`` (CUDA,
-   pp=1): each step is one replay of a captured graph (inference/decode_graph.py).
+   pp=1): each step is one replay of a captured graph (inference/decode_graph.py); ``compile``
+   (pp=1): the step is compiled by inductor first, captured or (without the graph) run as it is.
 4. **Past model.seq_len** tokens the model has no positions left: the context becomes the last
    seq_len tokens, prefilled again for each new token (as the run's closing sample always did).
 
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from tessera.inference.decode_graph import DecodeGraph
+from tessera.inference.decode_graph import DecodeGraph, compile_step
 from tessera.inference.sampling import Sampling, next_tokens
 from tessera.models.gpt import GPTModel
 from tessera.models.kv_cache import KVCache
@@ -40,7 +41,7 @@ CHECK_ENDED_EVERY = 16  # decode steps between reads of "has every sequence ende
 @torch.no_grad()
 def generate(chunks: list[GPTModel], prompts: list[list[int]], max_new_tokens: int, *, topo: Topology,
              p2p: P2P | None = None, sampling: Sampling = Sampling(), stop_ids: tuple[int, ...] = (),
-             use_cache: bool = True, cuda_graph: bool = False) -> list[list[int]]:
+             use_cache: bool = True, cuda_graph: bool = False, compile: bool = False) -> list[list[int]]:
     """Each prompt (token ids) followed by up to ``max_new_tokens`` new ids, ending after the first
     of ``stop_ids`` it draws; every rank of the replica returns the same lists. The chunks run in
     eval mode and are put back as they were, also after an error; a trainer's ``p2p`` (shapes
@@ -55,11 +56,13 @@ def generate(chunks: list[GPTModel], prompts: list[list[int]], max_new_tokens: i
         raise ValueError(f"generate needs max_new_tokens >= 0, got {max_new_tokens}")
     if cuda_graph and not (use_cache and topo.device.type == "cuda" and topo.pp == 1):
         raise ValueError("a CUDA-graphed decode step needs the KV cache, a CUDA device and pp=1")
+    if compile and not (use_cache and topo.pp == 1):
+        raise ValueError("a compiled decode step needs the KV cache and pp=1")
     was_training = chunks[0].training
     for chunk in chunks:
         chunk.eval()
     try:
-        run = _Generation(chunks, topo, p2p, sampling, stop_ids, use_cache, cuda_graph)
+        run = _Generation(chunks, topo, p2p, sampling, stop_ids, use_cache, cuda_graph, compile)
         return run.generate([list(p) for p in prompts], max_new_tokens)
     finally:
         for chunk in chunks:
@@ -83,9 +86,10 @@ class _Generation:
     """One call's state: the cache, the host's count of its slots, the sampling generator."""
 
     def __init__(self, chunks: list[GPTModel], topo: Topology, p2p: P2P | None, sampling: Sampling,
-                 stop_ids: tuple[int, ...], use_cache: bool, cuda_graph: bool):
+                 stop_ids: tuple[int, ...], use_cache: bool, cuda_graph: bool, compile: bool):
         self.chunks, self.topo, self.p2p, self.sampling = chunks, topo, p2p, sampling
-        self.stop_ids, self.use_cache, self.cuda_graph = tuple(stop_ids), use_cache, cuda_graph
+        self.stop_ids, self.use_cache = tuple(stop_ids), use_cache
+        self.cuda_graph, self.compile = cuda_graph, compile
         first = chunks[0]
         self.seq_len, self.vocab = first.cfg.seq_len, first.cfg.vocab_size
         self.multiple = first.tp.size if first.tp.sequence_parallel else 1  # SP splits sequences over tp
@@ -93,7 +97,7 @@ class _Generation:
         self.generator = torch.Generator(self.device).manual_seed(sampling.seed)
         self.cache: KVCache | None = None
         self.slot, self.pads = 0, []  # the next decode step's slot, each row's padding (host copies)
-        self.graph: DecodeGraph | None = None
+        self.step = None  # the graphed or compiled decode step, built at the first decode after a prefill
         self.shapes_known = False  # the decode steps' pipeline messages have negotiated their shape
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -156,22 +160,27 @@ class _Generation:
         if self.cache is None:  # room for the prompts and the new tokens, or up to the last position
             capacity = max(length, min(length + max_new - 1, self.seq_len + self.multiple - 1))
             self.cache = KVCache.for_chunks(self.chunks, len(rows), capacity)
-        self.shapes_known, self.graph, self.slot = False, None, length
+        self.shapes_known, self.step, self.slot = False, None, length
         logits = self.forward(tokens, cache=self.cache.prefill(self.pads, length))
         return None if logits is None else logits[-1]
 
     def decode(self, token: torch.Tensor) -> torch.Tensor | None:
-        if self.cuda_graph:
-            if self.graph is None:
-                self.graph = DecodeGraph(lambda t: self.forward(t.view(1, -1), cache=self.cache.decode())[:, 0],
-                                         token)
-            logits = self.graph(token)
+        if self.cuda_graph or self.compile:
+            if self.step is None:
+                step = compile_step(self.static_decode) if self.compile else self.static_decode
+                self.step = DecodeGraph(step, token, warmups=2 if self.compile else 1) if self.cuda_graph else step
+            logits = self.step(token)
         else:
             logits = self.forward(token.view(1, -1), cache=self.cache.decode(self.slot + 1))
             logits = None if logits is None else logits[:, 0]  # [b, 1, vocab]: the b tokens in a row
         self.cache.slot += 1
         self.slot += 1
         return logits
+
+    def static_decode(self, token: torch.Tensor) -> torch.Tensor:
+        """A decode step of static shapes, attending over the cache's whole capacity (masked to the
+        valid slots): what a CUDA graph replays and inductor compiles once per batch and capacity."""
+        return self.forward(token.view(1, -1), cache=self.cache.decode())[:, 0]
 
     def whole_context(self, rows: list[list[int]]) -> torch.Tensor | None:
         """The reference: the whole context through the plain forward, padding a document of its own."""
