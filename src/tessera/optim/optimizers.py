@@ -240,7 +240,7 @@ class MainParamOptimizer(_AdamW):
         ready = None
         if self.dp.ranges[0].grad.is_cuda:  # the gradients, factor and flag final on the step's stream
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(self.dp.device))
 
         @torch.no_grad()
         def work(done) -> None:

@@ -57,6 +57,8 @@ class BackgroundUpdate:
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # (the thread's own default would be 0)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -84,6 +86,7 @@ class BackgroundUpdate:
                 if self.stream is None:
                     work(done)
                 else:
+                    torch.cuda.set_device(self.device)  # (a new thread starts on device 0)
                     with torch.cuda.stream(self.stream):
                         work(done)
                     self.stream.synchronize()  # (joined = every copy landed: the host may write main params)
