@@ -66,11 +66,14 @@ def test_a_checkpoint_in_the_middle_resumes_to_the_same_bits(tmp_path):
     """The trainer's joins: the save after step 2, the validation loss, the end; resumed behind the
     forward from the synchronous run's checkpoint and from its own."""
     behind, within = "parallel.offload_overlap=true", "parallel.offload_overlap=false"
+    nan = ["train.inject_fault=nan", "train.inject_fault_step=3", "train.nonfinite=skip"]  # (the guard skips step 3 on the thread)
     runs = [[within, "checkpoint.save_every=2", f"checkpoint.dir={tmp_path}/a", f"train.out_dir={tmp_path}/oa"],
             [behind, "checkpoint.save_every=2", f"checkpoint.dir={tmp_path}/b", f"train.out_dir={tmp_path}/ob"],
             [behind, f"checkpoint.load={tmp_path}/a/step_00000002", f"train.out_dir={tmp_path}/oc"],
-            [behind, f"checkpoint.load={tmp_path}/b/step_00000002", f"train.out_dir={tmp_path}/od"]]
-    (straight, said_within), (overlapped, said), (from_within, _), (from_own, _) = train_outputs(1, CKPT, runs, 300)
+            [behind, f"checkpoint.load={tmp_path}/b/step_00000002", f"train.out_dir={tmp_path}/od"],
+            [within, *nan, f"train.out_dir={tmp_path}/oe"], [behind, *nan, f"train.out_dir={tmp_path}/of"]]
+    (straight, said_within), (overlapped, said), (from_within, _), (from_own, _), (skipped_within, _), \
+        (skipped_behind, _) = train_outputs(1, CKPT, runs, 300)
 
     def curve(history):
         return [(m["step"], m["loss"], m["grad_norm"], m.get("valid_loss")) for m in history]
@@ -78,6 +81,22 @@ def test_a_checkpoint_in_the_middle_resumes_to_the_same_bits(tmp_path):
     assert "its update behind the next forward" in said and "its update finished within the step" in said_within
     assert curve(overlapped) == curve(straight)
     assert curve(from_within) == curve(straight)[2:] and curve(from_own) == curve(straight)[2:]
+    assert [m["skipped"] for m in skipped_behind] == [False, False, True, False, False]
+    assert str(curve(skipped_behind)) == str(curve(skipped_within)) and curve(skipped_behind)[:2] == curve(straight)[:2]
+
+
+def _dp_worker(rank: int, world: int) -> dict:
+    return {mode: train_run(Topology.build(), ["parallel.zero=0", "train.dtype=bf16", *MODES[mode]])
+            for mode in ("within", "behind")}
+
+
+@pytest.mark.timeout(300)
+def test_zero_0_overlaps_with_dp_to_the_same_bits():
+    """Every dp rank updates its whole replica: nothing is gathered after the update."""
+    for rank in run_ranks(_dp_worker, 2, timeout=240):
+        within, behind = rank["within"], rank["behind"]
+        assert behind["losses"] == within["losses"] and behind["norms"] == within["norms"]
+        assert all(torch.equal(v, within["params"][n]) for n, v in behind["params"].items())
 
 
 def _build(sets: list[str]):
@@ -128,7 +147,8 @@ def _waits_worker(rank: int, world: int) -> dict:
     _step(topo, cfg, parts, 0)  # its update starts behind the return
     _step(topo, cfg, parts, 1)  # whose forward reads the last layer after waiting for it
     opt.wait()
-    return dict(fresh=torch.equal(seen["weight"], expected), log=log, order=order, spans=len(opt.spans), held=held)
+    return {"fresh": torch.equal(seen["weight"], expected), "log": log, "order": order, "spans": len(opt.spans),
+            "held": held}
 
 
 @pytest.mark.timeout(300)
