@@ -3,8 +3,6 @@
     python benchmarks/memory_check.py                 # 10 configurations: GPT-1.3B and Llama-1B shapes
     python benchmarks/memory_check.py --llama8b       # a Llama-3-8B shape with recompute full + offload
     python benchmarks/memory_check.py --cpu-smoke     # the same code on tiny shapes on a CPU
-    python benchmarks/memory_check.py --offload-only --offload-overlap both   # offload rows, update within
-                                                      # the step and behind the next forward, alternated
 
 Each configuration is built as ``tessera train`` builds it (bench_setup), trained for a few steps,
 and compared: the predicted peak (training/memory_model.py, the largest pipeline rank) against
@@ -157,20 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                         "layers) and 16 GiB for the rest of the process would not fit the available host memory")
     parser.add_argument("--no-offload-too", action="store_true",
                         help="--llama8b: also try the same run without offload (it may not fit)")
-    parser.add_argument("--offload-overlap", choices=("auto", "true", "false", "both"), default="auto",
-                        help="parallel.offload_overlap of the offloaded runs; both: each one twice, within the "
-                        "step (false) and behind the next forward (true), one after the other (auto)")
-    parser.add_argument("--offload-only", action="store_true", help="only the configurations with offload")
-    parser.add_argument("--rounds", type=int, default=1, help="the configurations this many times, in turn (1)")
     args = parser.parse_args(argv)
-    overlaps = ("false", "true") if args.offload_overlap == "both" else (args.offload_overlap,)
-
-    def variants(name: str, sets: list[str], offload: bool) -> list[tuple[str, list[str]]]:
-        if not offload:
-            return [(name, sets)]
-        return [(name + (f" overlap={o}" if args.offload_overlap != "auto" else ""),
-                 [*sets, f"parallel.offload_overlap={o}"]) for o in overlaps]
-
     on_cuda = not args.cpu_smoke
     if on_cuda and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU, or give --cpu-smoke for the tiny shapes on a CPU")
@@ -191,24 +176,19 @@ def main(argv: list[str] | None = None) -> int:
             layers = fit
         common.append(f"model.layers={layers}")
         wanted = [("llama-8b offload", True)] + ([("llama-8b no offload", False)] if args.no_offload_too else [])
-        for _ in range(args.rounds):
-            for name, offload in wanted:
-                for label, sets in variants(f"{name} ({layers} layers, seq {seq})",
-                                            [*common, f"parallel.optimizer_offload={str(offload).lower()}"], offload):
-                    rows.append(run(label, "gpt-1.3b", sets, args.steps, on_cuda))
-                    rows[-1]["host_available_gib_at_end"] = host_available() / GIB
-                    print(json.dumps(rows[-1]), flush=True)
+        for name, offload in wanted:
+            rows.append(run(f"{name} ({layers} layers, seq {seq})", "gpt-1.3b",
+                            [*common, f"parallel.optimizer_offload={str(offload).lower()}"], args.steps, on_cuda))
+            rows[-1]["host_available_gib_at_end"] = host_available() / GIB
+            print(json.dumps(rows[-1]), flush=True)
     else:
-        configs = [c for c in CONFIGS if c[3] or not args.offload_only]
-        for _ in range(args.rounds):
-            for model, recompute, mb, offload in configs:
-                name = f"{model} recompute={recompute} mb={mb} offload={'on' if offload else 'off'}"
-                sets = [f"train.recompute={recompute}", f"train.micro_batch={mb}", f"train.global_batch={2 * mb}",
-                        f"parallel.optimizer_offload={str(offload).lower()}", *EAGER, *shrink,
-                        *(TINY_LLAMA if shrink and model.startswith("llama") else [])]
-                for label, variant in variants(name, sets, offload):
-                    rows.append(run(label, model, variant, args.steps, on_cuda))
-                    print(json.dumps(rows[-1]), flush=True)
+        for model, recompute, mb, offload in CONFIGS:
+            name = f"{model} recompute={recompute} mb={mb} offload={'on' if offload else 'off'}"
+            sets = [f"train.recompute={recompute}", f"train.micro_batch={mb}", f"train.global_batch={2 * mb}",
+                    f"parallel.optimizer_offload={str(offload).lower()}", *EAGER, *shrink,
+                    *(TINY_LLAMA if shrink and model.startswith("llama") else [])]
+            rows.append(run(name, model, sets, args.steps, on_cuda))
+            print(json.dumps(rows[-1]), flush=True)
     print()
     print(table(rows))
     return 0

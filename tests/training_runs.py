@@ -171,7 +171,6 @@ def train_run(topo: Topology, overrides: list[str], *, batches=my_micro_batches,
         skipped.append(r.skipped)
     for owner, name, old, _ in patches:
         setattr(owner, name, old)
-    optimizer.wait()
     data_parallel.wait_param_gather()
     params = {}
     for chunk in stage.chunks:

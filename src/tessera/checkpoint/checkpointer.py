@@ -94,7 +94,6 @@ class Checkpointer:
         NumericsGuard, whose state (the spike window) goes along."""
         self.wait()
         began = time.perf_counter()
-        self.optimizer.wait()  # (an offloaded update still running behind the forward)
         self.data_parallel.wait_param_gather()  # (a zero 1/2 gather still writing into the buffers)
         inner = self.optimizer.inner
         moments = {}

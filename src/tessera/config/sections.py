@@ -137,10 +137,6 @@ class ParallelConfig:
     parameters back. Frees 12 bytes per optimizer element of GPU memory for host memory and time."""
     offload_staging: int = 0
     """optimizer_offload: gradient elements per copy to the host, two pinned buffers (0: one bucket or shard)."""
-    offload_overlap: Switch = AUTO
-    """optimizer_offload: run the CPU update, and the copies of the parameters back, behind the next
-    step's forward, each layer waiting only for its own parameters. auto: on CUDA where the layout
-    allows it (zero 0, or zero 1 at dp=1; no CUDA graphs, no tensorwise fp8); else within the step."""
     stage_tp: list[int] = field(default_factory=list)
     """Heterogeneous pipeline: the tp size of each pipeline stage (pp entries; empty: parallel.tp
     everywhere). Stage s runs on stage_tp[s]*stage_dp[s] ranks of its own, joined to its

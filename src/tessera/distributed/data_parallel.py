@@ -48,7 +48,6 @@ from torch import Tensor, nn
 from tessera.distributed import collectives
 from tessera.distributed.buffers import Bucket, OptimizerRange, ParamAndGradBuffer
 from tessera.distributed.collectives import Pending
-from tessera.distributed.readers import forward_readers
 from tessera.tensor_parallel.wgrad import wgrad_into
 from tessera.topology import Topology
 
@@ -424,10 +423,24 @@ class DataParallel:
                 pending.wait()
 
     def _register_gather_hooks(self, chunk: nn.Module, buffer: ParamAndGradBuffer) -> None:
-        """Who waits for which bucket: each module of :func:`forward_readers` for the buckets
-        holding the parameters it reads first."""
-        for module, params in forward_readers(chunk):
-            self._hook(module, params)
+        """Who waits for which bucket. Each layer waits for the buckets holding its parameters;
+        the chunk itself, before anything runs, for those of the parameters registered before its
+        layers (embeddings, which the model may read directly); every later module with
+        parameters of its own (final norm, head) for those."""
+        layers = getattr(chunk, "layers", [])
+        layers = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+        in_layers = {p for layer in layers for p in layer.parameters()}
+        for layer in layers:
+            self._hook(layer, set(layer.parameters()))
+        before = set()
+        for p in chunk.parameters():
+            if p in in_layers:
+                break
+            before.add(p)
+        self._hook(chunk, before)
+        for module in chunk.modules():
+            own = {p for p in module.parameters(recurse=False) if p not in in_layers and p not in before}
+            self._hook(module, own)
 
     def _hook(self, module: nn.Module, params: set[nn.Parameter]) -> None:
         # waited for in the order their gathers start (a module's buckets: one chunk's, laid out

@@ -16,15 +16,12 @@ this rank owns: the whole bucket (zero=0) or this rank's 1/dp shard (zero 1/2, Z
   by span through two pinned staging buffers (tessera.optim.offload), updates each span as its
   copy lands while the next one is copied, and copies the parameters back (through an fp32
   device buffer, cast on the GPU, for a 16-bit model). Finalize, unscaling and the norm still
-  work on the device gradients. With ``overlap_with`` (``parallel.offload_overlap``) that update
-  runs on a thread behind the next step's forward (tessera.optim.overlap), and :meth:`wait`
-  joins it where anything else reads the weights or the optimizer's state.
+  work on the device gradients.
 
 Both classes present the same face to the training step: ``grads()`` (this rank's fp32
 gradients with the parameter each belongs to, ready for finalize, unscaling and clipping),
-``step()``, ``zero_grad()``, ``wait()`` (an update still running finished), ``param_groups`` (for
-the LR schedule) and ``sharded`` (whether those gradients are dp shards, which the norm must sum
-over dp).
+``step()``, ``zero_grad()``, ``param_groups`` (for the LR schedule) and ``sharded`` (whether
+those gradients are dp shards, which the norm must sum over dp).
 """
 
 from __future__ import annotations
@@ -35,7 +32,6 @@ from torch import Tensor, nn
 from tessera.config import OptimConfig
 from tessera.distributed.data_parallel import DataParallel
 from tessera.optim.offload import staging_buffers, staging_spans
-from tessera.optim.overlap import BackgroundUpdate, forward_spans
 
 
 def _adamw(groups: list[dict], cfg: OptimConfig, on_cuda: bool, fused: bool = False) -> torch.optim.AdamW:
@@ -74,47 +70,37 @@ class _AdamW:
         replaces them)."""
         return self.inner.param_groups
 
-    def wait(self) -> None:
-        """Return once no update is still running (one runs behind the forward only where offloaded
-        with ``overlap_with``)."""
-
     def state_bytes(self) -> int:
         """Bytes of optimizer state (Adam's two moments) on this rank; before the first step, what
         they will take."""
-        self.wait()
         allocated = sum(_local(t).numel() * t.element_size() for s in self.inner.state.values()
                         for t in s.values() if torch.is_tensor(t) and t.ndim > 0)
         return allocated or 2 * 4 * sum(_local(t).numel() for t in self.tensors)
 
-    def _adam_step(self, skip: Tensor | None, adam: torch.optim.AdamW | None = None) -> None:
-        """AdamW's step (``adam``, by default ``inner``), left out where ``skip`` (a bool tensor) is
-        set: the fused kernel (CUDA) reads it on the device as its ``found_inf`` and changes
-        nothing, step count included; the foreach one (CPU) has no such input, so the host reads
-        the flag (no wait off CUDA)."""
-        adam = adam or self.inner
+    def _adam_step(self, skip: Tensor | None) -> None:
+        """AdamW's step, left out where ``skip`` (a bool tensor) is set: the fused kernel (CUDA)
+        reads it on the device as its ``found_inf`` and changes nothing, step count included;
+        the foreach one (CPU) has no such input, so the host reads the flag (no wait off CUDA)."""
         if skip is None:
-            adam.step()
-        elif adam.defaults.get("fused"):
-            adam.found_inf = skip.float()
+            self.inner.step()
+        elif self.inner.defaults.get("fused"):
+            self.inner.found_inf = skip.float()
             try:
-                adam.step()
+                self.inner.step()
             finally:
-                adam.found_inf = None
+                self.inner.found_inf = None
         elif not skip.item():
-            adam.step()
+            self.inner.step()
 
     def state_dict(self) -> dict:
-        self.wait()
         return self.inner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.wait()
         self.inner.load_state_dict(state)
 
     def load_checkpoint(self, moments: dict[Tensor, tuple[Tensor, Tensor]], step: float) -> None:
         """After a checkpoint's main parameters were read into place: Adam's state from its
         moments (each optimizer tensor's exp_avg and exp_avg_sq) and step count."""
-        self.wait()
         order = [t for group in self.inner.param_groups for t in group["params"]]  # state_dict's numbering
         state = {i: {"step": torch.tensor(float(step)), "exp_avg": moments[t][0], "exp_avg_sq": moments[t][1]}
                  for i, t in enumerate(order)}
@@ -127,12 +113,9 @@ def _host(like: Tensor, pin: bool) -> Tensor:
 
 
 class MainParamOptimizer(_AdamW):
-    """``offload_staging``: with ``offload``, the most elements a staging span holds (0: a whole
-    range). ``overlap_with``: with ``offload``, the model chunks whose next forward the update
-    runs behind (each module waiting for its own parameters); None: the step finishes it."""
+    """``offload_staging``: with ``offload``, the most elements a staging span holds (0: a whole range)."""
 
-    def __init__(self, dp: DataParallel, cfg: OptimConfig, offload: bool = False, offload_staging: int = 0,
-                 overlap_with: list[nn.Module] | None = None):
+    def __init__(self, dp: DataParallel, cfg: OptimConfig, offload: bool = False, offload_staging: int = 0):
         self.dp, self.sharded, self.offload = dp, dp.sharded, offload
         self.mains: list[Tensor] = []  # one flat fp32 tensor per range
         self.pieces: list[tuple[nn.Parameter, int, int, nn.Parameter]] = []  # (tensor, range, a..b, model param)
@@ -159,35 +142,10 @@ class MainParamOptimizer(_AdamW):
         self._build([(t, p) for t, _, _, p in self.pieces], cfg, fused=offload)
         # which ranges hold an fp32 copy (bf16/fp16 model) rather than the model's own storage
         self.copies = [m.data_ptr() != rng.param.data_ptr() for m, rng in zip(self.mains, dp.ranges)]
-        self.order = list(range(len(self.spans)))  # offload: the order the spans are updated in
-        self.background: BackgroundUpdate | None = None
-        if overlap_with is not None:
-            self._overlap(overlap_with, cfg)
-
-    def _overlap(self, chunks: list[nn.Module], cfg: OptimConfig) -> None:
-        """Run the offloaded update behind the next forward (tessera.optim.overlap): the spans in
-        the forward's order, a forward pre-hook per reading module, and an AdamW of the thread's
-        own over the same tensors and state, whose hyperparameters are this step's (the schedule
-        writes the next step's into ``inner`` meanwhile)."""
-        if not self.offload or self.dp.zero == 2 or (self.dp.sharded and self.dp.group is not None):
-            raise ValueError("the update runs behind the forward only offloaded, where this rank updates every "
-                             "parameter it holds (zero 0, or zero 1 without dp): nothing gathered after it")
-        held = [{self.pieces[n][3] for n in inside} for _, _, _, inside in self.spans]
-        self.order, waits = forward_spans(chunks, held)
-        self.background = BackgroundUpdate(self.dp.device)
-        self._hooks = [module.register_forward_pre_hook(self.background.hook(spans)) for module, spans in waits]
-        self._worker = _adamw([dict(group) for group in self.inner.param_groups], cfg, False, fused=True)
-
-    def wait(self) -> None:
-        """Join an update running behind the forward (raising its error); the current stream then
-        follows its copies."""
-        if self.background is not None:
-            self.background.join()
 
     def grads(self) -> list[tuple[Tensor, nn.Parameter]]:
         """Point every main parameter's ``.grad`` at its reduced fp32 gradient; return them
         (offload: the device gradients, which the step then copies to the host)."""
-        self.wait()
         flat = [rng.fp32_grad() for rng in self.dp.ranges]
         out = []
         for tensor, i, part, param in self.pieces:
@@ -200,9 +158,6 @@ class MainParamOptimizer(_AdamW):
         """AdamW on the main parameters with every gradient times ``grad_multiplier`` (the
         clipping factor; applied by the fused kernel on CUDA), then the model's copy updated;
         where ``skip`` is set, nothing changes (the copy and gather then carry the same values)."""
-        if self.offload and self.background is not None:
-            self._start_host_step(grad_multiplier, skip)
-            return
         if self.offload:
             self._host_step(grad_multiplier, skip)
             return
@@ -219,72 +174,40 @@ class MainParamOptimizer(_AdamW):
 
     @torch.no_grad()
     def _host_step(self, grad_multiplier: Tensor | None, skip: Tensor | None) -> None:
-        """offload, within the step: the spans updated (:meth:`_update_spans`), then the gather started."""
+        """offload: span by span (tessera.optim.offload), the gradient (as finalized, unscaled, on
+        the device) down while the previous span updates, AdamW on this span's parameters alone
+        with the clipping factor applied by a foreach multiply (as the CPU path without offload),
+        its parameters back; then the gather started."""
         if not self.spans:
             return
+        cuda = self.dp.ranges[0].grad.is_cuda
+        landed = [self._fetch(0, cuda)]
         if grad_multiplier is not None:
             grad_multiplier = grad_multiplier.cpu()
-        self._update_spans(grad_multiplier, skip.cpu() if skip is not None else None, self.inner)
-        self.dp.start_param_gather()
-
-    def _start_host_step(self, grad_multiplier: Tensor | None, skip: Tensor | None) -> None:
-        """offload behind the next forward: the thread's AdamW takes this step's hyperparameters
-        and the state, and the thread, once the step's work is done on the device, brings the
-        factor and flag down and updates the spans (tessera.optim.overlap)."""
-        self.wait()
-        if not self.spans:
-            return
-        for mine, theirs in zip(self._worker.param_groups, self.inner.param_groups):
-            mine.update({k: v for k, v in theirs.items() if k != "params"})
-        self._worker.state = self.inner.state  # (load_state_dict replaces it)
-        ready = None
-        if self.dp.ranges[0].grad.is_cuda:  # the gradients, factor and flag final on the step's stream
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.dp.device))
-
-        @torch.no_grad()
-        def work(done) -> None:
-            if ready is not None:
-                torch.cuda.current_stream(self.dp.device).wait_event(ready)
-            factor = grad_multiplier.cpu() if grad_multiplier is not None else None  # (waits for this stream only)
-            self._update_spans(factor, skip.cpu() if skip is not None else None, self._worker, done)
-
-        self.background.start(work, len(self.spans))
-
-    def _update_spans(self, grad_multiplier: Tensor | None, skip: Tensor | None, adam: torch.optim.AdamW,
-                      done=None) -> None:
-        """offload: span by span in :attr:`order` (tessera.optim.offload), the gradient (as
-        finalized, unscaled, on the device) down while the previous span updates, AdamW on this
-        span's parameters alone with the clipping factor (on the host) applied by a foreach
-        multiply (as the CPU path without offload), its parameters back; ``done(k)`` after span k's."""
-        cuda = self.dp.ranges[0].grad.is_cuda
-        order = self.order
-        landed = [self._fetch(order[0], 0, cuda)]
-        for j, k in enumerate(order):
-            if j + 1 < len(order):
-                landed.append(self._fetch(order[j + 1], j + 1, cuda))
-            if landed[j] is not None:
-                landed[j].synchronize()
-            i, a, b, inside = self.spans[k]
-            staged = self.staging[j % len(self.staging)]
+        skip = skip.cpu() if skip is not None else None
+        for k, (i, a, b, inside) in enumerate(self.spans):
+            if k + 1 < len(self.spans):
+                landed.append(self._fetch(k + 1, cuda))
+            if landed[k] is not None:
+                landed[k].synchronize()
+            staged = self.staging[k % len(self.staging)]
             for n in inside:
                 tensor, _, part, _ = self.pieces[n]
                 tensor.grad = staged[part.start - a:part.stop - a]
             grads = [self.pieces[n][0].grad for n in inside]
             if grad_multiplier is not None:
                 torch._foreach_mul_(grads, grad_multiplier)
-            self._adam_step(skip, adam)  # (only this span's pieces have a gradient: AdamW leaves the others)
+            self._adam_step(skip)  # (only this span's pieces have a gradient: AdamW leaves the others)
             for n in inside:
                 self.pieces[n][0].grad = None
             self._copy_to_model(i, slice(a, b))
-            if done is not None:
-                done(k)
+        self.dp.start_param_gather()
 
-    def _fetch(self, k: int, slot: int, cuda: bool):
-        """Start span ``k``'s gradient down into staging buffer ``slot`` (modulo two); the event
-        that marks it landed (None off CUDA, where the copy is done on return)."""
+    def _fetch(self, k: int, cuda: bool):
+        """Start span ``k``'s gradient down into its staging buffer; the event that marks it landed
+        (None off CUDA, where the copy is done on return)."""
         i, a, b, _ = self.spans[k]
-        self.staging[slot % len(self.staging)][:b - a].copy_(self.dp.ranges[i].grad[a:b], non_blocking=cuda)
+        self.staging[k % len(self.staging)][:b - a].copy_(self.dp.ranges[i].grad[a:b], non_blocking=cuda)
         if not cuda:
             return None
         event = torch.cuda.Event()
@@ -305,8 +228,6 @@ class MainParamOptimizer(_AdamW):
             param.copy_(main, non_blocking=main.is_pinned())
 
     def zero_grad(self) -> None:
-        if self.offload:  # (the host step sets and clears its spans' gradients itself, maybe on its thread)
-            return
         for tensor, *_ in self.pieces:
             tensor.grad = None
 
@@ -315,7 +236,6 @@ class MainParamOptimizer(_AdamW):
         (``"main_params"``, by range index; Megatron's ``fp32_from_fp16_params``): a resumed run
         must continue from them, not from the 16-bit weights rounded from them. References to
         the live tensors, as torch's optimizers give."""
-        self.wait()
         state = self.inner.state_dict()
         state["main_params"] = {i: m for i, (m, copy) in enumerate(zip(self.mains, self.copies)) if copy}
         return state
@@ -325,7 +245,6 @@ class MainParamOptimizer(_AdamW):
         them (gathered over dp where sharded). A state whose fp32 main parameters differ in
         shape or presence (an fp32 model's against a 16-bit one's, another layout or dp
         sharding) is refused before anything changes."""
-        self.wait()
         state = dict(state)
         mains = state.pop("main_params", None)
         wanted = {i: tuple(m.shape) for i, (m, copy) in enumerate(zip(self.mains, self.copies)) if copy}
@@ -344,7 +263,6 @@ class MainParamOptimizer(_AdamW):
         self._mains_changed()
 
     def load_checkpoint(self, moments: dict[Tensor, tuple[Tensor, Tensor]], step: float) -> None:
-        self.wait()
         super().load_checkpoint(moments, step)
         self._mains_changed()
 

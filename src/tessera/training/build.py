@@ -108,12 +108,10 @@ def build_chunks(cfg: Config, topo: Topology, plan: ExecutionPlan, rng: RNGTrack
     return chunks
 
 
-def build_data_parallel(chunks: list[GPTModel], topo: Topology, cfg: Config, fp8_gather: bool = False,
-                        offload_overlap: bool = False):
+def build_data_parallel(chunks: list[GPTModel], topo: Topology, cfg: Config, fp8_gather: bool = False):
     """Data parallelism and the optimizer over ``chunks``: bucketed buffers with the mixed-precision
     / distributed optimizer (zero 0-2), or FSDP (zero 3; ``fp8_gather``: the fp8 linears' weights
-    gathered in fp8, their scales dropped by every update and load of the weights).
-    ``offload_overlap``: the offloaded update runs behind the next forward of ``chunks``."""
+    gathered in fp8, their scales dropped by every update and load of the weights)."""
     p, t = cfg.parallel, cfg.train
     if p.zero == 3:
         fsdp = FullyShardedDataParallel(chunks, topo, compute_dtype=DTYPES[t.dtype], fp8_gather=fp8_gather)
@@ -127,8 +125,7 @@ def build_data_parallel(chunks: list[GPTModel], topo: Topology, cfg: Config, fp8
                                  overlap_grad_reduce=p.overlap_grad_reduce,
                                  overlap_param_gather=p.overlap_param_gather, embedding_group=topo.group("embedding"))
     return data_parallel, MainParamOptimizer(data_parallel, cfg.optim, offload=cfg.parallel.optimizer_offload,
-                                             offload_staging=cfg.parallel.offload_staging,
-                                             overlap_with=chunks if offload_overlap else None)
+                                             offload_staging=cfg.parallel.offload_staging)
 
 
 def build(cfg: Config, topo: Topology, plan: ExecutionPlan | None = None,
@@ -143,7 +140,7 @@ def build(cfg: Config, topo: Topology, plan: ExecutionPlan | None = None,
     if chunks is None:
         chunks = build_chunks(cfg, topo, plan, RNGTracker.for_rank(t.seed, topo.tp_rank, topo.pp_rank, topo.device))
     rng = chunks[0].tp.rng
-    data_parallel, optimizer = build_data_parallel(chunks, topo, cfg, plan.fp8_param_gather, plan.offload_overlap)
+    data_parallel, optimizer = build_data_parallel(chunks, topo, cfg, plan.fp8_param_gather)
     cache = chunks[0].tp.fp8_cache
     if cache is not None:  # the fp8 weight copies go stale with every update of the weights
         optimizer.inner.register_step_post_hook(cache.invalidate)

@@ -2,8 +2,7 @@
 
 Every ``"auto"`` of the config is decided here and nowhere else: the pipeline schedule and
 layout, compiled layers, CUDA-graphed layers, gradient-accumulation fusion, the compiled
-elementwise functions, the TP backward overlap, the fused cross entropy, the offloaded update
-behind the next forward. The trainer prints the
+elementwise functions, the TP backward overlap, the fused cross entropy. The trainer prints the
 plan's one line at start; the trainer and the benchmarks build from it alike
 (``training/build.py``). The rules and the measurements behind them: docs/architecture.md,
 "Fast paths", and BENCHMARKS.md, one GPU and tensor parallelism.
@@ -35,7 +34,6 @@ class ExecutionPlan:
     fused_cross_entropy: bool  # the compiled vocab-parallel loss
     fp8_weight_cache: bool = False  # tensorwise fp8 weights cast once per step (eager layers only)
     fp8_param_gather: bool = False  # zero=3: FSDP gathers tensorwise fp8 weights as e4m3 bytes (eager layers)
-    offload_overlap: bool = False  # the offloaded CPU update runs behind the next step's forward
 
     @property
     def split_backward(self) -> bool:
@@ -63,9 +61,6 @@ class ExecutionPlan:
             elif p.zero == 3:
                 cast += ", FSDP gathering them in train.dtype"
             parts.append(f"fp8 {cfg.train.fp8}, weights cast {cast}")
-        if p.optimizer_offload:
-            parts.append("optimizer offloaded, its update " + ("behind the next forward" if self.offload_overlap
-                                                                else "finished within the step"))
         return ", ".join(parts)
 
 
@@ -116,32 +111,6 @@ def check_graphable(cfg: Config, schedule: str) -> None:
           "and a graph reads the storage it was captured with", f"use parallel.zero 0, 1 or 2 {fix}")
 
 
-def check_offload_overlap(cfg: Config) -> None:
-    """Refuse what cannot run the offloaded update behind the next forward (optim/overlap.py):
-    only a rank that updates all of its parameters (no all-gather after the update), with
-    forward pre-hooks that run (not replayed CUDA graphs), and nothing else that reads the
-    weights between the update and the forward (the fp8 weight cache)."""
-    p, t = cfg.parallel, cfg.train
-    key, fix = "parallel.offload_overlap", "or set parallel.offload_overlap=auto (off where it cannot) or false"
-    check(p.optimizer_offload, key, "overlaps the offloaded update, and parallel.optimizer_offload is false",
-          f"set parallel.optimizer_offload=true {fix}")
-    check(p.zero == 0 or (p.zero == 1 and p.dp * p.cp == 1), key, f"zero={p.zero} with dp*cp={p.dp * p.cp}: "
-          "the updated shards are all-gathered after the update" + (", and zero=2 clears its gradient shards at the "
-          "step's start" if p.zero == 2 else ""), f"use parallel.zero=0 (or zero=1 with dp=1) {fix}")
-    check(t.cuda_graphs is not True, key, "CUDA-graphed layers replay without the forward pre-hooks that wait "
-          "for each layer's parameters", f"set train.cuda_graphs=auto or false {fix}")
-    check(t.fp8 != "tensorwise", key, "the tensorwise fp8 weight cache is dropped by every update, which would "
-          "then run while the forward reads it", f"use train.fp8=rowwise or none {fix}")
-
-
-def _offload_overlaps(cfg: Config) -> bool:
-    try:
-        check_offload_overlap(cfg)
-    except ConfigError:
-        return False
-    return True
-
-
 def _graphable(cfg: Config, schedule: str) -> bool:
     try:
         check_graphable(cfg, schedule)
@@ -162,8 +131,7 @@ def make_plan(cfg: Config, device: torch.device, tp: int | None = None) -> Execu
     layout = stage_layer_ranges(m.layers, p.pp, p.vpp, parse_layout(p.pp_layout, m, p.pp, p.vpp))
     split = schedule in SPLIT_BACKWARD
     # tp > 1: the halved GEMMs leave eager layers bound by the host's launches; graphs replay them
-    graphed = resolve(t.cuda_graphs, cuda and tp > 1 and t.compile is not True and _graphable(cfg, schedule)
-                      and p.offload_overlap is not True)
+    graphed = resolve(t.cuda_graphs, cuda and tp > 1 and t.compile is not True and _graphable(cfg, schedule))
     # tp = 1: inductor fuses llama's many small elementwise kernels; not around deferred weight
     # gradients (eager layers with compiled elementwise functions measured faster there). fp8
     # layers compile for either family: eager ones launch their casts and amaxes one by one
@@ -184,13 +152,10 @@ def make_plan(cfg: Config, device: torch.device, tp: int | None = None) -> Execu
     # scale (rowwise gathers train.dtype: its backward casts the weight again along other axes;
     # compiled layers too: their graphs would take the gathered weight, a tensor subclass)
     fp8_gather = t.fp8 == "tensorwise" and p.zero == 3 and not compiled
-    # the CPU update behind the next forward: where the GPU has a forward to run meanwhile
-    # (BENCHMARKS.md, optimizer offload); off CUDA the forward would share the CPU with it
-    offload_overlap = p.optimizer_offload and not graphed and resolve(p.offload_overlap, cuda) and _offload_overlaps(cfg)
     return ExecutionPlan(schedule=schedule, layout=tuple(len(r) for r in layout), compiled=compiled,
                          graphed=graphed, fuse_wgrad=fuse, fused_elementwise=elementwise, comm_overlap=overlap,
                          fused_cross_entropy=cuda and t.fused_cross_entropy, fp8_weight_cache=cache,
-                         fp8_param_gather=fp8_gather, offload_overlap=offload_overlap)
+                         fp8_param_gather=fp8_gather)
 
 
-__all__ = ["ExecutionPlan", "make_plan", "choose_schedule", "check_graphable", "check_offload_overlap", "microbatches"]
+__all__ = ["ExecutionPlan", "make_plan", "choose_schedule", "check_graphable", "microbatches"]

@@ -20,7 +20,7 @@ from tessera.pipeline_parallel.simulator import simulate
 from tessera.pipeline_parallel.stage import NAMED, LayoutError, parse_layout, stage_layer_ranges
 from tessera.training.launch import check_device
 from tessera.training.metrics import check_tensorboard
-from tessera.training.plan import check_graphable, check_offload_overlap, choose_schedule, microbatches
+from tessera.training.plan import check_graphable, choose_schedule, microbatches
 
 
 def validate(cfg: Config, world_size: int) -> Config:
@@ -38,8 +38,6 @@ def validate(cfg: Config, world_size: int) -> Config:
     _check_combinations(cfg, world_size)
     if t.cuda_graphs is True:
         check_graphable(cfg, "none" if p.schedule == "auto" and p.pp == 1 else p.schedule)
-    if p.offload_overlap is True:
-        check_offload_overlap(cfg)
     return cfg
 
 

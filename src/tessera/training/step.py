@@ -16,8 +16,7 @@ Communication plan of a step:
    sharded), the AdamW step on the fp32 main parameters with the clipping factor applied to
    the gradients (inside the fused kernel on CUDA), skipped on the device where that norm is
    not finite (bf16/fp32 with a guard: training/rerun.py) (then, zero >= 1, the
-   parameter all-gather, overlapped with the next step's forward; offloaded with
-   ``parallel.offload_overlap``, the update itself runs behind that forward: optim/overlap.py);
+   parameter all-gather, overlapped with the next step's forward);
 6. the reported loss: one all-reduce over dp (meaningful on the last pipeline stage), before the
    optimizer step. It and the token count of 1 go over ``dp_scalars``, a second communicator
    over the dp ranks: NCCL runs one communicator's work in order, and on ``dp`` they would
@@ -188,9 +187,6 @@ def train_step(optimizer, micro_batches: list[dict], topo: Topology, executor: P
                                 after_comm=getattr(data_parallel, "pipeline_comm_done", None),
                                 timer=timer if timer is not _UNTIMED else None)
     with timer.span("dp_wait"):
-        # (an offloaded update behind this step's forward is done by now: the last layers' forward
-        # waited for it; joined before anything here writes gradients the forward did not produce)
-        optimizer.wait()
         data_parallel.finish_grad_sync()
     with timer.span("optimizer"):
         loss, grad_norm, skipped = _finish_step(optimizer, topo, data_parallel, loss_sum, scalars, clip_grad, scaler,

@@ -256,7 +256,6 @@ class Trainer:
     def evaluate(self, step: int) -> None:
         """The validation loss after ``step``, logged with that step's line."""
         p = self.parts
-        p.optimizer.wait()  # (an offloaded update behind the forward)
         p.data_parallel.wait_param_gather()  # (zero 1/2: the updated parameters)
         loss = validation_loss(p.chunks, p.topo, self.valid, self.cfg.train.eval_batches, p.p2p)
         if loss is not None:
@@ -297,7 +296,6 @@ class Trainer:
         """After the loop: every rank's peak memory (the metrics carry the logging rank's only;
         a pipeline's first stage holds the most), and the sample (not after an early stop)."""
         p, t = self.parts, self.cfg.train
-        p.optimizer.wait()
         p.data_parallel.wait_param_gather()
         if self.device.type == "cuda" and self.world > 1:
             peaks = [None] * self.world
