@@ -282,3 +282,20 @@ def test_the_recompute_host_benchmark_times_its_three_runs(capsys):
     assert set(medians) == {"none", "full, tessera's node", "full, torch.utils.checkpoint"}
     assert all(t > 0 for t in medians.values()) and rng._Recomputed is node
     assert "recomputation adds" in capsys.readouterr().out
+
+
+def test_the_attention_benchmark_times_what_runs_and_names_what_refuses():
+    """On a CPU with a tiny shape: SDPA's own choice and flash (the CPU has a flash kernel) are
+    timed, forward and backward; cuDNN and the memory-efficient kernel, which it lacks, are listed
+    as refused, with the reason."""
+    import torch
+    from attention_backends import table
+    from sweep import Shape
+
+    rows = table([Shape("tiny", 32, 1, 4, 2, 64, 16, 64, 1)], repeats=2, device=torch.device("cpu"))
+    by_backend = {row.split(" | ")[1]: row for row in rows[2:]}
+    assert set(by_backend) == {"cudnn", "flash", "efficient", "sdpa's choice"}
+    for name in ("sdpa's choice", "flash"):
+        cells = by_backend[name].split(" | ")
+        assert float(cells[2]) > 0 and float(cells[3]) > float(cells[2]), by_backend[name]
+    assert all("refused: No viable backend" in by_backend[name] for name in ("cudnn", "efficient"))
