@@ -208,7 +208,8 @@ class TrainConfig:
     the builtin corpus, PREFIX.tokenizer.json beside the first indexed dataset)."""
     compile: Switch = AUTO
     """torch.compile each transformer layer. auto: on for CUDA runs at tp=1 whose schedule does
-    not split the backward and whose layers are not recomputed, for the llama family."""
+    not split the backward and whose layers are not recomputed, for the llama family and fp8
+    layers. true also under train.recompute=full (the compiled layer runs again in the backward)."""
     grad_accum_fusion: Switch = AUTO
     """A linear layer's weight-gradient GEMM adds straight into the fp32 main gradient (zero 0-2).
     auto: on for CUDA runs at tp=1."""
@@ -286,8 +287,9 @@ class TrainConfig:
               "give the layers per pipeline chunk to recompute, or 0 for all")
         check(self.recompute != "none" or not self.recompute_layers, "train.recompute_layers",
               "is set but train.recompute=none", "set train.recompute=selective or full")
-        check(self.recompute == "none" or self.compile is not True, "train.compile",
-              "true with train.recompute: compiled layers are not recomputed", "set train.compile=auto or false")
+        check(self.recompute != "selective" or self.compile is not True, "train.compile",
+              "true with train.recompute=selective: compiled layers are recomputed whole or not at all",
+              "set train.recompute=full, or train.compile=auto or false")
         check(self.max_skipped_steps >= 1, "train.max_skipped_steps", f"{self.max_skipped_steps} is below 1",
               "give the skipped steps in a row to stop after, e.g. 10")
         check(self.inject_fault_step >= 0, "train.inject_fault_step", f"{self.inject_fault_step} is below 0",
