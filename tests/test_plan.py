@@ -244,3 +244,26 @@ def test_heterogeneous_stages_plan_for_their_own_tp():
     assert (one.compiled, one.fuse_wgrad) == (True, True)  # the tp=1 stage: llama compiled, fused W
     assert (two.compiled, two.fuse_wgrad, two.graphed) == (False, False, False)  # tp=2 (no graphs at pp > 1)
     assert default == two
+
+
+def test_the_rules_follow_the_layers_kind_and_layout_not_the_shape():
+    """Every shape of benchmarks/sweep.py (sequence 2k-16k, head dim 64 / 128, GQA 1-8, vocabulary
+    32k-152k, hidden 2048-4096, micro-batch 1-4) resolves alike at tp=1: compiled layers with fused
+    weight gradients and the fused loss, no graphs. The same sizes with GPT-2's layers (LayerNorm
+    and GELU, each one kernel eagerly) keep eager layers with fused weight gradients, fp8 ones
+    compile; at tp=2 every shape's eager layers are graphed."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from sweep import SHAPES, STEPS
+
+    for shape in SHAPES:
+        sets = ["model.family=llama", *shape.tessera_overrides(STEPS)]
+        plan = _plan(sets)
+        assert (plan.compiled, plan.fuse_wgrad, plan.graphed, plan.fused_cross_entropy) == (True, True, False, True)
+        gpt2 = [s for s in sets if not s.startswith(("model.family", "model.kv_heads", "model.ffn_hidden"))]
+        assert _resolved(gpt2) == (False, True, False), shape.name
+        assert _resolved(gpt2 + ["train.fp8=tensorwise"]) == (True, True, False), shape.name
+        tp2 = sets + ["parallel.tp=2", "parallel.sequence_parallel=true"]
+        assert _resolved(tp2) == (False, False, True), shape.name
