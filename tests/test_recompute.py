@@ -38,8 +38,9 @@ LAYOUTS = {
 
 
 def _runs(rank, world, sizes, layout):
-    """Each recompute mode's training_runs.train_run on ``layout``, and how many layer forwards
-    this rank recomputed."""
+    """Each recompute mode's training_runs.train_run on ``layout`` (3 steps: each step's figures
+    and the final weights to the bit, a step's recomputation needing nothing of the steps
+    before), and how many layer forwards this rank recomputed."""
     from training_runs import train_run
 
     from tessera.models import gpt
@@ -56,7 +57,7 @@ def _runs(rank, world, sizes, layout):
     out = {}
     for name, extra in RECOMPUTE.items():
         calls.clear()
-        run = train_run(topo, layout + extra)
+        run = train_run(topo, layout + extra, steps=3)
         out[name] = dict(losses=run["losses"], norms=run["norms"], params=run["params"], recomputed=len(calls))
     return out
 
