@@ -4,6 +4,7 @@ stopping every rank with one line (the CLI)."""
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -58,9 +59,11 @@ def test_cli_prints_one_line_not_a_traceback(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.strip() == ("tessera: config error: parallel.tp: tp*pp = 3*1 = 3 does not divide the world "
                            "size 4 -> choose tp and pp whose product divides 4, or launch a multiple of 3 processes")
-    monkeypatch.setenv("RANK", "1")  # other ranks stay quiet but stop too
+    monkeypatch.setenv("RANK", "1")  # other ranks stay quiet but stop too, after giving rank 0 3 s to say it
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
     assert main(["train", "--set", "parallel.tp=3"]) == 2
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == "" and slept == [3]
 
 
 BAD_HEADS = ["--set", "model.heads=3", "--set", "model.hidden=96", "--set", "parallel.tp=2"]

@@ -197,6 +197,7 @@ def _train_worker(rank: int, world: int, runs: list[tuple[list[str], bool | None
     return out
 
 
+@pytest.mark.slow  # (the module's quickest multi-rank test stays in the fast subset)
 @pytest.mark.timeout(300)
 def test_zero3_with_fp8_gathers_trains_as_one_process_and_as_the_train_dtype_gather():
     """dp=2 zero=3, fp32 around the fp8 GEMMs, one micro-batch per rank (FSDP's sum of the two
@@ -253,6 +254,7 @@ def _load_and_save(rank: int, world: int, overrides: list[str], src: str, dst: s
     return step
 
 
+@pytest.mark.slow  # (the module's quickest multi-rank test stays in the fast subset)
 @pytest.mark.timeout(300)
 def test_a_zero3_fp8_checkpoint_resumes_bit_for_bit_and_loads_into_zero0_without_fp8(tmp_path):
     """Saved from dp=2 zero=3 with the fp8 gather: resumed on that layout the run continues bit

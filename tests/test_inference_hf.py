@@ -147,7 +147,8 @@ def test_tessera_generate_and_eval_on_an_imported_model_with_its_tokenizer(tmp_p
     an end-of-sequence id: ``tessera generate`` prints what transformers generates, stopping
     where it stops; ``tessera eval --jsonl`` prints transformers' loss; both at tp=2 x pp=2 and
     dp=2 too. (One process in this one; tp=2 x pp=2 in four rank processes, as torchrun's workers
-    run the command; dp=2 launched with --nproc-per-node 2, through torchrun.)"""
+    run the command; dp=2 generation launched with --nproc-per-node 2, through torchrun, the
+    launcher's path for both commands; dp=2 evaluation in two rank processes.)"""
     import subprocess
     import sys
 
@@ -178,7 +179,8 @@ def test_tessera_generate_and_eval_on_an_imported_model_with_its_tokenizer(tmp_p
                 "eval": ["eval", "--checkpoint", str(tmp_path / "ck"), "--jsonl", str(tmp_path / "docs.jsonl"), "--json"]}
 
     def printed(command: str, launch: str) -> str:
-        """What ``command`` printed: one process, tp2 x pp2 (four ranks) or dp2 (torchrun)."""
+        """What ``command`` printed: one process, tp2 x pp2 (four ranks) or dp2 (two ranks; torchrun
+        for generate)."""
         if launch == "one process":
             capsys.readouterr()
             assert main(commands[command]) == 0
@@ -186,6 +188,8 @@ def test_tessera_generate_and_eval_on_an_imported_model_with_its_tokenizer(tmp_p
         if launch == "tp2 x pp2":
             argv = commands[command] + ["--set", "parallel.tp=2", "--set", "parallel.pp=2"]
             return run_ranks(_command_worker, 4, argv, timeout=240)[0]
+        if command == "eval":
+            return run_ranks(_command_worker, 2, commands[command], timeout=240)[0]
         done = subprocess.run([sys.executable, "-m", "tessera", *commands[command], "--nproc-per-node", "2"],
                               capture_output=True, text=True, timeout=200)
         assert done.returncode == 0, done.stderr[-3000:]

@@ -106,6 +106,7 @@ def _kept(rank, world, runs):
     return out
 
 
+@pytest.mark.slow  # (the module's quickest multi-rank test, the model state's, stays in the fast subset)
 @pytest.mark.timeout(200)
 def test_activation_formulas_follow_the_kept_bytes_of_tp_sp_and_cp_layouts():
     for rank in run_ranks(_kept, 2, ACT_LAYOUTS, timeout=180):

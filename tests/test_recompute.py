@@ -38,8 +38,9 @@ LAYOUTS = {
 
 
 def _runs(rank, world, sizes, layout):
-    """Each recompute mode's training_runs.train_run on ``layout``, and how many layer forwards
-    this rank recomputed."""
+    """Each recompute mode's training_runs.train_run on ``layout`` (3 steps: each step's figures
+    and the final weights to the bit, a step's recomputation needing nothing of the steps
+    before), and how many layer forwards this rank recomputed."""
     from training_runs import train_run
 
     from tessera.models import gpt
@@ -56,7 +57,7 @@ def _runs(rank, world, sizes, layout):
     out = {}
     for name, extra in RECOMPUTE.items():
         calls.clear()
-        run = train_run(topo, layout + extra)
+        run = train_run(topo, layout + extra, steps=3)
         out[name] = dict(losses=run["losses"], norms=run["norms"], params=run["params"], recomputed=len(calls))
     return out
 
@@ -143,8 +144,8 @@ def _compiled_runs() -> tuple[dict, dict, int]:
     gpt.recompute = lambda *args, **kw: (calls.append(1), real(*args, **kw))[1]
     try:
         sets = ["model.family=llama", "model.kv_heads=1", "model.dropout=0.1", "optim.lr=1e-3", "train.compile=true"]
-        plain = train_run(Topology.build(), sets)
-        recomputed = train_run(Topology.build(), sets + ["train.recompute=full"])
+        plain = train_run(Topology.build(), sets, steps=3)
+        recomputed = train_run(Topology.build(), sets + ["train.recompute=full"], steps=3)
     finally:
         gpt.recompute = real
     return plain, recomputed, len(calls)

@@ -96,21 +96,44 @@ _HANG = textwrap.dedent("""
 """)
 
 
-def _run(tmp_path, hang_at: int, seconds: float, timeout_s: float):
+def _start(folder, hang_at: int, seconds: float, timeout_s: float) -> subprocess.Popen:
     """The trainer in a process of its own (the watchdog ends it), step ``hang_at`` sleeping
     ``seconds``, under ``train.timeout_s``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.run([sys.executable, "-c", _HANG, str(hang_at), str(seconds), str(timeout_s),
-                           str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=240)
+    # (one thread each: the two run side by side on as few as 2 cores)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", _HANG, str(hang_at), str(seconds), str(timeout_s), str(folder)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both runs, started together (each a process of its own, mostly importing torch): a hang of
+    100 s in step 2 under a 2 s limit, and a step 4 slower by 1 s under a 60 s limit."""
+    procs = {"hung": _start(tmp_path_factory.mktemp("hung"), 2, 100, 2),
+             "slow": _start(tmp_path_factory.mktemp("slow"), 4, 1.0, 60)}
+    done = {}
+
+    def result(name: str) -> subprocess.CompletedProcess:
+        if name not in done:
+            try:
+                out, err = procs[name].communicate(timeout=240)
+            finally:
+                procs[name].kill()
+            done[name] = subprocess.CompletedProcess(procs[name].args, procs[name].returncode, out, err)
+        return done[name]
+    yield result
+    for proc in procs.values():
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.slow
-def test_a_hung_step_ends_the_run_with_every_threads_stack(tmp_path):
+def test_a_hung_step_ends_the_run_with_every_threads_stack(runs):
     """The second step (the first one timed: steps before it, slow on a loaded machine, cannot
     end the run first) sleeps 100 s (a hang) under a 2 s limit: the run ends in that step with
     exit code 1, the timer's message and the stack dumped naming where the main thread stood.
     (The sleep ending first would print "finished".)"""
-    out = _run(tmp_path, 2, 100, 2)
+    out = runs("hung")
     assert "hanging now" in out.stdout and "finished" not in out.stdout
     assert out.returncode != 0, out.returncode
     assert "Timeout (0:00:02)!" in out.stderr, out.stderr[-2000:]  # (no step timed before it: the limit is 2 s)
@@ -118,9 +141,9 @@ def test_a_hung_step_ends_the_run_with_every_threads_stack(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_slow_step_within_its_limit_does_not_end_the_run(tmp_path):
+def test_a_slow_step_within_its_limit_does_not_end_the_run(runs):
     """A step 1 s slower than the others, well under its limit (60 s: a loaded machine's steps
     stay far below it): the run finishes. The limit's arithmetic is tested above on a clock of
     the test's own."""
-    out = _run(tmp_path, 4, 1.0, 60)
+    out = runs("slow")
     assert out.returncode == 0 and "finished" in out.stdout, out.stderr[-2000:]

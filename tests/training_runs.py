@@ -99,8 +99,8 @@ def _recording_order(log: list[str]):
 
 
 def train_run(topo: Topology, overrides: list[str], *, batches=my_micro_batches, scaler=None, hook=None,
-              prepare=None, setup=None) -> dict:
-    """``BASE + overrides`` trained for STEPS steps on ``batches(step, topo)`` (this rank's
+              prepare=None, setup=None, steps: int = STEPS) -> dict:
+    """``BASE + overrides`` trained for ``steps`` steps on ``batches(step, topo)`` (this rank's
     micro-batches). ``hook(step, stage)``: before each step; ``prepare(stage, data_parallel)``:
     called once built, before the first step; ``setup(chunks)``: before data parallelism wraps
     the model chunks."""
@@ -158,7 +158,7 @@ def train_run(topo: Topology, overrides: list[str], *, batches=my_micro_batches,
     patches = _recording_order(log := []) if topo.pp > 1 else []
     for owner, name, _, new in patches:
         setattr(owner, name, new)
-    for step in range(STEPS):
+    for step in range(steps):
         micro_batches = batches(step, topo)
         if hook is not None:
             hook(step, stage)
