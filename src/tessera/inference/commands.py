@@ -67,9 +67,9 @@ def add_inference_commands(sub) -> None:
     gen.add_argument("--compile", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                      help="compile the decode step with inductor (fused elementwise kernels), then capture it where "
                      "the decode step is graphed; the first batch compiles (a second shape once more): auto (default) "
-                     "where the step is graphed (1.13x the graphed step at batch 1, 1.15x at 32: BENCHMARKS.md, "
-                     "Inference); on: also ungraphed and on a CPU (inductor's C++ kernels); off: for a short "
-                     "generation, where compiling takes longer than it saves")
+                     "is off: compiling takes longer than a short generation lasts; on: 1.13x the graphed step at "
+                     "batch 1 and 1.15x at 32 once compiled (BENCHMARKS.md, Inference), for long or many "
+                     "generations; also ungraphed and on a CPU (inductor's C++ kernels); off")
     gen.add_argument("--no-cache", action="store_true", help="the reference: run the whole context each step")
     ev = sub.add_parser("eval", help="a checkpoint's mean loss per token and perplexity on data (any tp, pp, dp)")
     _common(ev)
@@ -220,10 +220,11 @@ def decode_graphed(choice: str, topo, no_cache: bool) -> bool:
     return choice == "on"
 
 
-def decode_compiled(choice: str, graphed: bool) -> bool:
-    """``--compile``'s choice: ``auto`` where the decode step is graphed (measured faster than the
-    graphed step alone); ``on`` (pp and the cache checked beforehand) or ``off`` as given."""
-    return graphed if choice == "auto" else choice == "on"
+def decode_compiled(choice: str) -> bool:
+    """``--compile``'s choice: ``auto`` is off (a compiled step replays 1.13x faster, but compiling it
+    takes longer than a short generation lasts); ``on`` (pp and the cache checked beforehand) or
+    ``off`` as given."""
+    return choice == "on"
 
 
 def _generate(args, request: Request, chunks, topo, p2p) -> list[str]:
@@ -236,7 +237,7 @@ def _generate(args, request: Request, chunks, topo, p2p) -> list[str]:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     stops = () if args.no_stop else request.vocab.stop_ids
     graph = decode_graphed(args.cuda_graph, topo, args.no_cache)
-    compiled = decode_compiled(args.compile, graph)
+    compiled = decode_compiled(args.compile)
     share = np.array_split(np.arange(len(request.prompts)), topo.dp)[topo.dp_rank].tolist()
     lines = []
     for start in range(0, len(share), args.batch_size):

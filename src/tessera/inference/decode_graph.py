@@ -9,8 +9,8 @@ pipeline's messages are not captured). ``tessera generate`` replays it by defaul
 and pp=1, where benchmarks/decode.py measured it (645 tokens/s at batch 1 against eager's 44);
 ``--cuda-graph on`` also at tp>1, ``off`` never.
 
-:func:`compile_step` compiles the same step with inductor first (``--compile``, auto where graphed:
-1.13x at batch 1), so that the graph replays fused kernels instead of each norm, rotation,
+:func:`compile_step` compiles the same step with inductor first (``--compile on``: 1.13x at batch
+1 once compiled), so that the graph replays fused kernels instead of each norm, rotation,
 residual add and cache write alone.
 """
 
