@@ -252,6 +252,7 @@ def test_memory_check_runs_all_of_llama8b_where_the_host_has_the_staged_offload(
     assert memory_check.layers_that_fit(sets, 32, 90 * 2**30 - memory_check.OTHER_HOST) < 32
 
 
+@pytest.mark.slow
 def test_the_fp8_curves_compare_one_config_and_plot_every_run(tmp_path):
     """benchmarks/fp8_curves.py: its runs are one valid config apart only in train.fp8, and the plot
     draws each run's curve from the JSON its GPU half writes."""
@@ -270,6 +271,7 @@ def test_the_fp8_curves_compare_one_config_and_plot_every_run(tmp_path):
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_the_recompute_host_benchmark_times_its_three_runs(capsys):
     """benchmarks/recompute_host.py on a CPU: no recomputation, tessera's node and torch's checkpoint,
     each timed (no threshold: the figures are BENCHMARKS.md's), tessera's node put back after."""

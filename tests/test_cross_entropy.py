@@ -112,7 +112,7 @@ def _case_large(rank, tp, group, gen, checks, fused):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # (4 ranks: the whole suite)
 def test_vocab_parallel_cross_entropy_matches_full(tp, fused):
     labels = verify(run_ranks(_cross_entropy_rank, tp, fused, timeout=TIMEOUT))
     assert all(lab == labels[0] for lab in labels)

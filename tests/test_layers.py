@@ -270,7 +270,7 @@ def _layers_rank(rank: int, tp: int) -> list:
     return r.checks
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # (4 ranks: the whole suite)
 def test_layers_match_unsharded_maths(tp):
     labels = verify(run_ranks(_layers_rank, tp, timeout=TIMEOUT))
     assert all(lab == labels[0] for lab in labels)

@@ -1,6 +1,7 @@
 """The execution plan: every "auto" resolved by one rule from the layout, model and device, explicit
 choices standing, and the plan's one line at the run's start."""
 
+import pytest
 import torch
 
 from tessera.config import load_config
@@ -156,6 +157,7 @@ def test_a_layout_over_memory_is_not_listed_and_its_reason_is_given():
     assert "refused by the preflight" in reasons and "parallel.vpp: pp*vpp = 8 virtual stages" in reasons
 
 
+@pytest.mark.slow
 def test_more_memory_never_removes_a_layout():
     fitting = []
     for memory in (2 * 2**20, 3 * 2**20, 5 * 2**20, 2**40):

@@ -103,7 +103,7 @@ def _kept(model: GPTModel, tokens: torch.Tensor) -> int:
     return kept
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_selective_keeps_less_than_none_and_more_than_full(family):
     """The same gradients from all three modes; what the forward keeps: none > selective > full."""
     cfg = ModelConfig(family=family, hidden=64, layers=4, heads=4, seq_len=64, vocab_size=50)

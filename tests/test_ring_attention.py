@@ -250,7 +250,7 @@ def ring_results(cp: int) -> list[dict]:
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", [c.name for c in CASES])
-@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("cp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # (4 ranks: the whole suite)
 def test_ring_attention_matches_full_attention(cp, name):
     check_against_full(BY_NAME[name], cp, [r[name] for r in ring_results(cp)])
 

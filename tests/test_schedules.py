@@ -57,7 +57,8 @@ def test_every_kind_has_layouts():
                                                        "zb-h1": 5, "interleaved-zb": 12}
 
 
-@pytest.mark.parametrize("kind,pp,vpp", LAYOUTS, ids=[f"{k}-pp{p}-vpp{v}" for k, p, v in LAYOUTS])
+@pytest.mark.parametrize("kind,pp,vpp", [(k, p, v) if p < 8 else pytest.param(k, p, v, marks=pytest.mark.slow)
+                                          for k, p, v in LAYOUTS], ids=[f"{k}-pp{p}-vpp{v}" for k, p, v in LAYOUTS])
 def test_schedule_is_complete_matched_and_runs(kind, pp, vpp):
     for m in range(1, 3 * pp + 3):
         schedules = _built(kind, pp, vpp, m)
@@ -316,6 +317,7 @@ def test_png_picture_from_the_cli(tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+@pytest.mark.slow
 def test_png_width_does_not_follow_the_costs_unit(tmp_path):
     """The same schedule with costs in seconds or in tenths of milliseconds: one picture size."""
     import struct

@@ -345,6 +345,7 @@ def _tp2_worker(rank: int, world_size: int, tokens, labels) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_stages_and_dropout_tp2():
     tokens, labels, _ = make_batch()
     results = run_ranks(_tp2_worker, 2, tokens, labels, timeout=120)

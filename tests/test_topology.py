@@ -235,6 +235,7 @@ def _coexist_worker(rank: int, world_size: int) -> dict:
     return got
 
 
+@pytest.mark.slow
 def test_two_topologies_coexist():
     got = run_ranks(_coexist_worker, 8, timeout=150)
     assert [g["a.tp"] for g in got] == [1, 1, 5, 5, 9, 9, 13, 13]
