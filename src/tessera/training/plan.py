@@ -146,8 +146,9 @@ def make_plan(cfg: Config, device: torch.device, tp: int | None = None) -> Execu
     overlap = resolve(p.tp_comm_overlap, graphed and tp > 1)
     # tensorwise: a weight's fp8 copy serves every micro-batch of a step; not under FSDP (zero=3),
     # whose point is not to keep whole weights; not in compiled layers, whose fused casts measured
-    # as fast as copies cast once per step and handed in, which held 2 bytes per weight more
-    cache = t.fp8 == "tensorwise" and p.zero < 3 and not compiled
+    # as fast as copies cast once per step and handed in, which held 2 bytes per weight more; not in
+    # graphed layers, whose captured casts replay without a lookup
+    cache = t.fp8 == "tensorwise" and p.zero < 3 and not compiled and not graphed
     # zero=3, tensorwise: FSDP gathers those weights as fp8 bytes cast under the whole weight's
     # scale (rowwise gathers train.dtype: its backward casts the weight again along other axes;
     # compiled layers too: their graphs would take the gathered weight, a tensor subclass)
