@@ -4,6 +4,8 @@
     python3 benchmarks/sweep.py --part 1/2       # the first half of the shapes (a call's budget)
     python3 benchmarks/sweep.py --only s8k-gqa8-v128k --dry-run
     python3 benchmarks/sweep.py --part 2/3 --try train.compile=false   # auto's choice against another
+    python3 benchmarks/sweep.py --part 1/3 --split     # and where each side's GPU time goes
+    python3 benchmarks/sweep.py --no-peer --try train.grad_accum_fusion=false   # tessera alone
 
 Each shape is a Llama-style model (RMSNorm, SwiGLU, RoPE, grouped-query attention, untied head)
 run by benchmarks/quick_train.py (tessera, every fast path at ``auto``) and by
@@ -11,7 +13,10 @@ run by benchmarks/quick_train.py (tessera, every fast path at ``auto``) and by
 bf16 autocast) with the same shape and batch. It prints a markdown table of tokens/s, the ratio
 and tessera's MFU. ``--try KEY=VALUE[+KEY=VALUE]`` (repeatable) adds a tessera run per shape
 with those overrides, its ratio to auto's run beside it: the check that auto chose the faster
-path on that shape. SWEEP_BUDGET (seconds, default 560) bounds the whole call: runs that would
+path on that shape. ``--split`` profiles two warm-up steps of tessera's run and of the peer's
+(benchmarks/kernel_split.py; the peer gets a fourth warm-up step, so no profiled step is timed)
+and prints their GPU time per kind of kernel side by side; ``--no-peer`` leaves the peer out (for
+``--try`` alone). SWEEP_BUDGET (seconds, default 560) bounds the whole call: runs that would
 pass it are skipped and said so.
 """
 
@@ -20,12 +25,14 @@ from __future__ import annotations
 import os
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import run_one  # noqa: E402
+from kernel_split import collected, profiled_env, table  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -51,11 +58,11 @@ class Shape:
                 f"model.vocab_size={self.vocab}", f"train.micro_batch={self.micro_batch}",
                 f"train.global_batch={self.micro_batch * self.micro_batches}", f"train.steps={steps}"]
 
-    def peer_flags(self, steps: int) -> list[str]:
+    def peer_flags(self, steps: int, warmup: int = 3) -> list[str]:
         return ["--llama", "1", "--layers", str(self.layers), "--hidden", str(self.hidden), "--heads", str(self.heads),
                 "--kv-heads", str(self.kv_heads), "--ffn", str(self.ffn), "--seq", str(self.seq),
                 "--vocab", str(self.vocab), "--mbs", str(self.micro_batch),
-                "--gbs", str(self.micro_batch * self.micro_batches), "--iters", str(steps - 3), "--warmup", "3"]
+                "--gbs", str(self.micro_batch * self.micro_batches), "--iters", str(steps - 3), "--warmup", str(warmup)]
 
 
 # sequence 2k-16k, head dim 64 and 128, GQA ratio 1, 4 and 8, vocabulary 32k-152k, hidden 2048-4096
@@ -114,11 +121,15 @@ def mfu_of(line: str) -> str:
 def main() -> None:
     shapes, dry = pick(sys.argv[1:])
     tries = variants(sys.argv[1:])
+    profiling, peer = "--split" in sys.argv, "--no-peer" not in sys.argv
+    folder = os.environ.get("OUT") or tempfile.mkdtemp()
     deadline = time.monotonic() + float(os.environ.get("SWEEP_BUDGET", "560"))
     rows = []
     for s in shapes:
-        runs = [("tessera", [sys.executable, "benchmarks/quick_train.py", "llama-1b", *s.tessera_overrides(STEPS)]),
-                ("torch", [sys.executable, ".peers/torch_gpt_bench.py", *s.peer_flags(STEPS)])]
+        runs = [("tessera", [sys.executable, "benchmarks/quick_train.py", "llama-1b", *s.tessera_overrides(STEPS)])]
+        if peer:
+            runs.append(("torch", [sys.executable, ".peers/torch_gpt_bench.py",
+                                   *s.peer_flags(STEPS, warmup=4 if profiling else 3)]))
         runs += [("+".join(extra), [sys.executable, "benchmarks/quick_train.py", "llama-1b",
                                     *s.tessera_overrides(STEPS), *extra]) for extra in tries]
         figures = {}
@@ -132,11 +143,19 @@ def main() -> None:
                 figures[system] = (None, "")
                 continue
             captured: list[str] = []
-            tps = run_one(system, s.name, cmd, {"NPROC": "1"}, left, lines=captured)
+            env = {"NPROC": "1"}
+            if profiling and system in ("tessera", "torch"):
+                env.update(profiled_env(os.path.join(folder, f"split_{s.name}_{system}")))
+            tps = run_one(system, s.name, cmd, env, left, lines=captured)
             figures[system] = (tps, next((mfu_of(line) for line in captured if line.startswith("RESULT")), ""))
             print(f"{s.name} {system}: {tps}", flush=True)
         if not dry:
             rows.append((s, figures))
+        profiles = {system: collected(os.path.join(folder, f"split_{s.name}_{system}"))
+                    for system in ("tessera", "torch")} if profiling and not dry else {}
+        if any(profiles.values()):
+            print(f"\n{s.name}: GPU time by kind of kernel, two steps profiled after the first")
+            print("\n".join(table({k: v for k, v in profiles.items() if v})), flush=True)
     if dry:
         return
     for s, figures in rows if tries else ():
@@ -154,7 +173,7 @@ def main() -> None:
         ratio = f"{mine / theirs:.3f}" if mine and theirs else ""
         print(f"| {s.name} | {parameters(s) / 1e9:.2f}B | {s.head_dim} | {s.heads // s.kv_heads} | {s.seq} | {s.vocab} | "
               f"{s.micro_batch} | {f'{mine:,.0f}' if mine else 'failed'} | {mfu} | "
-              f"{f'{theirs:,.0f}' if theirs else 'failed'} | {ratio} |")
+              f"{f'{theirs:,.0f}' if theirs else 'failed' if peer else 'not run'} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -301,3 +301,48 @@ def test_the_attention_benchmark_times_what_runs_and_names_what_refuses():
         cells = by_backend[name].split(" | ")
         assert float(cells[2]) > 0 and float(cells[3]) > float(cells[2]), by_backend[name]
     assert all("refused: No viable backend" in by_backend[name] for name in ("cudnn", "efficient"))
+
+
+def test_kernel_split_sorts_kernels_by_kind_and_sets_two_profiles_side_by_side():
+    """kernel_split.py: each kind of kernel found by name (cuDNN's attention by direction, inductor's,
+    cuBLAS's, the fused AdamW's), ms per step summed, and a second profile given as its difference."""
+    import kernel_split
+
+    assert [kernel_split.kind(n) for n in (
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0",
+        "triton_per_fused__to_copy_mul_rsqrt_0", "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN",
+        "void at::native::(anonymous namespace)::fused_adamw_kernel<float>",
+        "void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "void at::native::vectorized_elementwise_kernel<4, silu>")] == [
+        "attention forward", "attention backward", "inductor (triton)", "GEMM", "optimizer", "copies", "NCCL",
+        "other eager"]
+    mine = {"steps": 2, "wall_us": 2000.0, "kernels": {"nvjet_tst_a": [1200.0, 8], "triton_poi_fused_b": [400.0, 4]}}
+    peer = {"steps": 2, "wall_us": 2600.0, "kernels": {"nvjet_tst_a": [1400.0, 8], "triton_poi_fused_c": [600.0, 6],
+                                                        "fused_adamw_kernel": [200.0, 2]}}
+    per_kind, kernels, wall = kernel_split.split(peer)
+    assert per_kind == pytest.approx({"GEMM": 0.7, "inductor (triton)": 0.3, "optimizer": 0.1}) and wall == 1.3
+    assert kernels["GEMM"] == [(pytest.approx(0.7), "nvjet_tst_a")]
+    lines = kernel_split.table({"tessera": mine, "torch": peer})
+    assert lines[0] == "| kind | tessera ms/step | torch ms/step | torch - tessera |"
+    assert "| GEMM | 0.6 | 0.7 | +0.1 |" in lines and "| optimizer | 0.0 | 0.1 | +0.1 |" in lines
+    assert "| kernels, all | 0.8 | 1.1 | +0.3 |" in lines and "| wall | 1.0 | 1.3 | +0.3 |" in lines
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+def test_kernel_split_profiles_an_unchanged_script_through_its_optimizer_steps(tmp_path):
+    """A plain PyTorch loop run under kernel_split.py's environment writes the profile of its 2nd and
+    3rd steps: GEMMs and the fused AdamW among its kernels."""
+    import kernel_split
+
+    script = tmp_path / "loop.py"
+    script.write_text("import torch\nm = torch.nn.Linear(256, 256).cuda()\n"
+                      "opt = torch.optim.AdamW(m.parameters(), fused=True)\nfor _ in range(5):\n"
+                      "    m(torch.randn(64, 256, device='cuda')).square().mean().backward()\n"
+                      "    opt.step()\n")
+    prefix = str(tmp_path / "split")
+    subprocess.run([sys.executable, str(script)], check=True, env={**os.environ, **kernel_split.profiled_env(prefix)})
+    profile = kernel_split.collected(prefix)
+    per_kind, _, wall = kernel_split.split(profile)
+    assert profile["steps"] == 2 and per_kind["GEMM"] > 0 and per_kind["optimizer"] > 0 and wall > 0

@@ -1,0 +1,56 @@
+"""Profiles two optimizer steps of any PyTorch training script, tessera's or a peer's, unchanged.
+
+benchmarks/kernel_split.py puts this folder first on PYTHONPATH with KERNEL_SPLIT set to an output
+prefix; Python then imports this module at start in every process. Where the variable is set, a
+global optimizer-step hook starts torch.profiler after step KERNEL_SPLIT_AFTER (default 1) of the
+first optimizer that steps, stops it KERNEL_SPLIT_STEPS (default 2) steps later, and writes each
+CUDA kernel's total time and count to ``$KERNEL_SPLIT.<pid>.json``.
+"""
+
+import os
+
+if os.environ.get("KERNEL_SPLIT"):
+    import json
+    import time
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile
+
+    _after = int(os.environ.get("KERNEL_SPLIT_AFTER", "1"))
+    _steps = int(os.environ.get("KERNEL_SPLIT_STEPS", "2"))
+    _state = {"optimizer": None, "count": 0, "profiler": None, "t0": 0.0}
+
+    def _write(prof: profile, wall: float) -> None:
+        trace = f"{os.environ['KERNEL_SPLIT']}.{os.getpid()}.trace.json"
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+        os.remove(trace)
+        kernels: dict[str, list[float]] = {}
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") == "kernel":
+                acc = kernels.setdefault(e["name"], [0.0, 0])
+                acc[0] += e["dur"]
+                acc[1] += 1
+        with open(f"{os.environ['KERNEL_SPLIT']}.{os.getpid()}.json", "w") as f:
+            json.dump({"steps": _steps, "wall_us": wall * 1e6, "kernels": kernels}, f)
+
+    def _hook(optimizer, args, kwargs) -> None:
+        if _state["optimizer"] is None:
+            _state["optimizer"] = optimizer
+        if optimizer is not _state["optimizer"] or not torch.cuda.is_available():
+            return
+        _state["count"] += 1
+        if _state["count"] == _after:
+            torch.cuda.synchronize()
+            _state["profiler"] = profile(activities=[ProfilerActivity.CUDA])
+            _state["profiler"].start()
+            _state["t0"] = time.perf_counter()
+        elif _state["count"] == _after + _steps:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - _state["t0"]
+            _state["profiler"].stop()
+            _write(_state["profiler"], wall)
+
+    register_optimizer_step_post_hook(_hook)
