@@ -438,3 +438,33 @@ def test_a_cuda_graphed_decode_step_generates_what_the_eager_step_generates(dtyp
         else:
             assert [ids[: len(p) + 4] for p, ids in zip(prompts, graphed)] == \
                 [ids[: len(p) + 4] for p, ids in zip(prompts, eager)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_an_embeddings_fused_rows_are_deterministic_and_exact_on_cuda():
+    """Gradient-accumulation fusion of a bf16 embedding on CUDA: 8,192 lookups of 64 rows (many
+    repeats) over two micro-batches add into the fp32 main gradient the float64 sum of the rows to
+    fp32 rounding, and two runs give the same bits (a sorted scatter-add, no atomics' order)."""
+    from tessera.distributed.data_parallel import DataParallel
+    from tessera.tensor_parallel.layers import VocabParallelEmbedding
+    from tessera.tensor_parallel.wgrad import WeightGradStore
+    from tessera.topology import Topology
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = [torch.randint(0, 64, (4, 2048), device="cuda", generator=gen) for _ in range(2)]
+    grads = [torch.randn(4, 2048, 256, device="cuda", generator=gen).bfloat16() for _ in range(2)]
+    want = torch.zeros(1000, 256, dtype=torch.float64, device="cuda")
+    for i, g in zip(ids, grads):
+        want.index_add_(0, i.reshape(-1), g.reshape(-1, 256).double())
+    runs = []
+    for _ in range(2):
+        emb = VocabParallelEmbedding(1000, 256, tp_group=None, device="cuda", dtype=torch.bfloat16)
+        dp = DataParallel([emb], Topology.build(device="cuda"), param_dtype=torch.bfloat16)
+        emb.wgrad_store = WeightGradStore(sink=dp, fuse=True)
+        dp.start_step(2)
+        for i, g in zip(ids, grads):
+            emb(i).backward(g)
+        dp.finish_grad_sync()
+        runs.append(emb.weight.main_grad.view(1000, 256).clone())
+    assert torch.equal(runs[0], runs[1])
+    torch.testing.assert_close(runs[0].double(), want, rtol=1e-5, atol=1e-4)

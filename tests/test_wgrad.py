@@ -70,8 +70,9 @@ def _main_grads(cfg, fuse: bool, dtype: torch.dtype):
     model.use_weight_grad_store(WeightGradStore(sink=dp, fuse=fuse))
     fused_calls = []
     if fuse:
-        inner = dp.accumulate_product
+        inner, rows = dp.accumulate_product, dp.accumulate_rows
         dp.accumulate_product = lambda p, *ab: (fused_calls.append(p), inner(p, *ab))
+        dp.accumulate_rows = lambda p, *ig: (fused_calls.append(("rows", p)), rows(p, *ig))
     for step in range(2):  # the second step proves a step's first product is copied over the last's
         dp.start_step(3)
         for mb in range(3):
@@ -83,9 +84,12 @@ def _main_grads(cfg, fuse: bool, dtype: torch.dtype):
 
 
 def test_grad_accum_fusion_adds_weight_grads_straight_into_main_grad():
-    """With fusion, linear weights' gradients go through accumulate_product (no .grad, no hook)
-    and the main gradients equal the unfused path's after several micro-batches and steps, for a
-    tied (gpt2: the output layer is the embedding, left to autograd) and an untied model."""
+    """With fusion, linear weights' gradients go through accumulate_product and an untied
+    embedding's through accumulate_rows (no .grad, no hook); the main gradients equal the unfused
+    path's after several micro-batches and steps, for a tied (gpt2: the output layer is the
+    embedding, left to autograd) and an untied model. The linear layers' arithmetic is the
+    reference's on CPU (equal); the lookup's rows are summed in another order (fp32: within
+    rounding), and in fp32 where the reference rounds each micro-batch's to bf16 first."""
     for family, dtype in [("gpt2", torch.float32), ("llama", torch.float32), ("llama", torch.bfloat16)]:
         cfg = ModelConfig(family=family, hidden=32, heads=4, kv_heads=2 if family == "llama" else 0, layers=2,
                           seq_len=8, vocab_size=40, tie_embeddings=family == "gpt2")
@@ -93,11 +97,48 @@ def test_grad_accum_fusion_adds_weight_grads_straight_into_main_grad():
         got, calls, model = _main_grads(cfg, True, dtype)
         assert none == []
         linears = {m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
-        assert set(calls) == linears and len(calls) == 2 * 3 * len(linears), "each linear weight, every micro-batch"
+        products = [p for p in calls if not isinstance(p, tuple)]
+        assert set(products) == linears and len(products) == 2 * 3 * len(linears), "each linear weight, every micro-batch"
+        rows = [p for kind, p in (c for c in calls if isinstance(c, tuple))]
         if family == "gpt2":
-            assert model.embedding.weight not in set(calls), "the tied embedding's two terms are summed by autograd"
-        for name, grad in ref.items():  # on CPU the arithmetic is the reference's: equal
-            torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
+            assert rows == [] and model.embedding.weight not in set(products), \
+                "the tied embedding's two terms are summed by autograd"
+        else:
+            assert rows == [model.embedding.weight] * 6, "the lookup's rows, every micro-batch"
+        for name, grad in ref.items():
+            if name == "embedding.weight" and family == "llama":
+                atol = grad.abs().max().item() * (2 ** -7 if dtype == torch.bfloat16 else 1e-6)
+                torch.testing.assert_close(got[name], grad, rtol=0, atol=atol, msg=name)
+            else:
+                torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_an_embeddings_rows_add_into_its_main_grad_exactly():
+    """accumulate_rows: three micro-batches of lookups with repeated ids, over two steps, give the
+    fp32 main gradient the float64 sum of the rows' gradients (the step's first replaces last
+    step's), and count one arrival per micro-batch, as the gradient hook would."""
+    from tessera.distributed.data_parallel import DataParallel
+    from tessera.tensor_parallel.layers import VocabParallelEmbedding
+    from tessera.topology import Topology
+
+    emb = VocabParallelEmbedding(16, 8, tp_group=None).to(torch.bfloat16)
+    emb.weight.data.normal_(generator=torch.Generator().manual_seed(0))
+    dp = DataParallel([emb], Topology.build(), param_dtype=torch.bfloat16)
+    emb.wgrad_store = WeightGradStore(sink=dp, fuse=True)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        dp.start_step(3)
+        want = torch.zeros(16, 8, dtype=torch.float64)
+        for mb in range(3):
+            ids = torch.randint(0, 5, (4, 6), generator=gen)  # 24 lookups of 5 rows: many repeats
+            grad = torch.randn(4, 6, 8, generator=gen).to(torch.bfloat16)
+            emb(ids).backward(grad)
+            want.index_add_(0, ids.reshape(-1), grad.reshape(-1, 8).double())
+        assert emb.weight.grad is None and dp._count[emb.weight] == 3
+        dp.finish_grad_sync()
+        got = emb.weight.main_grad.view(16, 8)
+        assert got.dtype == torch.float32 and not got[5:].any()
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
 
 
 # -- inside compiled layers: the opaque deferrable linear -----------------------------------------

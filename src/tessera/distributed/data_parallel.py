@@ -32,7 +32,7 @@ Zero-bubble schedules compute some weight gradients outside autograd; a ``Weight
 whose sink is this object routes them through :meth:`accumulate` like the others. With
 gradient-accumulation fusion a linear layer's weight gradient is never materialised:
 :meth:`accumulate_product` has the GEMM add it into ``main_grad`` and counts the arrival as the
-hook would.
+hook would; an untied embedding's lookup adds its rows through :meth:`accumulate_rows`.
 """
 
 from __future__ import annotations
@@ -253,6 +253,17 @@ class DataParallel:
         st = self._open(p)
         first = self._count[p] == 0 and st.buffer.grad_data is not None
         wgrad_into(p.main_grad, grad_out.t(), x, accumulate=not first)
+        self._arrived(p, st)
+
+    def accumulate_rows(self, p: nn.Parameter, ids: Tensor, grad: Tensor) -> None:
+        """Embedding gradient fusion: add one micro-batch's lookup gradient (``grad`` [n, hidden]
+        for the rows ``ids`` [n] of ``p``) into its fp32 main gradient, touching those rows only
+        (a sorted, deterministic scatter-add) instead of a dense 16-bit gradient and an add."""
+        st = self._open(p)
+        main = p.main_grad.view(p.shape)
+        if self._count[p] == 0 and st.buffer.grad_data is not None:
+            main.zero_()  # the buffer still holds last step's
+        main.index_put_((ids,), grad.to(main.dtype), accumulate=True)
         self._arrived(p, st)
 
     @contextlib.contextmanager

@@ -75,11 +75,15 @@ class GPTModel(nn.Module):
 
     def use_weight_grad_store(self, store: WeightGradStore | None) -> None:
         """Run every linear layer's weight gradient through ``store``: deferred by zero-bubble
-        schedules, fused into the main gradients, into the store's sink (None: autograd's own)."""
+        schedules, fused into the main gradients, into the store's sink (None: autograd's own).
+        A fusing store takes the embedding's lookup gradient too, unless the embedding is also
+        this stage's output layer (tied: autograd sums its two terms, see :meth:`logits`)."""
         self.wgrad_store = store
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.wgrad_store = store
+        if self.pre_process and not (self.post_process and self.output is None):
+            self.embedding.wgrad_store = store
 
     # -- initialisation -------------------------------------------------------------------------
     @torch.no_grad()

@@ -200,9 +200,30 @@ def init_vocab_rows(weight: Tensor, vocab_size: int, std: float, tp_group: Group
         weight.copy_(full.chunk(tp, dim=0)[rank])
 
 
+class _LookupIntoMainGrad(torch.autograd.Function):
+    """An embedding lookup whose backward adds the rows' gradients into the weight's fp32 main
+    gradient (``store.sink.accumulate_rows``) rather than returning a dense [vocab, hidden] one."""
+
+    @staticmethod
+    def forward(ctx, ids: Tensor, weight: Tensor, store: WeightGradStore) -> Tensor:
+        ctx.save_for_backward(ids)
+        ctx.weight, ctx.store = weight, store
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (ids,) = ctx.saved_tensors
+        ctx.store.sink.accumulate_rows(ctx.weight, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]))
+        return None, None, None
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose (padded) vocabulary is split over TP: each rank looks up the ids in its
-    range, zeros the rest, and the partial rows are summed over TP."""
+    range, zeros the rest, and the partial rows are summed over TP. With a fusing
+    ``wgrad_store`` (gradient-accumulation fusion, set by the model where the weight is not
+    also its output layer) the lookup's gradient goes straight into the main gradient's rows."""
+
+    wgrad_store: WeightGradStore | None = None
 
     def __init__(self, vocab_size: int, hidden: int, *, tp_group: Group, pad_multiple: int = 1,
                  init_std: float = 0.02, device: torch.device | str | None = None,
@@ -223,11 +244,17 @@ class VocabParallelEmbedding(nn.Module):
         Ids must lie in ``[0, vocab_size)`` (the trainer checks its data's, ``data/loader.py``):
         at tp=1 another id is an index error, at tp > 1 no rank owns it and its row is zeros."""
         if self.tp == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.weight.shape[0])
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = self._lookup(local).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp_region(out, self.tp_group)
+
+    def _lookup(self, ids: Tensor) -> Tensor:
+        store = self.wgrad_store
+        if store is not None and store.fuse and self.weight.requires_grad and torch.is_grad_enabled():
+            return _LookupIntoMainGrad.apply(ids, self.weight, store)
+        return F.embedding(ids, self.weight)
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size} (padded {self.padded_vocab}) / tp={self.tp}, hidden={self.weight.shape[1]}"

@@ -34,6 +34,8 @@ class GradSink(Protocol):
 
     def accumulate_product(self, param: Tensor, grad_out: Tensor, x: Tensor) -> None: ...
 
+    def accumulate_rows(self, param: Tensor, ids: Tensor, grad: Tensor) -> None: ...
+
 
 class WeightGradStore:
     """Deferred (and fused) weight gradients of the linear layers that hold this store.
