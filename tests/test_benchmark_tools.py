@@ -346,3 +346,20 @@ def test_kernel_split_profiles_an_unchanged_script_through_its_optimizer_steps(t
     profile = kernel_split.collected(prefix)
     per_kind, _, wall = kernel_split.split(profile)
     assert profile["steps"] == 2 and per_kind["GEMM"] > 0 and per_kind["optimizer"] > 0 and wall > 0
+
+
+def test_the_adamw_benchmark_times_each_way_of_calling_the_fused_step():
+    """adamw_step.py on a CPU with a tiny model: the fused AdamW step timed as separate tensors and
+    as views of one buffer (one storage), with and without grad_scale / found_inf, and its table."""
+    import adamw_step
+    import torch
+
+    sizes = adamw_step.shapes(1, 64, 16, 128, 256)
+    assert sizes[:2] == [(96, 64), (64, 64)] and sizes[-1] == (64,)
+    ps = adamw_step.parameters(sizes, flat=True, device="cpu")
+    assert len({p.untyped_storage().data_ptr() for p in ps}) == 1 and all(p.grad is not None for p in ps)
+    for flat, scaled in [(False, False), (True, True)]:
+        assert adamw_step.time_step(sizes, flat, scaled, groups=scaled, device="cpu", steps=1) > 0
+    out = subprocess.run([sys.executable, "benchmarks/adamw_step.py", "--layers", "0", "--device", "cpu"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(out) == 7 and all("ms/step" in line for line in out[1:])
