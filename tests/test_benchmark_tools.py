@@ -363,3 +363,20 @@ def test_the_adamw_benchmark_times_each_way_of_calling_the_fused_step():
     out = subprocess.run([sys.executable, "benchmarks/adamw_step.py", "--layers", "0", "--device", "cpu"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(out) == 7 and all("ms/step" in line for line in out[1:])
+
+
+def test_kernel_splits_hook_lets_the_systems_sitecustomize_run_and_leaves_a_cpu_run_alone(tmp_path):
+    """The hook folder's sitecustomize.py runs the next one on the path (a system's), and a script
+    that steps an optimizer without a GPU runs as before and writes no profile."""
+    import kernel_split
+
+    (tmp_path / "system").mkdir()
+    (tmp_path / "system" / "sitecustomize.py").write_text("import os\nos.environ['SYSTEM_SITE'] = 'ran'\n")
+    prefix = str(tmp_path / "split")
+    env = {**os.environ, **kernel_split.profiled_env(prefix), "CUDA_VISIBLE_DEVICES": ""}
+    env["PYTHONPATH"] += os.pathsep + str(tmp_path / "system")
+    script = ("import os, torch\nm = torch.nn.Linear(4, 4)\nopt = torch.optim.AdamW(m.parameters())\n"
+              "for _ in range(4):\n    m(torch.ones(2, 4)).sum().backward()\n    opt.step()\n"
+              "print(os.environ.get('SYSTEM_SITE'))\n")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ran" and kernel_split.collected(prefix) is None

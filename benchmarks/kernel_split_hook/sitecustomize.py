@@ -4,10 +4,20 @@ benchmarks/kernel_split.py puts this folder first on PYTHONPATH with KERNEL_SPLI
 prefix; Python then imports this module at start in every process. Where the variable is set, a
 global optimizer-step hook starts torch.profiler after step KERNEL_SPLIT_AFTER (default 1) of the
 first optimizer that steps, stops it KERNEL_SPLIT_STEPS (default 2) steps later, and writes each
-CUDA kernel's total time and count to ``$KERNEL_SPLIT.<pid>.json``.
+CUDA kernel's total time and count to ``$KERNEL_SPLIT.<pid>.json``. A ``sitecustomize`` later on
+the path (the system's) still runs.
 """
 
+import importlib.machinery
+import importlib.util
 import os
+import sys
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_next = importlib.machinery.PathFinder.find_spec(
+    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here])
+if _next is not None and _next.loader is not None:
+    _next.loader.exec_module(importlib.util.module_from_spec(_next))
 
 if os.environ.get("KERNEL_SPLIT"):
     import json
