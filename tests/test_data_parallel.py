@@ -35,7 +35,7 @@ ZEROS = [f"parallel.zero={z}" for z in range(4)]
 # optim.eps: the key-bias gradient is zero in exact arithmetic (softmax ignores it), so it is pure
 # rounding noise that a tiny eps would turn into full-size, layout-dependent Adam steps.
 RUNS = {
-    1: [(f"zero{z}", 1, 1, [ZEROS[z]]) for z in range(4)],
+    1: [(f"zero{z}", 1, 1, [ZEROS[z]]) for z in range(4)] + [("untied", 1, 1, [ZEROS[0], "model.tie_embeddings=false"])],
     2: [(f"zero{z}", 1, 1, [ZEROS[z]]) for z in range(4)]
        + [("zero1-no-overlap", 1, 1, [ZEROS[1], "parallel.overlap_grad_reduce=false",
                                       "parallel.overlap_param_gather=false"]),
@@ -47,6 +47,8 @@ RUNS = {
 ]
        + [(f"zero{z}-fused", 1, 1, [ZEROS[z], "train.grad_accum_fusion=true"]) for z in range(3)]
        + [("zero1-fused-compiled", 1, 1, [ZEROS[1], "train.grad_accum_fusion=true", "train.compile=true"])]
+       + [(f"zero{z}-fused-untied", 1, 1, [ZEROS[z], "train.grad_accum_fusion=true", "model.tie_embeddings=false"])
+          for z in range(3)]
        + [(f"pp2-zero{z}", 1, 2, [ZEROS[z]]) for z in (0, 1)]
        + [("pp2-zero0-no-overlap", 1, 2, [ZEROS[0], "parallel.overlap_grad_reduce=false"]),
           ("pp2-zero1-1f1b", 1, 2, [ZEROS[1], "parallel.schedule=1f1b"])],
@@ -197,6 +199,15 @@ def test_grad_accum_fusion_matches_one_rank():
         assert run["fused_calls"] == 8 * (GLOBAL // 2) * STEPS, run["fused_calls"]
         assert_same_training(run, ref, f"fused compiled dp=2 rank {r}")
         assert_same_params(run["params"], ref, f"fused compiled dp=2 rank {r}", check=tp_close)
+    for r, out in enumerate(results(2)):
+        for zero in range(3):
+            # an untied embedding: its lookup's rows go straight into main_grad too, once per
+            # micro-batch, and the untied output layer's GEMM is fused with the others
+            run, untied = out[f"zero{zero}-fused-untied"], results(1)[0]["untied"]
+            assert run["fused_rows"] == (GLOBAL // 2) * STEPS and untied["fused_rows"] == 0, run["fused_rows"]
+            assert run["fused_calls"] == 9 * (GLOBAL // 2) * STEPS, run["fused_calls"]
+            assert_same_training(run, untied, f"fused untied dp=2 zero={zero} rank {r}")
+            assert_same_params(run["params"], untied, f"fused untied dp=2 zero={zero} rank {r}")
     ranks = [out["zero1-fused"] for out in results(8)]
     assert ranks[0]["schedule"] == "zb-h1"
     assert all(r["fused_calls"] > 0 for r in ranks)
