@@ -7,9 +7,11 @@ optimizer-step hook, so any script that steps a torch optimizer can be read).
 
 Prints ms per step of each kind (GEMMs, attention forward and backward, inductor's kernels, the
 optimizer, copies, the loss's eager kernels, the rest, NCCL) and each kind's longest kernels. The
-profiled steps are step N+1 and N+2 (default N = 1: after the compiling first step); keep them
-out of a timed window (quick_train's first three steps are untimed; give the peer one more
-warm-up step). benchmarks/sweep.py --split runs it for tessera and the peer on each shape.
+profiled steps are step N+1 and N+2 (N >= 1, default 1: after the compiling first step); keep
+them out of a timed window (quick_train's first three steps are untimed; give the peer one more
+warm-up step). A step is an ``optimizer.step()`` call of the first optimizer that steps (an
+offloaded update calls it once per span: count those); under torchrun rank 0 is profiled.
+benchmarks/sweep.py --split runs it for tessera and the peer on each shape.
 """
 
 from __future__ import annotations
@@ -25,26 +27,28 @@ import tempfile
 from pathlib import Path
 
 HOOK = Path(__file__).resolve().parent / "kernel_split_hook"
-KINDS = ("GEMM", "attention forward", "attention backward", "inductor (triton)", "optimizer", "copies",
-         "loss (eager)", "other eager", "NCCL")
+KINDS = ("GEMM", "attention forward", "attention backward", "inductor (triton)", "optimizer", "gradient norm",
+         "copies", "loss (eager)", "other eager", "NCCL")
 _ATTENTION = re.compile(r"flash|fmha|sdpa|cudnn|attn|attention", re.I)
-_BACKWARD = re.compile(r"bprop|bwd|backward|dot_do_o|_dq|dkdv", re.I)
+_BACKWARD = re.compile(r"bprop|bwd|backward|dot_do_o|_dq|dkdv|cutlassB", re.I)
 _GEMM = re.compile(r"nvjet|gemm|xmma|cutlass|wgmma|s16816|sm90_|sm80_|ampere_", re.I)
 
 
 def kind(name: str) -> str:
-    """The kind of a CUDA kernel, from its name."""
+    """The kind of a CUDA kernel (or copy), from its name."""
     if "nccl" in name.lower():
         return "NCCL"
+    if name.startswith("triton"):  # (first: inductor names its kernels after the ops they fuse)
+        return "inductor (triton)"
     if _ATTENTION.search(name):
         return "attention backward" if _BACKWARD.search(name) else "attention forward"
-    if name.startswith("triton"):
-        return "inductor (triton)"
     if _GEMM.search(name):
         return "GEMM"
+    if "LpNorm" in name:
+        return "gradient norm"
     if re.search(r"adam|multi_tensor", name, re.I):
         return "optimizer"
-    if re.search(r"copy|memcpy|memset|cat_|CatArray", name):
+    if re.search(r"copy|memcpy|memset|cat_|CatArray", name, re.I):
         return "copies"
     if re.search(r"cross_entropy|softmax|nll_loss", name, re.I):
         return "loss (eager)"
@@ -118,6 +122,8 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: kernel_split.py [--after N] -- COMMAND ... | kernel_split.py --read A.json [B.json]")
     cut = argv.index("--")
     after = int(argv[argv.index("--after") + 1]) if "--after" in argv[:cut] else 1
+    if after < 1:
+        raise SystemExit(f"--after counts the steps before the profiled ones, >= 1 (the first compiles), not {after}")
     prefix = os.path.join(tempfile.mkdtemp(), "run")
     subprocess.run(argv[cut + 1:], check=True, env={**os.environ, **profiled_env(prefix, after)})
     profile = collected(prefix)

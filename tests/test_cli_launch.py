@@ -22,9 +22,12 @@ LAUNCHER = ("import sys; from tessera.training.launcher import run_forwarding_si
 
 
 def _start(ignore_hangup: bool = False):
-    """The launcher (SIGHUP ignored as under ``nohup`` where asked, else its default whatever the
-    test runner's own disposition, e.g. a suite run under nohup) and its child's pid."""
-    code = f"import signal; signal.signal(signal.SIGHUP, signal.{'SIG_IGN' if ignore_hangup else 'SIG_DFL'}); " + LAUNCHER
+    """The launcher (SIGHUP ignored as under ``nohup`` where asked, else its default; SIGINT and
+    SIGQUIT as in a foreground job, whatever the test runner's own dispositions: a suite run under
+    nohup, or as a background job of a script, which ignores both) and its child's pid."""
+    code = (f"import signal; signal.signal(signal.SIGHUP, signal.{'SIG_IGN' if ignore_hangup else 'SIG_DFL'}); "
+            "signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "signal.signal(signal.SIGQUIT, signal.SIG_DFL); " + LAUNCHER)
     launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     return launcher, int(launcher.stdout.readline())

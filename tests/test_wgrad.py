@@ -209,3 +209,27 @@ def test_a_nested_defer_gives_the_outer_block_its_key_back():
             assert store.key == "inner"
         assert store.key == "outer"  # (it was None: the outer block's later layers ran undeferred)
     assert store.key is None
+
+
+@pytest.mark.parametrize("case", ["random", "one id", "masked", "more ids than rows"])
+def test_a_lookups_row_sums_name_each_row_about_once_and_add_up_exactly(case):
+    """lookup_row_sums: the (row, sum) pairs scatter-added give the float64 sum of the lookup's
+    gradient rows, with a long run of one id (padding, or the ids a tp rank masks to row 0) summed
+    like any other, and no row named more than n / rows + 1 times (twice where the table has more
+    rows than the lookup has ids: the scatter-add has no long chains)."""
+    from tessera.tensor_parallel.layers import lookup_row_sums
+
+    gen = torch.Generator().manual_seed(3)
+    rows, n = (7, 40) if case == "more ids than rows" else (50, 300)
+    ids = torch.randint(0, rows, (n,), generator=gen)
+    if case == "one id":
+        ids = torch.full((n,), 11)
+    elif case == "masked":  # a tp rank's view: most ids outside its range, sent to row 0
+        ids = torch.where(torch.rand(n, generator=gen) < 0.8, torch.zeros_like(ids), ids)
+    grad = torch.randn(n, 16, generator=gen).to(torch.bfloat16)
+    target, sums = lookup_row_sums(ids, grad, rows)
+    assert target.shape == (n,) and sums.shape == (n, 16) and sums.dtype == torch.float32
+    assert int(torch.bincount(target, minlength=rows).max()) <= (n + rows - 1) // rows + 1
+    want = torch.zeros(rows, 16, dtype=torch.float64).index_add_(0, ids, grad.double())
+    got = torch.zeros(rows, 16, dtype=torch.float64).index_add_(0, target, sums.double())
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)

@@ -4,7 +4,8 @@ benchmarks/kernel_split.py puts this folder first on PYTHONPATH with KERNEL_SPLI
 prefix; Python then imports this module at start in every process. Where the variable is set, a
 global optimizer-step hook starts torch.profiler after step KERNEL_SPLIT_AFTER (default 1) of the
 first optimizer that steps, stops it KERNEL_SPLIT_STEPS (default 2) steps later, and writes each
-CUDA kernel's total time and count to ``$KERNEL_SPLIT.<pid>.json``. A ``sitecustomize`` later on
+CUDA kernel's (and copy's) total time and count to ``$KERNEL_SPLIT.<pid>.json`` (rank 0 alone
+under torchrun). A ``sitecustomize`` later on
 the path (the system's) still runs.
 """
 
@@ -13,13 +14,13 @@ import importlib.util
 import os
 import sys
 
-_here = os.path.dirname(os.path.abspath(__file__))
+_here = os.path.dirname(os.path.realpath(__file__))
 _next = importlib.machinery.PathFinder.find_spec(
-    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here])
-if _next is not None and _next.loader is not None:
+    "sitecustomize", [p for p in sys.path if os.path.realpath(p or ".") != _here])
+if _next is not None and _next.loader is not None and os.path.realpath(_next.origin or "") != os.path.realpath(__file__):
     _next.loader.exec_module(importlib.util.module_from_spec(_next))
 
-if os.environ.get("KERNEL_SPLIT"):
+if os.environ.get("KERNEL_SPLIT") and os.environ.get("RANK", "0") == "0":
     import json
     import time
 
@@ -27,7 +28,7 @@ if os.environ.get("KERNEL_SPLIT"):
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from torch.profiler import ProfilerActivity, profile
 
-    _after = int(os.environ.get("KERNEL_SPLIT_AFTER", "1"))
+    _after = max(1, int(os.environ.get("KERNEL_SPLIT_AFTER", "1")))
     _steps = int(os.environ.get("KERNEL_SPLIT_STEPS", "2"))
     _state = {"optimizer": None, "count": 0, "profiler": None, "t0": 0.0}
 
@@ -39,7 +40,7 @@ if os.environ.get("KERNEL_SPLIT"):
         os.remove(trace)
         kernels: dict[str, list[float]] = {}
         for e in events:
-            if e.get("ph") == "X" and e.get("cat") == "kernel":
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
                 acc = kernels.setdefault(e["name"], [0.0, 0])
                 acc[0] += e["dur"]
                 acc[1] += 1

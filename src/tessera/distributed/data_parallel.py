@@ -255,15 +255,16 @@ class DataParallel:
         wgrad_into(p.main_grad, grad_out.t(), x, accumulate=not first)
         self._arrived(p, st)
 
-    def accumulate_rows(self, p: nn.Parameter, ids: Tensor, grad: Tensor) -> None:
-        """Embedding gradient fusion: add one micro-batch's lookup gradient (``grad`` [n, hidden]
-        for the rows ``ids`` [n] of ``p``) into its fp32 main gradient, touching those rows only
-        (a sorted, deterministic scatter-add) instead of a dense 16-bit gradient and an add."""
+    def accumulate_rows(self, p: nn.Parameter, rows: Tensor, sums: Tensor) -> None:
+        """Embedding gradient fusion: add one micro-batch's lookup gradient, ``sums`` [n, hidden]
+        for the rows ``rows`` [n] of ``p`` (few repeats: ``lookup_row_sums``), into
+        its main gradient, touching those rows only (a sorted, deterministic scatter-add) instead
+        of a dense 16-bit gradient and an add."""
         st = self._open(p)
         main = p.main_grad.view(p.shape)
         if self._count[p] == 0 and st.buffer.grad_data is not None:
             main.zero_()  # the buffer still holds last step's
-        main.index_put_((ids,), grad.to(main.dtype), accumulate=True)
+        main.index_put_((rows,), sums.to(main.dtype), accumulate=True)
         self._arrived(p, st)
 
     @contextlib.contextmanager

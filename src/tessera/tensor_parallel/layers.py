@@ -200,8 +200,29 @@ def init_vocab_rows(weight: Tensor, vocab_size: int, std: float, tp_group: Group
         weight.copy_(full.chunk(tp, dim=0)[rank])
 
 
+def lookup_row_sums(ids: Tensor, grad: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """A lookup's gradient (``grad`` [n, hidden] for ``ids`` [n] of a ``rows``-row table) as n
+    (row, fp32 sum) pairs, without a host sync. The ids are numbered by distinct value (a stable
+    sort), PyTorch's embedding backward sums each one's rows into an [n, hidden] table (in
+    parallel over long runs of one id: frequent tokens, padding, ids masked at tp > 1), and each
+    table row gets its vocabulary row; the rows past the distinct count hold zeros and go to
+    rows ``i % rows``, so no row is named more than ``n / rows + 1`` times (twice for a
+    vocabulary larger than the micro-batch)."""
+    n = ids.numel()
+    sorted_ids, order = ids.sort(stable=True)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    number = first.cumsum(0) - 1  # each sorted position's distinct id, 0 ..
+    compact = torch.empty_like(ids)
+    compact[order] = number
+    sums = torch.ops.aten.embedding_dense_backward(grad.float(), compact, n, -1, False)
+    target = torch.arange(n, device=ids.device) % rows
+    target[number] = sorted_ids  # (a distinct id's positions all write the same row)
+    return target, sums
+
+
 class _LookupIntoMainGrad(torch.autograd.Function):
-    """An embedding lookup whose backward adds the rows' gradients into the weight's fp32 main
+    """An embedding lookup whose backward adds the rows' gradients into the weight's main
     gradient (``store.sink.accumulate_rows``) rather than returning a dense [vocab, hidden] one."""
 
     @staticmethod
@@ -213,7 +234,8 @@ class _LookupIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (ids,) = ctx.saved_tensors
-        ctx.store.sink.accumulate_rows(ctx.weight, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]))
+        rows, sums = lookup_row_sums(ids.reshape(-1), grad.reshape(-1, grad.shape[-1]), ctx.weight.shape[0])
+        ctx.store.sink.accumulate_rows(ctx.weight, rows, sums)
         return None, None, None
 
 
