@@ -299,7 +299,8 @@ def test_the_attention_benchmark_times_what_runs_and_names_what_refuses():
     assert set(by_backend) == {"cudnn", "flash", "efficient", "sdpa's choice"}
     for name in ("sdpa's choice", "flash"):
         cells = by_backend[name].split(" | ")
-        assert float(cells[2]) > 0 and float(cells[3]) > float(cells[2]), by_backend[name]
+        # (both timed; not compared: a busy machine's clock can put either first)
+        assert float(cells[2]) > 0 and float(cells[3]) > 0, by_backend[name]
     assert all("refused: No viable backend" in by_backend[name] for name in ("cudnn", "efficient"))
 
 
