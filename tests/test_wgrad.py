@@ -113,32 +113,40 @@ def test_grad_accum_fusion_adds_weight_grads_straight_into_main_grad():
                 torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
 
 
-def test_an_embeddings_rows_add_into_its_main_grad_exactly():
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_an_embeddings_rows_add_into_its_main_grad_exactly(grad_dtype):
     """accumulate_rows: three micro-batches of lookups with repeated ids, over two steps, give the
-    fp32 main gradient the float64 sum of the rows' gradients (the step's first replaces last
-    step's), and count one arrival per micro-batch, as the gradient hook would."""
+    main gradient the float64 sum of the rows' gradients (the step's first replaces last step's),
+    and count one arrival per micro-batch, as the gradient hook would. bf16 main gradients: each
+    micro-batch's sum is rounded once and added, as the unfused path's dense gradient is."""
     from tessera.distributed.data_parallel import DataParallel
     from tessera.tensor_parallel.layers import VocabParallelEmbedding
     from tessera.topology import Topology
 
     emb = VocabParallelEmbedding(16, 8, tp_group=None).to(torch.bfloat16)
     emb.weight.data.normal_(generator=torch.Generator().manual_seed(0))
-    dp = DataParallel([emb], Topology.build(), param_dtype=torch.bfloat16)
+    dp = DataParallel([emb], Topology.build(), param_dtype=torch.bfloat16, grad_dtype=grad_dtype)
     emb.wgrad_store = WeightGradStore(sink=dp, fuse=True)
     gen = torch.Generator().manual_seed(1)
     for step in range(2):
         dp.start_step(3)
         want = torch.zeros(16, 8, dtype=torch.float64)
+        rounded = torch.zeros(16, 8, dtype=torch.bfloat16)  # bf16: one rounding per micro-batch
         for mb in range(3):
             ids = torch.randint(0, 5, (4, 6), generator=gen)  # 24 lookups of 5 rows: many repeats
             grad = torch.randn(4, 6, 8, generator=gen).to(torch.bfloat16)
             emb(ids).backward(grad)
-            want.index_add_(0, ids.reshape(-1), grad.reshape(-1, 8).double())
+            mine = torch.zeros(16, 8, dtype=torch.float64).index_add_(0, ids.reshape(-1), grad.reshape(-1, 8).double())
+            want += mine
+            rounded = (rounded.float() + mine.float().bfloat16().float()).bfloat16()
         assert emb.weight.grad is None and dp._count[emb.weight] == 3
         dp.finish_grad_sync()
         got = emb.weight.main_grad.view(16, 8)
-        assert got.dtype == torch.float32 and not got[5:].any()
-        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+        assert got.dtype == grad_dtype and not got[5:].any()
+        if grad_dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+        else:
+            torch.testing.assert_close(got, rounded, rtol=0, atol=0)
 
 
 # -- inside compiled layers: the opaque deferrable linear -----------------------------------------
