@@ -6,7 +6,8 @@ optimizer-step hook, so any script that steps a torch optimizer can be read).
     python3 benchmarks/kernel_split.py --read A.json [B.json ...]
 
 Prints ms per step of each kind (GEMMs, attention forward and backward, inductor's kernels, the
-optimizer, copies, the loss's eager kernels, the rest, NCCL) and each kind's longest kernels. The
+optimizer, the gradient norm, copies, the loss's eager kernels, the rest, NCCL), each kind's
+longest kernels, and the GPU's idle time with its longest stretches and the kernels around them. The
 profiled steps are step N+1 and N+2 (N >= 1, default 1: after the compiling first step); keep
 them out of a timed window (quick_train's first three steps are untimed; give the peer one more
 warm-up step). A step is an ``optimizer.step()`` call of the first optimizer that steps (an
@@ -91,6 +92,12 @@ def table(named: dict[str, dict], top: int = 3) -> list[str]:
         for n in names:
             for ms, kernel in splits[n][1].get(k, [])[:top]:
                 lines.append(f"  {k:<20} {n:<10} {ms:8.2f} ms  {kernel[:110]}")
+    for n, profile in named.items():  # where the GPU waited: the longest stretches without a kernel
+        if "idle_us" in profile:
+            steps = profile["steps"]
+            lines.append(f"  idle {n}: {profile['idle_us'] / 1e3 / steps:.1f} ms per step between kernels; longest:")
+            for us, before, after in profile["gaps"][:top]:
+                lines.append(f"    {us / 1e3:7.2f} ms after {before[:60]} | before {after[:60]}")
     return lines
 
 

@@ -350,6 +350,7 @@ def test_kernel_split_profiles_an_unchanged_script_through_its_optimizer_steps(t
     profile = kernel_split.collected(prefix)
     per_kind, _, wall = kernel_split.split(profile)
     assert profile["steps"] == 2 and per_kind["GEMM"] > 0 and per_kind["optimizer"] > 0 and wall > 0
+    assert profile["idle_us"] > 0 and all(len(gap) == 3 for gap in profile["gaps"])
 
 
 def test_the_adamw_benchmark_times_each_way_of_calling_the_fused_step():
@@ -384,3 +385,23 @@ def test_kernel_splits_hook_lets_the_systems_sitecustomize_run_and_leaves_a_cpu_
               "print(os.environ.get('SYSTEM_SITE'))\n")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ran" and kernel_split.collected(prefix) is None
+
+
+def test_kernel_split_finds_the_stretches_without_a_kernel_and_prints_them():
+    """The hook's gaps(): the time between kernels on any stream (overlapping kernels leave none),
+    longest first with the kernels either side; the table prints them per profile."""
+    import importlib.util
+
+    import kernel_split
+
+    spec = importlib.util.spec_from_file_location("kernel_split_site", kernel_split.HOOK / "sitecustomize.py")
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)
+    spans = [(0.0, 10.0, "a"), (5.0, 20.0, "b"), (25.0, 30.0, "c"), (30.0, 31.0, "d"), (131.0, 140.0, "e")]
+    idle, longest = site.gaps(spans)
+    assert idle == 105.0 and longest == [(100.0, "d", "e"), (5.0, "b", "c")]
+    assert site.gaps([]) == (0.0, [])
+    profile = {"steps": 1, "wall_us": 140.0, "kernels": {"a": [10.0, 1]}, "idle_us": idle, "gaps": longest}
+    lines = kernel_split.table({"tessera": profile})
+    assert "  idle tessera: 0.1 ms per step between kernels; longest:" in lines
+    assert any(line.strip().startswith("0.10 ms after d | before e") for line in lines)

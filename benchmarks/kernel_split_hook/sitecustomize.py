@@ -5,7 +5,7 @@ prefix; Python then imports this module at start in every process. Where the var
 global optimizer-step hook starts torch.profiler after step KERNEL_SPLIT_AFTER (default 1) of the
 first optimizer that steps, stops it KERNEL_SPLIT_STEPS (default 2) steps later, and writes each
 CUDA kernel's (and copy's) total time and count to ``$KERNEL_SPLIT.<pid>.json`` (rank 0 alone
-under torchrun). A ``sitecustomize`` later on
+under torchrun), with the time between kernels and its longest stretches (what ran either side). A ``sitecustomize`` later on
 the path (the system's) still runs.
 """
 
@@ -19,6 +19,21 @@ _next = importlib.machinery.PathFinder.find_spec(
     "sitecustomize", [p for p in sys.path if os.path.realpath(p or ".") != _here])
 if _next is not None and _next.loader is not None and os.path.realpath(_next.origin or "") != os.path.realpath(__file__):
     _next.loader.exec_module(importlib.util.module_from_spec(_next))
+
+
+
+def gaps(spans: list[tuple[float, float, str]], top: int = 12) -> tuple[float, list[tuple[float, str, str]]]:
+    """The time no kernel ran between the first and the last of ``spans`` (start, end, name; µs,
+    any streams), and its ``top`` longest stretches: (µs, the kernel before, the kernel after)."""
+    spans = sorted(spans)
+    found, end, last = [], spans[0][1] if spans else 0.0, spans[0][2] if spans else ""
+    for a, b, name in spans[1:]:
+        if a > end:
+            found.append((a - end, last[:100], name[:100]))
+        if b > end:
+            end, last = b, name
+    return sum(g for g, _, _ in found), sorted(found, reverse=True)[:top]
+
 
 if os.environ.get("KERNEL_SPLIT") and os.environ.get("RANK", "0") == "0":
     import json
@@ -39,13 +54,17 @@ if os.environ.get("KERNEL_SPLIT") and os.environ.get("RANK", "0") == "0":
             events = json.load(f)["traceEvents"]
         os.remove(trace)
         kernels: dict[str, list[float]] = {}
+        spans = []
         for e in events:
             if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
                 acc = kernels.setdefault(e["name"], [0.0, 0])
                 acc[0] += e["dur"]
                 acc[1] += 1
+                spans.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]))
+        idle, longest = gaps(spans)
         with open(f"{os.environ['KERNEL_SPLIT']}.{os.getpid()}.json", "w") as f:
-            json.dump({"steps": _steps, "wall_us": wall * 1e6, "kernels": kernels}, f)
+            json.dump({"steps": _steps, "wall_us": wall * 1e6, "kernels": kernels, "idle_us": idle,
+                       "gaps": longest}, f)
 
     def _hook(optimizer, args, kwargs) -> None:
         if _state["optimizer"] is None:
