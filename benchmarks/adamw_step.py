@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import time
 
 import torch
 
@@ -58,7 +59,6 @@ def time_step(sizes: list[tuple], flat: bool, scaled: bool, groups: bool, device
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     else:
-        import time
         t0 = time.perf_counter()
     for _ in range(steps):
         opt.step()

@@ -16,8 +16,8 @@ with those overrides, its ratio to auto's run beside it: the check that auto cho
 path on that shape. ``--split`` profiles two warm-up steps of tessera's run and of the peer's
 (benchmarks/kernel_split.py; the peer gets a fourth warm-up step, so no profiled step is timed)
 and prints their GPU time per kind of kernel side by side; ``--no-peer`` leaves the peer out (for
-``--try`` alone). SWEEP_BUDGET (seconds, default 560) bounds the whole call: runs that would
-pass it are skipped and said so.
+``--try`` alone); the profiles' JSON files go to $OUT (else a temporary folder). SWEEP_BUDGET
+(seconds, default 560) bounds the whole call: runs that would pass it are skipped and said so.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ prefix; Python then imports this module at start in every process. Where the var
 global optimizer-step hook starts torch.profiler after step KERNEL_SPLIT_AFTER (default 1) of the
 first optimizer that steps, stops it KERNEL_SPLIT_STEPS (default 2) steps later, and writes each
 CUDA kernel's (and copy's) total time and count to ``$KERNEL_SPLIT.<pid>.json`` (rank 0 alone
-under torchrun), with the time between kernels and its longest stretches (what ran either side). A ``sitecustomize`` later on
-the path (the system's) still runs.
+under torchrun), with the time between kernels and its longest stretches (what ran either side).
+A ``sitecustomize`` later on the path (the system's) still runs.
 """
 
 import importlib.machinery
@@ -14,12 +14,11 @@ import importlib.util
 import os
 import sys
 
-_here = os.path.dirname(os.path.realpath(__file__))
+_mine = os.path.realpath(__file__)
 _next = importlib.machinery.PathFinder.find_spec(
-    "sitecustomize", [p for p in sys.path if os.path.realpath(p or ".") != _here])
-if _next is not None and _next.loader is not None and os.path.realpath(_next.origin or "") != os.path.realpath(__file__):
+    "sitecustomize", [p for p in sys.path if os.path.realpath(p or ".") != os.path.dirname(_mine)])
+if _next is not None and _next.loader is not None and os.path.realpath(_next.origin or "") != _mine:
     _next.loader.exec_module(importlib.util.module_from_spec(_next))
-
 
 
 def gaps(spans: list[tuple[float, float, str]], top: int = 12) -> tuple[float, list[tuple[float, str, str]]]:

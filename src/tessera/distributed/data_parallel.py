@@ -257,9 +257,9 @@ class DataParallel:
 
     def accumulate_rows(self, p: nn.Parameter, rows: Tensor, sums: Tensor) -> None:
         """Embedding gradient fusion: add one micro-batch's lookup gradient, ``sums`` [n, hidden]
-        for the rows ``rows`` [n] of ``p`` (few repeats: ``lookup_row_sums``), into
-        its main gradient, touching those rows only (a sorted, deterministic scatter-add) instead
-        of a dense 16-bit gradient and an add."""
+        for the rows ``rows`` [n] of ``p`` (few repeats: ``lookup_row_sums``), into its main
+        gradient, touching those rows only (a sorted, deterministic scatter-add) instead of a
+        dense 16-bit gradient and an add."""
         st = self._open(p)
         main = p.main_grad.view(p.shape)
         if self._count[p] == 0 and st.buffer.grad_data is not None:
