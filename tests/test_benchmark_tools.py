@@ -370,6 +370,23 @@ def test_the_adamw_benchmark_times_each_way_of_calling_the_fused_step():
     assert len(out) == 7 and all("ms/step" in line for line in out[1:])
 
 
+def test_the_embedding_gradient_benchmark_times_three_ways_that_agree():
+    """embedding_grad.py on a CPU: Zipf ids repeat (far fewer distinct than uniform ones), and the
+    dense, scatter and sum-then-scatter ways give one main gradient on both."""
+    import embedding_grad
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    uniform, zipf = (embedding_grad.token_ids(2048, 5000, z, g) for z in (False, True))
+    assert zipf.unique().numel() < uniform.unique().numel() // 2 and (zipf < 10).float().mean() > 0.2
+    out = subprocess.run([sys.executable, "benchmarks/embedding_grad.py", "--device", "cpu", "--tokens", "256",
+                          "--hidden", "32", "--vocab", "500", "--reps", "1"], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [line.split()[0] for line in out] == ["uniform", "zipf"]
+    assert all("dense" in line and "sums" in line and "DISAGREE" not in line for line in out)
+
+
 def test_kernel_splits_hook_lets_the_systems_sitecustomize_run_and_leaves_a_cpu_run_alone(tmp_path):
     """The hook folder's sitecustomize.py runs the next one on the path (a system's), and a script
     that steps an optimizer without a GPU runs as before and writes no profile."""
