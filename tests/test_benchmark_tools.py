@@ -406,7 +406,8 @@ def test_kernel_splits_hook_lets_the_systems_sitecustomize_run_and_leaves_a_cpu_
 
 def test_kernel_split_finds_the_stretches_without_a_kernel_and_prints_them():
     """The hook's gaps(): the time between kernels on any stream (overlapping kernels leave none),
-    longest first with the kernels either side; the table prints them per profile."""
+    longest first with the kernels either side, counted from the end of the marker kernel that
+    starts the profiled steps; the table prints them per profile."""
     import importlib.util
 
     import kernel_split
@@ -418,6 +419,11 @@ def test_kernel_split_finds_the_stretches_without_a_kernel_and_prints_them():
     idle, longest = site.gaps(spans)
     assert idle == 105.0 and longest == [(100.0, "d", "e"), (5.0, "b", "c")]
     assert site.gaps([]) == (0.0, [])
+    # the window starts where the marker kernel ends: the step before it and the marker do not count
+    marked = [(0.0, 50.0, "adam"), (52.0, 53.0, "spin_kernel(long)"), (60.0, 70.0, "copy"), (75.0, 90.0, "gemm")]
+    assert site.after_marker(marked) == ([(60.0, 70.0, "copy"), (75.0, 90.0, "gemm")], 37.0)
+    assert site.gaps(site.after_marker(marked)[0])[0] == 5.0
+    assert site.after_marker(marked[2:]) == (marked[2:], 30.0) and site.after_marker([]) == ([], 0.0)
     profile = {"steps": 1, "wall_us": 140.0, "kernels": {"a": [10.0, 1]}, "idle_us": idle, "gaps": longest}
     lines = kernel_split.table({"tessera": profile})
     assert "  idle tessera: 0.1 ms per step between kernels; longest:" in lines

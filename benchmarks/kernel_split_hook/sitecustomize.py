@@ -6,6 +6,9 @@ global optimizer-step hook starts torch.profiler after step KERNEL_SPLIT_AFTER (
 first optimizer that steps, stops it KERNEL_SPLIT_STEPS (default 2) steps later, and writes each
 CUDA kernel's (and copy's) total time and count to ``$KERNEL_SPLIT.<pid>.json`` (rank 0 alone
 under torchrun), with the time between kernels and its longest stretches (what ran either side).
+The start does not wait for the GPU (a host that waited would fall behind it, and the next step
+would start with an idle stretch no unprofiled step has): a marker kernel queued behind the
+optimizer step starts the window, and only what ran after it counts.
 A ``sitecustomize`` later on the path (the system's) still runs.
 """
 
@@ -34,9 +37,20 @@ def gaps(spans: list[tuple[float, float, str]], top: int = 12) -> tuple[float, l
     return sum(g for g, _, _ in found), sorted(found, reverse=True)[:top]
 
 
+MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: queued where the profiled steps start
+
+
+def after_marker(spans: list[tuple[float, float, str]]) -> tuple[list[tuple[float, float, str]], float]:
+    """The spans that started after the (first) marker kernel ended, and the time from that end to
+    the last span's (µs); all of them and their extent where there is no marker."""
+    ends = [b for _, b, name in spans if MARKER in name]
+    start = min(ends) if ends else min((a for a, _, _ in spans), default=0.0)
+    kept = [s for s in spans if s[0] >= start and MARKER not in s[2]]
+    return kept, max((b for _, b, _ in kept), default=start) - start
+
+
 if os.environ.get("KERNEL_SPLIT") and os.environ.get("RANK", "0") == "0":
     import json
-    import time
 
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -44,26 +58,24 @@ if os.environ.get("KERNEL_SPLIT") and os.environ.get("RANK", "0") == "0":
 
     _after = max(1, int(os.environ.get("KERNEL_SPLIT_AFTER", "1")))
     _steps = int(os.environ.get("KERNEL_SPLIT_STEPS", "2"))
-    _state = {"optimizer": None, "count": 0, "profiler": None, "t0": 0.0}
+    _state = {"optimizer": None, "count": 0, "profiler": None}
 
-    def _write(prof: profile, wall: float) -> None:
+    def _write(prof: profile) -> None:
         trace = f"{os.environ['KERNEL_SPLIT']}.{os.getpid()}.trace.json"
         prof.export_chrome_trace(trace)
         with open(trace) as f:
             events = json.load(f)["traceEvents"]
         os.remove(trace)
+        spans, wall = after_marker([(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events
+                                    if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
         kernels: dict[str, list[float]] = {}
-        spans = []
-        for e in events:
-            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-                acc = kernels.setdefault(e["name"], [0.0, 0])
-                acc[0] += e["dur"]
-                acc[1] += 1
-                spans.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]))
+        for a, b, name in spans:
+            acc = kernels.setdefault(name, [0.0, 0])
+            acc[0] += b - a
+            acc[1] += 1
         idle, longest = gaps(spans)
         with open(f"{os.environ['KERNEL_SPLIT']}.{os.getpid()}.json", "w") as f:
-            json.dump({"steps": _steps, "wall_us": wall * 1e6, "kernels": kernels, "idle_us": idle,
-                       "gaps": longest}, f)
+            json.dump({"steps": _steps, "wall_us": wall, "kernels": kernels, "idle_us": idle, "gaps": longest}, f)
 
     def _hook(optimizer, args, kwargs) -> None:
         if _state["optimizer"] is None:
@@ -72,14 +84,12 @@ if os.environ.get("KERNEL_SPLIT") and os.environ.get("RANK", "0") == "0":
             return
         _state["count"] += 1
         if _state["count"] == _after:
-            torch.cuda.synchronize()
             _state["profiler"] = profile(activities=[ProfilerActivity.CUDA])
             _state["profiler"].start()
-            _state["t0"] = time.perf_counter()
+            torch.cuda._sleep(1)  # the marker, behind this step's optimizer kernels
         elif _state["count"] == _after + _steps:
             torch.cuda.synchronize()
-            wall = time.perf_counter() - _state["t0"]
             _state["profiler"].stop()
-            _write(_state["profiler"], wall)
+            _write(_state["profiler"])
 
     register_optimizer_step_post_hook(_hook)
