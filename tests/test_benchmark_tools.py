@@ -353,7 +353,7 @@ def test_kernel_split_profiles_an_unchanged_script_through_its_optimizer_steps(t
     assert profile["idle_us"] > 0 and all(len(gap) == 3 for gap in profile["gaps"])
 
 
-def test_the_adamw_benchmark_times_each_way_of_calling_the_fused_step():
+def test_the_adamw_benchmark_times_each_way_of_calling_the_fused_step(monkeypatch, capsys):
     """adamw_step.py on a CPU with a tiny model: the fused AdamW step timed as separate tensors and
     as views of one buffer (one storage), with and without grad_scale / found_inf, and its table."""
     import adamw_step
@@ -365,12 +365,13 @@ def test_the_adamw_benchmark_times_each_way_of_calling_the_fused_step():
     assert len({p.untyped_storage().data_ptr() for p in ps}) == 1 and all(p.grad is not None for p in ps)
     for flat, scaled in [(False, False), (True, True)]:
         assert adamw_step.time_step(sizes, flat, scaled, groups=scaled, device="cpu", steps=1) > 0
-    out = subprocess.run([sys.executable, "benchmarks/adamw_step.py", "--layers", "0", "--device", "cpu"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    monkeypatch.setattr(sys, "argv", ["adamw_step.py", "--layers", "0", "--device", "cpu"])
+    adamw_step.main()
+    out = capsys.readouterr().out.splitlines()
     assert len(out) == 7 and all("ms/step" in line for line in out[1:])
 
 
-def test_the_embedding_gradient_benchmark_times_three_ways_that_agree():
+def test_the_embedding_gradient_benchmark_times_three_ways_that_agree(monkeypatch, capsys):
     """embedding_grad.py on a CPU: Zipf ids repeat (far fewer distinct than uniform ones), and the
     dense, scatter and sum-then-scatter ways give one main gradient on both."""
     import embedding_grad
@@ -379,14 +380,15 @@ def test_the_embedding_gradient_benchmark_times_three_ways_that_agree():
     g = torch.Generator().manual_seed(0)
     uniform, zipf = (embedding_grad.token_ids(2048, 5000, z, g) for z in (False, True))
     assert zipf.unique().numel() < uniform.unique().numel() // 2 and (zipf < 10).float().mean() > 0.2
-    out = subprocess.run([sys.executable, "benchmarks/embedding_grad.py", "--device", "cpu", "--tokens", "256",
-                          "--hidden", "32", "--vocab", "500", "--reps", "1"], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    monkeypatch.setattr(sys, "argv", ["embedding_grad.py", "--device", "cpu", "--tokens", "256", "--hidden", "32",
+                                      "--vocab", "500", "--reps", "1"])
+    embedding_grad.main()
+    out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out] == ["uniform", "zipf"]
     assert all("dense" in line and "sums" in line and "DISAGREE" not in line for line in out)
 
 
+@pytest.mark.slow
 def test_kernel_splits_hook_lets_the_systems_sitecustomize_run_and_leaves_a_cpu_run_alone(tmp_path):
     """The hook folder's sitecustomize.py runs the next one on the path (a system's), and a script
     that steps an optimizer without a GPU runs as before and writes no profile."""
