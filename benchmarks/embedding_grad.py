@@ -1,13 +1,15 @@
-"""One micro-batch's embedding gradient into the fp32 main gradient, three ways, on uniform and
+"""One micro-batch's embedding gradient into the fp32 main gradient, four ways, on uniform and
 Zipf-distributed token ids (real text repeats its frequent tokens thousands of times a batch).
 
     python3 benchmarks/embedding_grad.py [--device cuda] [--tokens 4096] [--hidden 3072] [--vocab 128256]
 
 dense: PyTorch's embedding backward into a 16-bit [vocab, hidden] gradient, then added into the
 main gradient (what autograd and the gradient buffer do without embedding gradient fusion).
-scatter: every looked-up row scatter-added into the main gradient (one add per token).
-sums: each distinct id's rows summed first (``lookup_row_sums``), one add per distinct row (what
-tessera's fused lookup does). Prints ms per micro-batch and checks that the three agree.
+scatter: every looked-up row scatter-added into the main gradient (``index_add_``: atomic adds,
+so the order of a row's adds varies from run to run). sorted: the same through ``index_put_``
+with accumulation (sorted, deterministic; one id's repeats added one after another). sums: each
+distinct id's rows summed first (``lookup_row_sums``), one add per distinct row (what tessera's
+fused lookup does). Prints ms per micro-batch and checks that the ways agree.
 """
 
 from __future__ import annotations
@@ -36,12 +38,16 @@ def scatter(ids, grad, main):
     main.index_add_(0, ids, grad.float())
 
 
+def sorted_rows(ids, grad, main):
+    main.index_put_((ids,), grad.float(), accumulate=True)
+
+
 def sums(ids, grad, main):
     rows, table = lookup_row_sums(ids, grad, main.shape[0])
     main.index_put_((rows,), table, accumulate=True)
 
 
-WAYS = {"dense": dense, "scatter": scatter, "sums": sums}
+WAYS = {"dense": dense, "scatter": scatter, "sorted": sorted_rows, "sums": sums}
 
 
 def time_way(way, ids, grad, main, reps: int) -> float:

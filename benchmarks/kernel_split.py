@@ -7,7 +7,8 @@ optimizer-step hook, so any script that steps a torch optimizer can be read).
 
 Prints ms per step of each kind (GEMMs, attention forward and backward, inductor's kernels, the
 optimizer, the gradient norm, copies, the loss's eager kernels, the rest, NCCL), each kind's
-longest kernels, and the GPU's idle time with its longest stretches and the kernels around them. The
+longest kernels, and the GPU's idle time with its longest stretches and the kernels around them
+("wall": the GPU's time from the window's start, a marker kernel, to the last kernel's end). The
 profiled steps are step N+1 and N+2 (N >= 1, default 1: after the compiling first step); keep
 them out of a timed window (quick_train's first three steps are untimed; give the peer one more
 warm-up step). A step is an ``optimizer.step()`` call of the first optimizer that steps (an

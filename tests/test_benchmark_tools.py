@@ -371,9 +371,9 @@ def test_the_adamw_benchmark_times_each_way_of_calling_the_fused_step(monkeypatc
     assert len(out) == 7 and all("ms/step" in line for line in out[1:])
 
 
-def test_the_embedding_gradient_benchmark_times_three_ways_that_agree(monkeypatch, capsys):
+def test_the_embedding_gradient_benchmark_times_four_ways_that_agree(monkeypatch, capsys):
     """embedding_grad.py on a CPU: Zipf ids repeat (far fewer distinct than uniform ones), and the
-    dense, scatter and sum-then-scatter ways give one main gradient on both."""
+    dense, scatter, sorted and sum-then-scatter ways give one main gradient on both."""
     import embedding_grad
     import torch
 
@@ -385,7 +385,7 @@ def test_the_embedding_gradient_benchmark_times_three_ways_that_agree(monkeypatc
     embedding_grad.main()
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out] == ["uniform", "zipf"]
-    assert all("dense" in line and "sums" in line and "DISAGREE" not in line for line in out)
+    assert all("dense" in line and "sorted" in line and "sums" in line and "DISAGREE" not in line for line in out)
 
 
 @pytest.mark.slow
@@ -421,11 +421,14 @@ def test_kernel_split_finds_the_stretches_without_a_kernel_and_prints_them():
     idle, longest = site.gaps(spans)
     assert idle == 105.0 and longest == [(100.0, "d", "e"), (5.0, "b", "c")]
     assert site.gaps([]) == (0.0, [])
-    # the window starts where the marker kernel ends: the step before it and the marker do not count
-    marked = [(0.0, 50.0, "adam"), (52.0, 53.0, "spin_kernel(long)"), (60.0, 70.0, "copy"), (75.0, 90.0, "gemm")]
-    assert site.after_marker(marked) == ([(60.0, 70.0, "copy"), (75.0, 90.0, "gemm")], 37.0)
-    assert site.gaps(site.after_marker(marked)[0])[0] == 5.0
-    assert site.after_marker(marked[2:]) == (marked[2:], 30.0) and site.after_marker([]) == ([], 0.0)
+    # the window starts where the marker kernel ends: the step before it and the marker do not
+    # count, a kernel of another stream running across its end counts from there
+    marked = [(0.0, 50.0, "adam"), (52.0, 53.0, "spin_kernel(long)"), (50.0, 55.0, "nccl"), (60.0, 70.0, "copy"),
+              (75.0, 90.0, "gemm")]
+    kept, start, wall = site.after_marker(marked)
+    assert kept == [(53.0, 55.0, "nccl"), (60.0, 70.0, "copy"), (75.0, 90.0, "gemm")] and (start, wall) == (53.0, 37.0)
+    assert site.gaps([(start, start, "spin_kernel")] + kept)[0] == 10.0
+    assert site.after_marker(marked[3:]) == (marked[3:], 60.0, 30.0) and site.after_marker([]) == ([], 0.0, 0.0)
     profile = {"steps": 1, "wall_us": 140.0, "kernels": {"a": [10.0, 1]}, "idle_us": idle, "gaps": longest}
     lines = kernel_split.table({"tessera": profile})
     assert "  idle tessera: 0.1 ms per step between kernels; longest:" in lines

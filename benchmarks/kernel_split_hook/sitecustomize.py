@@ -40,13 +40,14 @@ def gaps(spans: list[tuple[float, float, str]], top: int = 12) -> tuple[float, l
 MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: queued where the profiled steps start
 
 
-def after_marker(spans: list[tuple[float, float, str]]) -> tuple[list[tuple[float, float, str]], float]:
-    """The spans that started after the (first) marker kernel ended, and the time from that end to
-    the last span's (µs); all of them and their extent where there is no marker."""
+def after_marker(spans: list[tuple[float, float, str]]) -> tuple[list[tuple[float, float, str]], float, float]:
+    """The spans from the end of the (first) marker kernel on, clipped there (a kernel of another
+    stream may straddle it), the window's start and its length to the last span's end (µs); all
+    of them and their extent where there is no marker."""
     ends = [b for _, b, name in spans if MARKER in name]
     start = min(ends) if ends else min((a for a, _, _ in spans), default=0.0)
-    kept = [s for s in spans if s[0] >= start and MARKER not in s[2]]
-    return kept, max((b for _, b, _ in kept), default=start) - start
+    kept = [(max(a, start), b, name) for a, b, name in spans if b > start and MARKER not in name]
+    return kept, start, max((b for _, b, _ in kept), default=start) - start
 
 
 if os.environ.get("KERNEL_SPLIT") and os.environ.get("RANK", "0") == "0":
@@ -66,14 +67,14 @@ if os.environ.get("KERNEL_SPLIT") and os.environ.get("RANK", "0") == "0":
         with open(trace) as f:
             events = json.load(f)["traceEvents"]
         os.remove(trace)
-        spans, wall = after_marker([(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events
+        spans, start, wall = after_marker([(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events
                                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
         kernels: dict[str, list[float]] = {}
         for a, b, name in spans:
             acc = kernels.setdefault(name, [0.0, 0])
             acc[0] += b - a
             acc[1] += 1
-        idle, longest = gaps(spans)
+        idle, longest = gaps([(start, start, MARKER)] + spans)  # (a wait right after the marker is idle too)
         with open(f"{os.environ['KERNEL_SPLIT']}.{os.getpid()}.json", "w") as f:
             json.dump({"steps": _steps, "wall_us": wall, "kernels": kernels, "idle_us": idle, "gaps": longest}, f)
 
