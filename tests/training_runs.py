@@ -121,9 +121,8 @@ def train_run(topo: Topology, overrides: list[str], *, batches=my_micro_batches,
     if store is not None and store.fuse:
         inner = data_parallel.accumulate_product
         data_parallel.accumulate_product = lambda p, *ab: (fused.append(p), inner(p, *ab))
-        if hasattr(data_parallel, "accumulate_rows"):
-            add_rows = data_parallel.accumulate_rows
-            data_parallel.accumulate_rows = lambda p, *ig: (rows.append(p), add_rows(p, *ig))
+        add_rows = data_parallel.accumulate_rows
+        data_parallel.accumulate_rows = lambda p, *ig: (rows.append(p), add_rows(p, *ig))
     # how many deferred weight-gradient computations (W) ran after the tied embedding's sum over
     # the embedding group had started (its overlap with backward)
     w_after_tied = []
@@ -184,7 +183,8 @@ def train_run(topo: Topology, overrides: list[str], *, batches=my_micro_batches,
     return dict(losses=losses, norms=norms, skipped=skipped, params=params, memory=memory,
                 state_bytes=optimizer.state_bytes(), tp_rank=topo.tp_rank, pp_rank=topo.pp_rank,
                 dp_rank=topo.dp_rank, schedule=stage.plan.schedule, fused_calls=len(fused),
-                fused_rows=len(rows),                w_after_tied=sum(w_after_tied), tied_by_dp=bool(getattr(data_parallel, "tied_reduced", ())),
+                fused_rows=len(rows), w_after_tied=sum(w_after_tied),
+                tied_by_dp=bool(getattr(data_parallel, "tied_reduced", ())),
                 order=order, opt_events=opt_events, ranges=len(getattr(data_parallel, "ranges", ())),
                 gathered=gathered, waited=waited, graph_breaks=_graph_breaks() - breaks)
 

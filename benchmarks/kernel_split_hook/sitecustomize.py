@@ -67,8 +67,9 @@ if os.environ.get("KERNEL_SPLIT") and os.environ.get("RANK", "0") == "0":
         with open(trace) as f:
             events = json.load(f)["traceEvents"]
         os.remove(trace)
-        spans, start, wall = after_marker([(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events
-                                    if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
+        spans, start, wall = after_marker([(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"])
+                                           for e in events if e.get("ph") == "X"
+                                           and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
         kernels: dict[str, list[float]] = {}
         for a, b, name in spans:
             acc = kernels.setdefault(name, [0.0, 0])
